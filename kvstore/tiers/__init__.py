@@ -1,0 +1,5 @@
+"""Storage tiers behind one interface (see base.py for the contract)."""
+
+from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+
+__all__ = ["ChunkInfo", "PutStatus", "Tier", "TierStats"]

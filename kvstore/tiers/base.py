@@ -1,0 +1,175 @@
+"""The tier interface and its contract.
+
+Every tier (L1 shared-memory arena, L2 LMDB, L3 Redis/Valkey) implements
+``Tier``; ``tests/tiers/test_contract.py`` runs one suite against each. Tiers
+know nothing of each other: the store composes them, moves evicted chunks down
+and promotes hits up.
+
+Contract, for every tier:
+
+1. A tier holds chunk records (kvstore.records) by ``ChunkKey``. ``put`` is
+   atomic: a reader sees the whole record or nothing, never a torn one.
+2. ``put`` of a key already present returns ``EXISTS`` and leaves it alone:
+   a key names one prefix, so its bytes never change.
+3. ``get``/``get_into`` verify what they read. A record that fails
+   verification is deleted, counted in ``stats().corrupt`` and reported as a
+   miss (``None``). Wrong bytes are never returned.
+4. Capacity is in bytes of stored records. To make room ``put`` evicts
+   least-recently-used chunks that are neither pinned nor being read, handing
+   each to ``on_evict`` (if set) before it is gone, so the store can move it
+   down. If no room can be made ``put`` returns ``FULL``; a record larger than
+   the whole capacity is ``TOO_LARGE``. Nothing committed is dropped silently.
+5. Expected outcomes are return values (``None``, ``PutStatus``); a backend
+   failure raises ``TierError`` (``TierUnavailable`` when a remote is down),
+   chained with ``raise ... from``.
+6. ``contains`` answers for many keys in one call (one round trip for a
+   remote tier) and does not verify or touch LRU order.
+7. ``stats`` never fails, even when the backend is down (it says so).
+8. After ``close`` every method raises ``StoreClosed``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, StoreClosed
+from kvstore.keys import ChunkKey
+from kvstore.records import RecordHeader, decode_payload, verify
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"  # the record is now in the tier
+    EXISTS = "exists"  # the key was already there; nothing changed
+    FULL = "full"  # no room could be made (everything left is pinned or in use)
+    TOO_LARGE = "too_large"  # the record is larger than the tier's whole capacity
+    UNAVAILABLE = "unavailable"  # a remote tier is down; the write was skipped
+
+    @property
+    def ok(self) -> bool:
+        return self in (PutStatus.STORED, PutStatus.EXISTS)
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. ``used_bytes`` counts stored record bytes."""
+
+    name: str
+    level: int
+    capacity_bytes: int
+    used_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    corrupt: int = 0  # records that failed verification (each deleted)
+    errors: int = 0  # backend calls that failed
+    rejected: int = 0  # puts refused as FULL, TOO_LARGE or UNAVAILABLE
+    bytes_in: int = 0
+    bytes_out: int = 0
+    healthy: bool = True
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One stored chunk as a tier sees it, for inspection and index rebuilds."""
+
+    key: ChunkKey
+    header: RecordHeader
+    size: int  # stored record bytes in this tier
+    pinned: bool = False
+    last_access_ms: int = 0
+    hits: int = 0
+
+
+EvictCallback = Callable[[ChunkKey, RecordHeader, bytes], None]
+"""Called with (key, header, whole record) for each chunk a tier evicts, before it is gone."""
+
+
+class Tier(ABC):
+    """One level of storage. See the module docstring for the contract."""
+
+    name: str = "tier"
+    level: int = 0
+
+    def __init__(self) -> None:
+        self.on_evict: EvictCallback | None = None
+        self._closed = False
+        self._stats_lock = threading.Lock()
+
+    # -- writes -------------------------------------------------------------
+    @abstractmethod
+    def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
+        """Store the record ``header`` + ``payload`` (payload in ``header.codec``)."""
+
+    @abstractmethod
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove a chunk; True if it was there. Removes pinned chunks too."""
+
+    @abstractmethod
+    def clear(self, fingerprint: bytes | None = None) -> int:
+        """Remove every chunk (of one namespace fingerprint, or all); returns how many."""
+
+    @abstractmethod
+    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
+        """Exempt a chunk from eviction (or undo it); False if the key is absent."""
+
+    # -- reads --------------------------------------------------------------
+    @abstractmethod
+    def get(self, key: ChunkKey) -> bytes | None:
+        """The whole verified record (header and stored payload), or None on a miss."""
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        """Copy the decoded (raw) payload into ``out``; the header, or None on a miss.
+
+        Tiers that can read in place override this to skip the intermediate copy.
+        """
+        blob = self.get(key)
+        if blob is None:
+            return None
+        header = verify(blob)
+        raw = decode_payload(header, memoryview(blob)[header.header_size :])
+        copy_into(out, raw, header.raw_size)
+        return header
+
+    @abstractmethod
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key, in one call; no verification, no LRU update."""
+
+    @abstractmethod
+    def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
+        """Every chunk held (of one namespace, or all), for inspection and rebuilds."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the counters; never raises."""
+
+    # -- lifecycle ----------------------------------------------------------
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self.name} tier is closed")
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def copy_into(out: memoryview, data: bytes | memoryview, size: int) -> None:
+    if out.nbytes < size:
+        raise InvalidArgument(f"output buffer holds {out.nbytes} bytes, the payload is {size}")
+    flat = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    flat[:size] = data
