@@ -184,6 +184,17 @@ def common_units(a: bytes, b: bytes) -> int:
     return lo
 
 
+def family(parent: ChunkKey, fingerprint: Fingerprint) -> bytes:
+    """The name of a chunk's sibling group: its parent, namespaced at the root.
+
+    Every namespace's first chunks share the parent ROOT; grouping siblings by
+    the bare parent would let a partial match cross namespaces.
+    """
+    if parent == ROOT:
+        return ROOT[:FINGERPRINT_BYTES] + fingerprint
+    return parent
+
+
 def key_hex(key: bytes) -> str:
     return key.hex()
 

@@ -1,0 +1,145 @@
+"""The in-memory index: which chunks exist, where, and who their parent is.
+
+The store is the only writer. It holds, per chunk, what lookup needs without
+touching a tier: the parent (to find siblings for partial matching), the
+sub-hashes of its tokens (to measure a common prefix without keeping token
+ids in memory), its namespace, size and the set of tiers that hold it. L1 and
+L2 chunks are always in the index (L2's part is rebuilt from LMDB at start);
+L3 is shared with other hosts, so the store asks it directly for what the
+index does not know.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvstore.keys import ChunkKey, Fingerprint, family, sub_hashes
+from kvstore.records import RecordHeader, header_size
+
+
+@dataclass(slots=True)
+class Entry:
+    parent: ChunkKey
+    fingerprint: Fingerprint
+    n_tokens: int
+    subhashes: bytes  # keys.sub_hashes of the chunk's tokens at the store's granularity
+    raw_size: int  # payload bytes, decoded
+    record_size: int  # record bytes in RAW form (what L1 holds)
+    dtype: str
+    tiers: int  # bit (1 << level) for each tier that holds the chunk
+    pinned: bool
+    created_ms: int
+    hits: int = 0
+    last_access_ms: int = 0
+
+
+def tier_levels(mask: int) -> list[int]:
+    return [lvl for lvl in (1, 2, 3) if mask & (1 << lvl)]
+
+
+class Index:
+    """Maps keys to entries, parents to children and namespaces to keys.
+
+    Not thread-safe by itself: the store serialises writers with its lock.
+    Single dict reads are atomic under the GIL, so lookups read without it.
+    """
+
+    def __init__(self, granularity: int, tombstones: int = 65536) -> None:
+        self.granularity = granularity
+        self.entries: dict[ChunkKey, Entry] = {}
+        self.children: dict[bytes, list[ChunkKey]] = {}  # keys.family -> child keys
+        self.by_ns: dict[Fingerprint, set[ChunkKey]] = {}
+        # Why a recently gone key is gone ("evicted", "corrupt", "deleted"), so
+        # a lookup can say why a prompt missed. Bounded: old reasons fall off.
+        self.gone: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._tombstones = tombstones
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def get(self, key: ChunkKey) -> Entry | None:
+        return self.entries.get(key)
+
+    def add(self, header: RecordHeader, level: int, *, pinned: bool = False,
+            last_access_ms: int = 0, hits: int = 0) -> Entry:
+        """Record that tier ``level`` holds the chunk described by ``header``."""
+        key = header.key
+        entry = self.entries.get(key)
+        if entry is not None:
+            entry.tiers |= 1 << level
+            entry.pinned = entry.pinned or pinned
+            entry.hits = max(entry.hits, hits)
+            entry.last_access_ms = max(entry.last_access_ms, last_access_ms)
+            return entry
+        entry = Entry(
+            parent=header.parent,
+            fingerprint=header.fingerprint,
+            n_tokens=header.n_tokens,
+            subhashes=sub_hashes(header.token_bytes, self.granularity),
+            raw_size=header.raw_size,
+            record_size=header_size(header.n_tokens) + header.raw_size,
+            dtype=header.dtype,
+            tiers=1 << level,
+            pinned=pinned,
+            created_ms=header.created_ms,
+            hits=hits,
+            last_access_ms=last_access_ms or header.created_ms,
+        )
+        self.entries[key] = entry
+        self.children.setdefault(family(header.parent, header.fingerprint), []).append(key)
+        self.by_ns.setdefault(header.fingerprint, set()).add(key)
+        self.gone.pop(key, None)
+        return entry
+
+    def drop_tier(self, key: ChunkKey, level: int, reason: str = "evicted") -> Entry | None:
+        """Tier ``level`` no longer holds ``key``; forget the key when no tier does."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        entry.tiers &= ~(1 << level)
+        if entry.tiers == 0:
+            self.remove(key, reason)
+        return entry
+
+    def remove(self, key: ChunkKey, reason: str = "deleted") -> Entry | None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return None
+        group = family(entry.parent, entry.fingerprint)
+        siblings = self.children.get(group)
+        if siblings is not None:
+            try:
+                siblings.remove(key)
+            except ValueError:
+                pass
+            if not siblings:
+                del self.children[group]
+        members = self.by_ns.get(entry.fingerprint)
+        if members is not None:
+            members.discard(key)
+            if not members:
+                del self.by_ns[entry.fingerprint]
+        self.gone[key] = reason
+        self.gone.move_to_end(key)
+        while len(self.gone) > self._tombstones:
+            self.gone.popitem(last=False)
+        return entry
+
+    def keys(self, fingerprint: Fingerprint | None = None) -> list[ChunkKey]:
+        if fingerprint is None:
+            return list(self.entries)
+        return list(self.by_ns.get(fingerprint, ()))
+
+    def items(self, fingerprint: Fingerprint | None = None) -> Iterator[tuple[ChunkKey, Entry]]:
+        for key in self.keys(fingerprint):
+            entry = self.entries.get(key)
+            if entry is not None:
+                yield key, entry
+
+    def namespaces(self) -> dict[Fingerprint, int]:
+        return {fp: len(keys) for fp, keys in self.by_ns.items()}

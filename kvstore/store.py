@@ -1,0 +1,512 @@
+"""TieredStore: composes L1 memory, L2 disk and L3 remote behind one API.
+
+- put lands in L1 and is written down asynchronously (write-through), or only
+  when evicted (write-back). Whatever the policy, a chunk evicted from a tier
+  moves to the next lower tier when that tier exists and lacks it.
+- get searches top-down; a hit below L1 is promoted into L1.
+- lookup is partial prefix matching over all tiers (kvstore.lookup).
+- the store is the only writer of the index. Its lock guards the index only:
+  tiers are never called while holding it (tier locks may be held when it is
+  taken, by eviction callbacks), which keeps the lock order acyclic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.clock import Clock, monotonic
+from kvstore.config import StoreConfig
+from kvstore.errors import InvalidArgument, StoreClosed, TierError
+from kvstore.index import Entry, Index, tier_levels
+from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
+from kvstore.lookup import LookupResult, RemoteView, lookup
+from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
+from kvstore.tiers.base import PutStatus, Tier, TierStats
+from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
+from kvstore.writer import Job, WriteDown
+
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A chunk as the store knows it, for inspection (``kvstore ls``)."""
+
+    key: ChunkKey
+    fingerprint: Fingerprint
+    parent: ChunkKey
+    n_tokens: int
+    raw_size: int
+    dtype: str
+    tiers: tuple[int, ...]
+    pinned: bool
+    created_ms: int
+    last_access_ms: int
+    hits: int
+
+
+@dataclass
+class StoreStats:
+    chunks: int
+    namespaces: int
+    tiers: list[TierStats]
+    pending_writes: int = 0
+    pending_bytes: int = 0
+    write_failures: int = 0
+    lookups: int = 0
+    lookup_tokens: int = 0
+    matched_tokens: int = 0
+    gets: int = 0
+    hits: int = 0
+    puts: int = 0
+    rejected_puts: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TieredStore:
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        clock: Clock = monotonic,
+        memory: MemoryTier | None = None,
+        disk: Tier | None = None,
+        remote: Tier | None = None,
+    ) -> None:
+        self.config = cfg = config or StoreConfig()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._closed = False
+        self.memory = memory or MemoryTier(cfg.memory, clock=clock)
+        try:
+            if disk is None and cfg.disk.enabled:
+                from kvstore.tiers.disk import DiskTier
+
+                disk = DiskTier(cfg.disk, cfg.data_dir, clock=clock)
+            if remote is None and cfg.remote.url:
+                from kvstore.tiers.remote import RemoteTier
+
+                remote = RemoteTier(cfg.remote, clock=clock)
+        except BaseException:
+            self.memory.close()
+            raise
+        self.disk, self.remote = disk, remote
+        self.tiers: list[Tier] = [t for t in (self.memory, disk, remote) if t is not None]
+        self._by_level = {t.level: t for t in self.tiers}
+        self.index = Index(cfg.granularity)
+        self._layouts: dict[Fingerprint, tuple[str, int, int]] = {}  # fp -> dtype, raw, tokens
+        self._reservations: dict[int, RecordHeader] = {}
+        self._counters = {"lookups": 0, "lookup_tokens": 0, "matched_tokens": 0, "gets": 0,
+                          "hits": 0, "puts": 0, "rejected_puts": 0}
+        for tier in self.tiers:
+            tier.on_evict = self._evict_callback(tier)
+        self._rebuild()
+        self._writer = WriteDown(self._run_job, cfg.write_queue_bytes)
+
+    # -- construction ---------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Refill the index from the persistent local tier (a warm restart)."""
+        if self.disk is None:
+            return
+        n = 0
+        for info in self.disk.scan():
+            self.index.add(info.header, self.disk.level, pinned=info.pinned,
+                           last_access_ms=info.last_access_ms, hits=info.hits)
+            self._layouts.setdefault(info.header.fingerprint, _layout(info.header))
+            n += 1
+        if n:
+            log.info("index rebuilt from %s: %d chunks", self.disk.name, n)
+
+    def _lower(self, level: int) -> list[Tier]:
+        return [t for t in self.tiers if t.level > level]
+
+    # -- writes ---------------------------------------------------------------
+    def _validate(self, header: RecordHeader) -> None:
+        if header.codec != Codec.RAW:
+            raise InvalidArgument("puts carry raw payloads; tiers choose their own codec")
+        if header.record_size > self.config.max_chunk_bytes:
+            raise InvalidArgument(
+                f"record of {header.record_size} bytes exceeds max_chunk_bytes="
+                f"{self.config.max_chunk_bytes}"
+            )
+        if header.n_tokens > self.config.chunk_tokens:
+            raise InvalidArgument(
+                f"chunk holds {header.n_tokens} tokens; chunk_tokens is {self.config.chunk_tokens}"
+            )
+        if chunk_key(header.parent, header.fingerprint, header.token_bytes) != header.key:
+            raise InvalidArgument("key does not match hash(parent, namespace, tokens)")
+        known = self._layouts.get(header.fingerprint)
+        dtype, raw, ntok = _layout(header)
+        if known is not None:
+            if known[0] != dtype:
+                raise InvalidArgument(
+                    f"namespace holds dtype {known[0]}; this chunk is {dtype}"
+                )
+            if known[1] * ntok != raw * known[2]:
+                raise InvalidArgument(
+                    f"namespace holds {known[1] // known[2]} bytes per token; this chunk has "
+                    f"{raw / ntok:g} (wrong shape for this namespace?)"
+                )
+
+    def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
+        """Store a chunk (raw payload). EXISTS if the key is already stored anywhere local."""
+        self._check_open()
+        self._validate(header)
+        if header.key in self.index:
+            return PutStatus.EXISTS
+        status = self.memory.put(header, payload)
+        if status == PutStatus.STORED:
+            self._committed(header)
+        elif status in (PutStatus.FULL, PutStatus.TOO_LARGE):
+            status = self._put_below(header, payload, status)
+        self._count("puts" if status.ok else "rejected_puts")
+        return status
+
+    def put_chunk(
+        self,
+        fingerprint: Fingerprint,
+        parent: ChunkKey,
+        tokens: Sequence[int] | np.ndarray,
+        payload: bytes | memoryview,
+        dtype: str,
+        shape: Sequence[int],
+    ) -> tuple[ChunkKey, PutStatus]:
+        """Convenience: build the record of one chunk and put it."""
+        token_bytes = tokens_to_bytes(tokens)
+        key = chunk_key(parent, fingerprint, token_bytes)
+        header = make_header(key=key, parent=parent, fingerprint=fingerprint,
+                             token_bytes=token_bytes, dtype=dtype, shape=shape, payload=payload)
+        return key, self.put(header, payload)
+
+    def _put_below(self, header: RecordHeader, payload: bytes | memoryview,
+                   status: PutStatus) -> PutStatus:
+        """L1 cannot take it (all pinned/leased, or too large): write straight down."""
+        for tier in self._lower(1):
+            st = tier.put(header, payload)
+            if st.ok:
+                with self._lock:
+                    self.index.add(header, tier.level)
+                    self._layouts.setdefault(header.fingerprint, _layout(header))
+                return st
+        return status
+
+    def _committed(self, header: RecordHeader) -> None:
+        with self._lock:
+            self.index.add(header, self.memory.level)
+            self._layouts.setdefault(header.fingerprint, _layout(header))
+        if self.config.write_policy == "write-through":
+            self._writer.submit_copy(header.key, tuple(t.level for t in self._lower(1)))
+
+    # -- zero-copy data plane (used by the server for same-host clients) -----
+    def reserve(self, header: RecordHeader, owner: str = "") -> Reservation | PutStatus:
+        self._check_open()
+        self._validate(header)
+        if header.key in self.index:
+            return PutStatus.EXISTS
+        res = self.memory.reserve(header, owner=owner)
+        if isinstance(res, Reservation):
+            with self._lock:
+                self._reservations[res.id] = header
+        return res
+
+    def commit(self, reservation_id: int) -> PutStatus:
+        self._check_open()
+        with self._lock:
+            header = self._reservations.pop(reservation_id, None)
+        status = self.memory.commit(reservation_id)
+        if status == PutStatus.STORED and header is not None:
+            self._committed(header)
+        self._count("puts" if status.ok else "rejected_puts")
+        return status
+
+    def abort(self, reservation_id: int) -> None:
+        with self._lock:
+            self._reservations.pop(reservation_id, None)
+        self.memory.abort(reservation_id)
+
+    def acquire(self, key: ChunkKey, owner: str = "") -> ReadLease | None:
+        """A read lease on the chunk in L1, promoting it from below if needed."""
+        self._check_open()
+        self._count("gets")
+        lease = self.memory.acquire(key, owner=owner)
+        if lease is None and self.get(key, count=False) is not None:
+            lease = self.memory.acquire(key, owner=owner)
+        if lease is not None:
+            self._count("hits")
+            self._touch(key)
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        return self.memory.release(lease_id)
+
+    # -- reads ----------------------------------------------------------------
+    def get(self, key: ChunkKey, *, count: bool = True) -> bytes | None:
+        """The whole raw record of a chunk (header + raw payload), or None."""
+        self._check_open()
+        if count:
+            self._count("gets")
+        entry = self.index.get(key)
+        for tier in self.tiers:
+            if not self._may_hold(tier, entry):
+                continue
+            blob = tier.get(key)
+            if blob is None:
+                self._lost(key, tier, entry)
+                continue
+            header = parse_header(blob)
+            if header.codec != Codec.RAW:
+                blob = transcode_parts(header, memoryview(blob)[header.header_size :], Codec.RAW)
+                header = parse_header(blob)
+            if tier is not self.memory:
+                self._promote(header, memoryview(blob)[header.header_size :])
+            if count:
+                self._count("hits")
+            self._touch(key)
+            return blob
+        pending = self._writer.pending_move(key)
+        if pending is not None:
+            return self._raw(*pending)
+        return None
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        """Copy the chunk's raw payload into ``out``; its header, or None on a miss."""
+        self._check_open()
+        self._count("gets")
+        header = self.memory.get_into(key, out)
+        if header is None:
+            blob = self.get(key, count=False)
+            if blob is None:
+                return None
+            header = parse_header(blob)
+            from kvstore.tiers.base import copy_into
+
+            copy_into(out, memoryview(blob)[header.header_size :], header.raw_size)
+        self._count("hits")
+        self._touch(key)
+        return header
+
+    def _raw(self, header: RecordHeader, blob: bytes) -> bytes:
+        if header.codec == Codec.RAW:
+            return blob
+        return transcode_parts(header, memoryview(blob)[header.header_size :], Codec.RAW)
+
+    def _may_hold(self, tier: Tier, entry: Entry | None) -> bool:
+        if entry is not None and entry.tiers & (1 << tier.level):
+            return True
+        # The local index is authoritative for local tiers; the remote is shared.
+        return tier is self.remote
+
+    def _lost(self, key: ChunkKey, tier: Tier, entry: Entry | None) -> None:
+        """The index said ``tier`` held ``key`` and it did not: corrupt or gone."""
+        if entry is None or not entry.tiers & (1 << tier.level):
+            return
+        with self._lock:
+            self.index.drop_tier(key, tier.level, "corrupt")
+
+    def _promote(self, header: RecordHeader, payload: memoryview) -> None:
+        if self.memory.put(header, payload) == PutStatus.STORED:
+            with self._lock:
+                self.index.add(header, self.memory.level)
+
+    def _touch(self, key: ChunkKey) -> None:
+        entry = self.index.get(key)
+        if entry is not None:
+            entry.hits += 1
+            from kvstore.clock import wall_ms
+
+            entry.last_access_ms = wall_ms()
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ...]]:
+        """For each key, the tier levels that hold it (empty when none)."""
+        out: list[tuple[int, ...]] = []
+        unknown: list[int] = []
+        for i, key in enumerate(keys):
+            entry = self.index.get(key)
+            out.append(tuple(tier_levels(entry.tiers)) if entry else ())
+            if entry is None or not entry.tiers & (1 << 3):
+                unknown.append(i)
+        if self.remote is not None and unknown:
+            present = self.remote.contains([keys[i] for i in unknown])
+            for i, here in zip(unknown, present, strict=True):
+                if here and 3 not in out[i]:
+                    out[i] = (*out[i], 3)
+        return out
+
+    def lookup(
+        self,
+        fingerprint: Fingerprint,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        min_tokens: int = 0,
+        granularity: int | None = None,
+    ) -> LookupResult:
+        """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup)."""
+        self._check_open()
+        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None  # type: ignore[assignment]
+        result = lookup(self.index, fingerprint, tokens, chunk_tokens=self.config.chunk_tokens,
+                        granularity=granularity, min_tokens=min_tokens, remote=remote)
+        with self._lock:
+            self._counters["lookups"] += 1
+            self._counters["lookup_tokens"] += result.total_tokens
+            self._counters["matched_tokens"] += result.matched_tokens
+        return result
+
+    # -- management -----------------------------------------------------------
+    def delete(self, key: ChunkKey) -> bool:
+        self._check_open()
+        with self._lock:
+            entry = self.index.remove(key, "deleted")
+        self._writer.forget(key)
+        found = entry is not None
+        for tier in self.tiers:
+            try:
+                found = tier.delete(key) or found
+            except TierError as e:
+                log.warning("delete of %s from %s failed: %s", key.hex()[:16], tier.name, e)
+        return found
+
+    def clear(self, fingerprint: Fingerprint | None = None) -> int:
+        """Remove every chunk of a namespace (or everything); returns chunks removed."""
+        self._check_open()
+        with self._lock:
+            keys = self.index.keys(fingerprint)
+            for key in keys:
+                self.index.remove(key, "deleted")
+            if fingerprint is None:
+                self._layouts.clear()
+            else:
+                self._layouts.pop(fingerprint, None)
+        for key in keys:
+            self._writer.forget(key)
+        removed = len(keys)
+        for tier in self.tiers:
+            try:
+                n = tier.clear(fingerprint)
+            except TierError as e:
+                log.warning("clear of %s failed: %s", tier.name, e)
+                continue
+            if tier is self.remote:
+                removed = max(removed, n)
+        return removed
+
+    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
+        """Keep a chunk from eviction in every tier that holds it."""
+        self._check_open()
+        entry = self.index.get(key)
+        found = False
+        for tier in self.tiers:
+            if tier is self.remote or self._may_hold(tier, entry):
+                found = tier.pin(key, pinned) or found
+        if entry is not None:
+            entry.pinned = pinned
+        return found
+
+    def scan(self, fingerprint: Fingerprint | None = None) -> Iterator[ChunkView]:
+        for key, e in self.index.items(fingerprint):
+            yield ChunkView(key, e.fingerprint, e.parent, e.n_tokens, e.raw_size, e.dtype,
+                            tuple(tier_levels(e.tiers)), e.pinned, e.created_ms,
+                            e.last_access_ms, e.hits)
+
+    def namespaces(self) -> dict[Fingerprint, int]:
+        with self._lock:
+            return self.index.namespaces()
+
+    def stats(self) -> StoreStats:
+        jobs, nbytes = self._writer.pending
+        with self._lock:
+            c = dict(self._counters)
+            chunks, spaces = len(self.index), len(self.index.by_ns)
+        return StoreStats(
+            chunks=chunks, namespaces=spaces, tiers=[t.stats() for t in self.tiers],
+            pending_writes=jobs, pending_bytes=nbytes, write_failures=self._writer.failures, **c,
+        )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued write-downs; False if they did not finish in time."""
+        ok = self._writer.flush(timeout)
+        flush_disk = getattr(self.disk, "flush", None)
+        if callable(flush_disk):
+            flush_disk()
+        return ok
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Finish write-downs, then close every tier. Idempotent."""
+        if self._closed:
+            return
+        self._writer.stop(timeout)
+        self._closed = True
+        for tier in reversed(self.tiers):
+            try:
+                tier.close()
+            except Exception:  # closing the rest matters more than one failure
+                log.exception("closing %s failed", tier.name)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _evict_callback(self, tier: Tier):  # type: ignore[no-untyped-def]
+        def on_evict(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
+            with self._lock:
+                entry = self.index.get(key)
+                if entry is None:
+                    return
+                below = self._lower(tier.level)
+                holds_below = any(entry.tiers & (1 << t.level) for t in below)
+                if below and not holds_below:
+                    # Keep the entry alive under the target tier while the bytes travel.
+                    entry.tiers = (entry.tiers & ~(1 << tier.level)) | (1 << below[0].level)
+                else:
+                    self.index.drop_tier(key, tier.level, "evicted")
+                    return
+            self._writer.submit_move(key, header, blob, below[0].level)
+
+        return on_evict
+
+    def _run_job(self, job: Job) -> None:
+        header, payload = job.header, None
+        if header is None:  # a copy: read the bytes from L1 now
+            blob = self.memory.get(job.key)
+            if blob is None:
+                return  # evicted or deleted since; eviction queued its own move
+            header = parse_header(blob)
+            payload = memoryview(blob)[header.header_size :]
+        else:
+            assert job.blob is not None
+            payload = memoryview(job.blob)[header.header_size :]
+        for level in job.targets:
+            if job.key not in self.index:
+                return  # deleted while queued
+            tier = self._by_level[level]
+            status = tier.put(header, payload)
+            with self._lock:
+                alive = job.key in self.index
+                if alive and status.ok:
+                    self.index.add(header, level)
+                elif alive and job.header is not None:
+                    self.index.drop_tier(job.key, level, "evicted")
+            if not alive:
+                tier.delete(job.key)  # lost a race with delete: undo
+            elif not status.ok:
+                log.warning("write-down of %s to %s: %s", job.key.hex()[:16], tier.name, status.value)
+
+
+def _layout(header: RecordHeader) -> tuple[str, int, int]:
+    return header.dtype, header.raw_size, header.n_tokens

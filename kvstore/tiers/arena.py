@@ -1,0 +1,309 @@
+"""The L1 arena: a shared-memory file, its page allocator, and copies over extents.
+
+A record in the arena lives in one or more *extents*, ``(offset, length)`` pairs
+of arena byte offsets, laid out in order: the record's byte ``i`` is found by
+walking the extents. The tier (``kvstore.tiers.memory``) owns the file and the
+allocator; other processes on the host map the same file with
+``ArenaView.open(path)`` and read or write the extents the server hands them,
+so chunk bytes never cross a socket.
+
+Copies go through numpy slice assignment (memcpy speed, GIL released) or
+``bytes.join`` over memoryview slices: one Python step per extent, never per
+page. The allocator coalesces free runs, so the extents of one record are never
+adjacent to each other and there is nothing left to merge.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import ConfigError, InvalidArgument, KVStoreError, StoreClosed, TierError
+
+Extent = tuple[int, int]
+"""(offset, length): a run of arena bytes (or of pages, inside the allocator)."""
+
+
+class PageAllocator:
+    """Free-list allocator over ``n_pages`` pages, handing out runs ``(first page, count)``.
+
+    ``alloc`` tries one contiguous run (best fit, so large holes survive for
+    large records) and otherwise takes the largest free runs first, so a request
+    fails only when fewer than ``n`` pages are free in total. ``free`` merges a
+    run with its neighbours, so free runs are never adjacent.
+    """
+
+    def __init__(self, n_pages: int) -> None:
+        if n_pages <= 0:
+            raise InvalidArgument(f"an arena needs at least one page, got {n_pages}")
+        self.n_pages = n_pages
+        self._starts: list[int] = [0]  # sorted first pages of the free runs
+        self._len: dict[int, int] = {0: n_pages}  # first page -> run length
+        self._by_end: dict[int, int] = {n_pages: 0}  # one past the last page -> first page
+        self.free_pages = n_pages
+
+    @property
+    def fragments(self) -> int:
+        """How many separate free runs there are (1 = no fragmentation)."""
+        return len(self._starts)
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._len.values(), default=0)
+
+    def runs(self) -> list[Extent]:
+        return [(s, self._len[s]) for s in self._starts]
+
+    def alloc(self, n: int) -> list[Extent] | None:
+        """Runs totalling exactly ``n`` pages, sorted by address; None if too few are free."""
+        if n <= 0:
+            raise InvalidArgument(f"allocate at least one page, got {n}")
+        if n > self.free_pages:
+            return None
+        best = -1
+        for s in self._starts:
+            length = self._len[s]
+            if length >= n and (best < 0 or length < self._len[best]):
+                best = s
+                if length == n:
+                    break
+        if best >= 0:
+            self._take(best, n)
+            return [(best, n)]
+        out: list[Extent] = []
+        need = n
+        for s in sorted(self._starts, key=lambda s: -self._len[s]):
+            take = min(need, self._len[s])
+            self._take(s, take)
+            out.append((s, take))
+            need -= take
+            if need == 0:
+                break
+        out.sort()
+        return out
+
+    def _take(self, start: int, n: int) -> None:
+        length = self._len.pop(start)
+        del self._by_end[start + length]
+        i = bisect.bisect_left(self._starts, start)
+        if n < length:  # the rest of the run stays free, at the same place in the order
+            self._starts[i] = start + n
+            self._len[start + n] = length - n
+            self._by_end[start + length] = start + n
+        else:
+            del self._starts[i]
+        self.free_pages -= n
+
+    def free(self, runs: Sequence[Extent]) -> None:
+        for start, n in runs:
+            self._free_one(start, n)
+
+    def _free_one(self, start: int, n: int) -> None:
+        end = start + n
+        i = bisect.bisect_left(self._starts, start)
+        prev_end = self._starts[i - 1] + self._len[self._starts[i - 1]] if i > 0 else 0
+        next_start = self._starts[i] if i < len(self._starts) else self.n_pages
+        if n <= 0 or start < prev_end or end > next_start:
+            # A double free would hand the same pages to two records: fail loudly.
+            raise KVStoreError(f"arena pages {start}..{end} freed twice or out of range")
+        self.free_pages += n
+        if start in self._by_end:  # merge with the free run before
+            before = self._by_end.pop(start)
+            n += self._len.pop(before)
+            start = before
+            i -= 1
+            del self._starts[i]
+        if end in self._len:  # merge with the free run after
+            n += self._len.pop(end)
+            del self._by_end[start + n]
+            del self._starts[i]
+        self._starts.insert(i, start)
+        self._len[start] = n
+        self._by_end[start + n] = start
+
+
+def spans(extents: Sequence[Extent], start: int, length: int) -> Iterator[tuple[int, int, int]]:
+    """(arena offset, position in the data, bytes) covering record bytes [start, start+length)."""
+    if start < 0 or length < 0:
+        raise InvalidArgument(f"bad range start={start} length={length}")
+    pos = 0  # record offset of the current extent
+    done = 0
+    for off, n in extents:
+        if done == length:
+            return
+        lo = max(start + done, pos)
+        if lo < pos + n:
+            take = min(pos + n - lo, length - done)
+            yield off + lo - pos, done, take
+            done += take
+        pos += n
+    if done != length:
+        raise InvalidArgument(
+            f"range [{start}, {start + length}) runs past the extents ({pos} bytes)"
+        )
+
+
+def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
+    """A flat uint8 view of any C-contiguous buffer (bytes, memoryview, numpy, ...)."""
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    else:
+        try:
+            mv = memoryview(buf)  # type: ignore[arg-type]
+        except TypeError as e:
+            raise InvalidArgument(f"expected a buffer, got {type(buf).__name__}") from e
+        if not mv.c_contiguous:
+            raise InvalidArgument("buffer must be C-contiguous")
+        arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, np.uint8)
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument("buffer must be C-contiguous")
+    if writable and not arr.flags.writeable:
+        raise InvalidArgument("output buffer is read-only")
+    return arr.reshape(-1).view(np.uint8)
+
+
+class ArenaView:
+    """A mapping of an arena file: the tier's own, or another process's view of it.
+
+    Other processes call ``ArenaView.open(path)`` with the path the server gave
+    them, then ``write``/``read_into`` at the extents of a reservation or lease.
+    """
+
+    def __init__(self, path: str, fd: int, size: int, *, writable: bool, populate: bool,
+                 keep_fd: bool) -> None:
+        flags = mmap.MAP_SHARED
+        if populate and hasattr(mmap, "MAP_POPULATE"):
+            flags |= mmap.MAP_POPULATE  # map every page now, not on first touch mid-copy
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        try:
+            self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=prot)
+        except OSError as e:
+            raise TierError(f"cannot map arena {path} ({size} bytes): {e}") from e
+        self.path = path
+        self.size = size
+        self.writable = writable
+        self._fd = fd if keep_fd else None
+        self._mv: memoryview | None = memoryview(self._mm)
+        self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+
+    @classmethod
+    def open(cls, path: str, size: int | None = None, *, writable: bool = True,
+             populate: bool = False) -> ArenaView:
+        """Map an existing arena file (``size`` defaults to the file's size)."""
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except OSError as e:
+            raise TierError(f"cannot open arena {path}: {e}") from e
+        try:
+            actual = os.fstat(fd).st_size
+            size = actual if size is None else size
+            if size <= 0 or size > actual:
+                raise InvalidArgument(f"arena {path} is {actual} bytes; cannot map {size}")
+            return cls(path, fd, size, writable=writable, populate=populate, keep_fd=False)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+
+    @classmethod
+    def own(cls, path: str, size: int, *, create: bool) -> ArenaView:
+        """The tier's mapping: create (or adopt) the file, back it, lock it against a second tier.
+
+        The file is fully allocated up front: on tmpfs a file can be larger than
+        the memory behind it, and touching an unbacked page kills the process
+        with SIGBUS in the middle of a copy; here it is a clear error instead.
+        """
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            raise ConfigError(f"memory.path={path}: cannot open the arena file: {e}") from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as e:
+                raise TierError(f"arena {path} is in use by another memory tier") from e
+            if create:
+                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise TierError(
+                        f"cannot back a {size}-byte arena at {path}: {e} "
+                        f"(is {os.path.dirname(path)} large enough?)"
+                    ) from e
+            elif os.fstat(fd).st_size < size:
+                raise ConfigError(f"arena {path} is {os.fstat(fd).st_size} bytes, need {size}")
+            return cls(path, fd, size, writable=True, populate=True, keep_fd=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- access ---------------------------------------------------------------
+    @property
+    def array(self) -> np.ndarray:
+        """The whole arena as a flat uint8 array (writable if mapped writable)."""
+        if self._array is None:
+            raise StoreClosed(f"arena view of {self.path} is closed")
+        return self._array
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    def _view(self) -> memoryview:
+        if self._mv is None:
+            raise StoreClosed(f"arena view of {self.path} is closed")
+        return self._mv
+
+    def write(self, extents: Sequence[Extent], start: int, data: object) -> None:
+        """Copy ``data`` into the record bytes starting at ``start``."""
+        arr, src = self.array, as_u8(data)
+        for off, pos, n in spans(extents, start, src.size):
+            arr[off : off + n] = src[pos : pos + n]
+
+    def read_into(self, extents: Sequence[Extent], start: int, out: object) -> None:
+        """Fill ``out`` (any writable buffer) from the record bytes starting at ``start``."""
+        arr, dst = self.array, as_u8(out, writable=True)
+        for off, pos, n in spans(extents, start, dst.size):
+            dst[pos : pos + n] = arr[off : off + n]
+
+    def read(self, extents: Sequence[Extent], start: int, length: int) -> bytes:
+        """A bytes copy of record bytes [start, start+length): one memcpy per extent."""
+        mv = self._view()
+        return b"".join([mv[off : off + n] for off, _, n in spans(extents, start, length)])
+
+    def checksum(self, extents: Sequence[Extent], start: int, length: int) -> int:
+        """xxh3_64 of record bytes [start, start+length), streamed over the extents."""
+        mv, h = self._view(), xxhash.xxh3_64()
+        for off, _, n in spans(extents, start, length):
+            h.update(mv[off : off + n])
+        return h.intdigest()
+
+    def close(self) -> None:
+        """Unmap. A view still exported elsewhere keeps the mapping alive until it dies."""
+        self._array = None
+        if self._mv is not None:
+            with contextlib.suppress(BufferError):
+                self._mv.release()
+            self._mv = None
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # a caller still holds a numpy view
+                self._mm.close()
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock too
+            self._fd = None
+
+    def __enter__(self) -> ArenaView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

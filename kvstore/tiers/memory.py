@@ -1,0 +1,623 @@
+"""L1: chunk records in a shared-memory arena, with a zero-copy data plane.
+
+The arena is one file (``/dev/shm/kvstore-<pid>-<hex>`` unless ``config.path``
+says otherwise), mapped by this process and, by path, by same-host clients. It
+is cut into ``config.page_bytes`` pages; a record (packed header, then the RAW
+payload) occupies one or more extents (``kvstore.tiers.arena``). The index
+(key -> extents, LRU order, pins, leases) lives only in this process: L1 is
+volatile and starts empty.
+
+Data plane for other processes (the server relays these calls):
+
+- ``reserve`` allocates pages and writes the header; the client writes the
+  payload at ``payload_offset`` over the extents; ``commit`` checks the header
+  is untouched and the payload checksum matches (the client is untrusted) and
+  only then makes the key visible. A bad commit frees the pages, counts in
+  ``stats().corrupt`` and raises ``CorruptRecord``.
+- ``acquire`` returns a verified ``ReadLease``; the pages stay put (never
+  evicted or freed, even if the chunk is deleted) until ``release``.
+- Reservations and leases expire ``config.lease_ms`` after they were handed
+  out or last renewed, on the injected clock; expired ones are reclaimed by
+  ``sweep()`` and before every allocation, so a dead client cannot leak pages.
+  ``release_owner`` drops everything one client holds when it disconnects.
+
+Verification policy: ``commit`` always verifies. The in-process ``put`` does not
+hash the payload again: its header came from ``make_header`` over the same
+bytes, and the cost would be a third of a copy on the hot path. Reads (``get``,
+``get_into``, ``acquire``) and evictions verify when ``config.verify_reads``;
+a record that fails is deleted, counted in ``stats().corrupt`` and a miss.
+Header checks compare the arena's header bytes with the packed header kept in
+the index, which also catches flips in the padding. ``get_into`` hashes the
+destination after the copy: that checks exactly the bytes delivered, even if a
+rogue writer touches the arena meanwhile.
+
+``stats().used_bytes`` counts committed record bytes, as the contract says;
+page usage (including pages still held by reservations, evictions in flight and
+chunks deleted while leased) is in ``detail``. ``capacity_bytes`` is the arena
+size rounded down to whole pages. ``last_access_ms`` is wall-clock time (like
+``created_ms``), for inspection only; LRU order does not depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from kvstore.clock import Clock, monotonic, wall_ms
+from kvstore.config import MemoryConfig
+from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
+from kvstore.keys import ChunkKey
+from kvstore.records import Codec, RecordHeader
+from kvstore.tiers.arena import ArenaView, Extent, PageAllocator, as_u8
+from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+
+class LeaseError(InvalidArgument):
+    """A reservation or read lease id is unknown, already used, or expired."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages reserved for one record; the client writes the payload, then commits."""
+
+    id: int
+    key: ChunkKey
+    extents: tuple[Extent, ...]  # arena (offset, length), covering exactly the record
+    payload_offset: int  # record offset where the payload starts (= header size)
+    expires_at: float  # on the tier's clock
+
+    @property
+    def record_size(self) -> int:
+        return sum(n for _, n in self.extents)
+
+
+@dataclass(frozen=True)
+class ReadLease:
+    """A verified record the holder may read in place until it releases the lease."""
+
+    id: int
+    key: ChunkKey
+    header: RecordHeader
+    extents: tuple[Extent, ...]  # the whole record: header, then payload
+    expires_at: float
+
+    @property
+    def payload_offset(self) -> int:
+        return self.header.header_size
+
+
+@dataclass(eq=False)
+class _Entry:
+    header: RecordHeader
+    packed: bytes  # the header as written to the arena
+    pages: list[Extent]  # allocator runs; [] once freed
+    extents: tuple[Extent, ...]
+    pinned: bool = False
+    refs: int = 0  # read leases + in-process reads: the pages must not move
+    deleted: bool = False  # out of the index; pages go back when refs reaches 0
+    hits: int = 0
+    last_access_ms: int = 0
+
+    @property
+    def n_pages(self) -> int:
+        return sum(n for _, n in self.pages)
+
+
+@dataclass(eq=False)
+class _Hold:
+    entry: _Entry
+    owner: str
+    expires_at: float
+
+
+def default_path() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _cleanup(arena: ArenaView, unlink: bool, pid: int) -> None:
+    arena.close()
+    if unlink and os.getpid() == pid:  # a forked child must not delete its parent's arena
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(arena.path)
+
+
+class MemoryTier(Tier):
+    """The shared-memory arena tier. Thread-safe: one lock guards the index."""
+
+    name = "memory"
+    level = 1
+
+    def __init__(self, config: MemoryConfig, *, clock: Clock = monotonic,
+                 create: bool = True) -> None:
+        super().__init__()
+        if not create and not config.path:
+            raise ConfigError("memory.path must name an existing arena when create=False")
+        self.config = config
+        self.page_bytes = config.page_bytes
+        n_pages = config.capacity_bytes // config.page_bytes
+        self.capacity_bytes = n_pages * config.page_bytes
+        self.path = config.path or default_path()
+        self._arena = ArenaView.own(self.path, self.capacity_bytes, create=create)
+        self._finalizer = weakref.finalize(self, _cleanup, self._arena, create, os.getpid())
+        self._clock = clock
+        self._lease_s = config.lease_ms / 1000.0
+        self._verify = config.verify_reads
+        self._alloc = PageAllocator(n_pages)
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # pages came back (an eviction ended)
+        self._chunks: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
+        self._reservations: dict[int, _Hold] = {}
+        self._leases: dict[int, _Hold] = {}
+        self._expiry: list[tuple[float, int]] = []  # (expires_at, id); stale after renew
+        self._ids = itertools.count(1)  # one sequence: a lease id is never a reservation id
+        self._evicting_pages = 0
+        self._used_bytes = 0
+        self._expired = 0
+        self._stats = TierStats(self.name, self.level, self.capacity_bytes)
+
+    # -- allocation and eviction -----------------------------------------------
+    def _allocate(self, header: RecordHeader) -> _Entry | PutStatus:
+        """Pages for ``header.record_size`` bytes, evicting LRU chunks as needed."""
+        size = header.record_size
+        need = -(-size // self.page_bytes)
+        if need > self._alloc.n_pages:
+            with self._lock:
+                self._stats.rejected += 1
+            return PutStatus.TOO_LARGE
+        while True:
+            with self._lock:
+                self._check_open()
+                self._sweep_locked()
+                runs = self._alloc.alloc(need)
+                if runs is not None:
+                    return self._new_entry(header, runs)
+                victims = self._pick_victims(need - self._alloc.free_pages)
+                if not victims:
+                    if self._evicting_pages:  # another thread's eviction may be enough
+                        self._freed.wait(timeout=1.0)
+                        continue
+                    self._stats.rejected += 1
+                    return PutStatus.FULL
+            self._evict(victims)
+
+    def _new_entry(self, header: RecordHeader, runs: list[Extent]) -> _Entry:
+        page, left = self.page_bytes, header.record_size
+        extents = []
+        for first, n in runs:
+            extents.append((first * page, min(n * page, left)))
+            left -= extents[-1][1]
+        return _Entry(header, header.pack(), runs, tuple(extents))
+
+    def _pick_victims(self, deficit: int) -> list[_Entry]:
+        """LRU chunks that free ``deficit`` pages, taken out of the index; [] if impossible."""
+        victims, got = [], 0
+        for entry in self._chunks.values():
+            if got >= deficit:
+                break
+            if not entry.pinned and entry.refs == 0:
+                victims.append(entry)
+                got += entry.n_pages
+        if got + self._evicting_pages < deficit:
+            return []  # evicting these would not make room: keep them
+        if got < deficit:
+            return []  # in-flight evictions may suffice; the caller waits for them
+        for entry in victims:
+            self._unindex(entry)
+            self._evicting_pages += entry.n_pages
+        self._stats.evictions += len(victims)
+        return victims
+
+    def _evict(self, victims: list[_Entry]) -> None:
+        """Hand each victim to on_evict (outside the lock), then give its pages back."""
+        errors = corrupt = 0
+        try:
+            for entry in victims:
+                callback = self.on_evict
+                if callback is None:
+                    continue
+                size = entry.header.record_size
+                blob = self._arena.read(entry.extents, 0, size)
+                if self._verify and not self._blob_ok(entry, blob):
+                    corrupt += 1  # pushing it down would only move the damage
+                    continue
+                try:
+                    callback(entry.header.key, entry.header, blob)
+                except Exception:
+                    errors += 1
+                    log.exception("on_evict failed for chunk %s", entry.header.key.hex())
+        finally:
+            with self._lock:
+                for entry in victims:
+                    self._evicting_pages -= entry.n_pages
+                    self._free_locked(entry)
+                self._stats.errors += errors
+                self._stats.corrupt += corrupt
+
+    def _unindex(self, entry: _Entry) -> None:
+        del self._chunks[entry.header.key]
+        self._used_bytes -= entry.header.record_size
+        entry.deleted = True
+
+    def _remove_locked(self, entry: _Entry) -> None:
+        self._unindex(entry)
+        if entry.refs == 0:
+            self._free_locked(entry)
+
+    def _free_locked(self, entry: _Entry) -> None:
+        if entry.pages:
+            self._alloc.free(entry.pages)
+            entry.pages = []
+            self._freed.notify_all()
+
+    def _unref_locked(self, entry: _Entry) -> None:
+        entry.refs -= 1
+        if entry.refs == 0 and entry.deleted:
+            self._free_locked(entry)
+
+    def _publish(self, entry: _Entry) -> PutStatus:
+        """Make a fully written record visible, unless the key won the race elsewhere."""
+        with self._lock:
+            key = entry.header.key
+            if self._closed or key in self._chunks:
+                self._free_locked(entry)
+                self._check_open()
+                return PutStatus.EXISTS
+            entry.last_access_ms = wall_ms()
+            self._chunks[key] = entry
+            self._used_bytes += entry.header.record_size
+            self._stats.puts += 1
+            self._stats.bytes_in += entry.header.record_size
+            return PutStatus.STORED
+
+    # -- expiry ------------------------------------------------------------------
+    def _hold(self, table: dict[int, _Hold], entry: _Entry, owner: str) -> tuple[int, float]:
+        hid, expires = next(self._ids), self._clock() + self._lease_s
+        table[hid] = _Hold(entry, owner, expires)
+        self._push_expiry(expires, hid)
+        return hid, expires
+
+    def _push_expiry(self, expires: float, hid: int) -> None:
+        heapq.heappush(self._expiry, (expires, hid))
+        live = len(self._leases) + len(self._reservations)
+        if len(self._expiry) > 64 + 4 * live:  # mostly released or renewed: rebuild
+            self._expiry = [(h.expires_at, i) for t in (self._leases, self._reservations)
+                            for i, h in t.items()]
+            heapq.heapify(self._expiry)
+
+    def _drop_hold_locked(self, hid: int) -> bool:
+        """Give back what a lease or reservation held; False if the id is not held."""
+        if (hold := self._leases.pop(hid, None)) is not None:
+            self._unref_locked(hold.entry)
+        elif (hold := self._reservations.pop(hid, None)) is not None:
+            self._free_locked(hold.entry)
+        else:
+            return False
+        return True
+
+    def _expired_locked(self, hid: int) -> bool:
+        hold = self._leases.get(hid) or self._reservations.get(hid)
+        if hold is None or hold.expires_at > self._clock():
+            return False
+        self._drop_hold_locked(hid)
+        self._expired += 1
+        return True
+
+    def _sweep_locked(self) -> int:
+        now, n = self._clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, hid = heapq.heappop(self._expiry)
+            n += self._expired_locked(hid)  # stale entries (renewed or released) do nothing
+        return n
+
+    def sweep(self) -> int:
+        """Reclaim expired reservations and leases; how many. The server calls this periodically."""
+        with self._lock:
+            self._check_open()
+            return self._sweep_locked()
+
+    # -- zero-copy data plane ------------------------------------------------------
+    def reserve(self, header: RecordHeader, *, owner: str = "") -> Reservation | PutStatus:
+        """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put."""
+        self._check_raw(header)
+        with self._lock:
+            self._check_open()
+            if header.key in self._chunks:
+                return PutStatus.EXISTS
+        entry = self._allocate(header)
+        if isinstance(entry, PutStatus):
+            return entry
+        self._arena.write(entry.extents, 0, entry.packed)
+        with self._lock:
+            rid, expires = self._hold(self._reservations, entry, owner)
+        return Reservation(rid, header.key, entry.extents, header.header_size, expires)
+
+    def commit(self, reservation_id: int) -> PutStatus:
+        """Verify what the client wrote and publish it: STORED, or EXISTS if the key won a race.
+
+        Raises ``LeaseError`` for an unknown or expired reservation and
+        ``CorruptRecord`` (pages freed, counted) if the bytes do not verify.
+        """
+        with self._lock:
+            self._check_open()
+            if self._expired_locked(reservation_id):
+                raise LeaseError(f"reservation {reservation_id} expired before commit")
+            hold = self._reservations.pop(reservation_id, None)
+        if hold is None:
+            raise LeaseError(f"unknown reservation {reservation_id}")
+        entry = hold.entry
+        header = entry.header
+        ok = (self._arena.read(entry.extents, 0, header.header_size) == entry.packed
+              and self._arena.checksum(entry.extents, header.header_size, header.stored_size)
+              == header.payload_checksum)
+        if not ok:
+            with self._lock:
+                self._free_locked(entry)
+                self._stats.corrupt += 1
+            raise CorruptRecord(f"reservation {reservation_id}: payload checksum mismatch")
+        return self._publish(entry)
+
+    def abort(self, reservation_id: int) -> bool:
+        """Give back a reservation's pages; False if it was not held (or already expired)."""
+        with self._lock:
+            self._check_open()
+            return reservation_id in self._reservations and self._drop_hold_locked(reservation_id)
+
+    def acquire(self, key: ChunkKey, *, owner: str = "") -> ReadLease | None:
+        """A read lease on a (verified) chunk, or None on a miss."""
+        entry = self._ref(key)
+        if entry is None:
+            return None
+        if self._verify:
+            blob = self._arena.read(entry.extents, 0, entry.header.header_size)
+            if blob != entry.packed or self._arena.checksum(
+                entry.extents, entry.header.header_size, entry.header.stored_size
+            ) != entry.header.payload_checksum:
+                self._drop_corrupt(entry)
+                return None
+        with self._lock:
+            self._hit_locked(entry, entry.header.stored_size)
+            lid, expires = self._hold(self._leases, entry, owner)  # keeps the ref taken above
+        return ReadLease(lid, key, entry.header, entry.extents, expires)
+
+    def release(self, lease_id: int) -> bool:
+        """End a read lease. False if it was unknown or had expired: then the pages may
+        have been reused while the holder read them, so it must discard what it read."""
+        with self._lock:
+            self._check_open()
+            if self._expired_locked(lease_id) or lease_id not in self._leases:
+                return False
+            return self._drop_hold_locked(lease_id)
+
+    def renew(self, hold_id: int) -> bool:
+        """Extend a lease or reservation by ``lease_ms`` from now; False if not held."""
+        with self._lock:
+            self._check_open()
+            if self._expired_locked(hold_id):
+                return False
+            hold = self._leases.get(hold_id) or self._reservations.get(hold_id)
+            if hold is None:
+                return False
+            hold.expires_at = self._clock() + self._lease_s
+            self._push_expiry(hold.expires_at, hold_id)
+            return True
+
+    def release_owner(self, owner: str) -> int:
+        """Drop every lease and reservation tagged ``owner`` (a client went away); how many."""
+        with self._lock:
+            self._check_open()
+            ids = [hid for table in (self._leases, self._reservations)
+                   for hid, hold in table.items() if hold.owner == owner]
+            for hid in ids:
+                self._drop_hold_locked(hid)
+            return len(ids)
+
+    # -- reads -------------------------------------------------------------------
+    def _ref(self, key: ChunkKey) -> _Entry | None:
+        with self._lock:
+            self._check_open()
+            entry = self._chunks.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            entry.refs += 1
+            self._chunks.move_to_end(key)
+            return entry
+
+    def _hit_locked(self, entry: _Entry, nbytes: int) -> None:
+        entry.hits += 1
+        entry.last_access_ms = wall_ms()
+        self._stats.hits += 1
+        self._stats.bytes_out += nbytes
+
+    def _drop_corrupt(self, entry: _Entry) -> None:
+        log.warning("L1 chunk %s failed verification; deleted", entry.header.key.hex())
+        with self._lock:
+            self._stats.corrupt += 1
+            self._stats.misses += 1
+            if self._chunks.get(entry.header.key) is entry:
+                self._unindex(entry)
+            self._unref_locked(entry)
+
+    def _blob_ok(self, entry: _Entry, blob: bytes) -> bool:
+        hs, want = entry.header.header_size, entry.header.payload_checksum
+        view = memoryview(blob)  # slicing bytes would copy the payload
+        return view[:hs] == entry.packed and xxhash.xxh3_64_intdigest(view[hs:]) == want
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        entry = self._ref(key)
+        if entry is None:
+            return None
+        try:
+            blob = self._arena.read(entry.extents, 0, entry.header.record_size)
+        except BaseException:
+            with self._lock:
+                self._unref_locked(entry)
+            raise
+        if self._verify and not self._blob_ok(entry, blob):
+            self._drop_corrupt(entry)
+            return None
+        with self._lock:
+            self._hit_locked(entry, len(blob))
+            self._unref_locked(entry)
+        return blob
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        dst = as_u8(out, writable=True)
+        entry = self._ref(key)
+        if entry is None:
+            return None
+        header = entry.header
+        ok = True
+        try:
+            if dst.size < header.stored_size:
+                raise InvalidArgument(
+                    f"output buffer holds {dst.size} bytes, the payload is {header.stored_size}"
+                )
+            if self._verify:
+                ok = self._arena.read(entry.extents, 0, header.header_size) == entry.packed
+            if ok:
+                target = dst[: header.stored_size]
+                self._arena.read_into(entry.extents, header.header_size, target)
+                ok = not self._verify or (
+                    xxhash.xxh3_64_intdigest(target.data) == header.payload_checksum
+                )
+        except BaseException:
+            with self._lock:
+                self._unref_locked(entry)
+            raise
+        if not ok:
+            self._drop_corrupt(entry)
+            return None
+        with self._lock:
+            self._hit_locked(entry, header.stored_size)
+            self._unref_locked(entry)
+        return header
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [k in self._chunks for k in keys]
+
+    def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
+        """Chunks in LRU order (least recently used first), as of the call."""
+        with self._lock:
+            self._check_open()
+            infos = [
+                ChunkInfo(e.header.key, e.header, e.header.record_size, e.pinned,
+                          e.last_access_ms, e.hits)
+                for e in self._chunks.values()
+                if fingerprint is None or e.header.fingerprint == fingerprint
+            ]
+        yield from infos
+
+    # -- writes ------------------------------------------------------------------
+    def _check_raw(self, header: RecordHeader) -> None:
+        if header.codec != Codec.RAW:
+            raise InvalidArgument(f"L1 stores RAW records only, got codec {header.codec.name}")
+
+    def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
+        self._check_raw(header)
+        src = as_u8(payload)
+        if src.size != header.stored_size:
+            raise InvalidArgument(
+                f"payload is {src.size} bytes, its header says {header.stored_size}"
+            )
+        with self._lock:
+            self._check_open()
+            if header.key in self._chunks:
+                return PutStatus.EXISTS
+        entry = self._allocate(header)
+        if isinstance(entry, PutStatus):
+            return entry
+        try:  # the entry is in no table: nothing can reclaim it while we copy
+            self._arena.write(entry.extents, 0, entry.packed)
+            self._arena.write(entry.extents, header.header_size, src)
+        except BaseException:
+            with self._lock:
+                self._free_locked(entry)
+            raise
+        return self._publish(entry)
+
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove a chunk; a leased one leaves the index now and frees its pages on release."""
+        with self._lock:
+            self._check_open()
+            entry = self._chunks.get(key)
+            if entry is None:
+                return False
+            self._remove_locked(entry)
+            return True
+
+    def clear(self, fingerprint: bytes | None = None) -> int:
+        with self._lock:
+            self._check_open()
+            doomed = [e for e in self._chunks.values()
+                      if fingerprint is None or e.header.fingerprint == fingerprint]
+            for entry in doomed:
+                self._remove_locked(entry)
+            return len(doomed)
+
+    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
+        with self._lock:
+            self._check_open()
+            entry = self._chunks.get(key)
+            if entry is None:
+                return False
+            entry.pinned = pinned
+            return True
+
+    # -- inspection and lifecycle -----------------------------------------------------
+    def stats(self) -> TierStats:
+        with self._lock:
+            a = self._alloc
+            pending = {id(h.entry) for h in self._leases.values() if h.entry.deleted}
+            return replace(
+                self._stats,
+                used_bytes=self._used_bytes,
+                chunks=len(self._chunks),
+                healthy=not self._closed,
+                detail={
+                    "path": self.path,
+                    "page_bytes": self.page_bytes,
+                    "pages_total": a.n_pages,
+                    "pages_used": a.n_pages - a.free_pages,
+                    "pages_free": a.free_pages,
+                    "free_extents": a.fragments,
+                    "largest_free_pages": a.largest_free,
+                    "active_leases": len(self._leases),
+                    "reservations": len(self._reservations),
+                    "deleted_while_leased": len(pending),
+                    "evicting_pages": self._evicting_pages,
+                    "expired": self._expired,
+                    "pinned": sum(1 for e in self._chunks.values() if e.pinned),
+                    "verify_reads": self._verify,
+                    "closed": self._closed,
+                },
+            )
+
+    def close(self) -> None:
+        """Unmap the arena and, if this tier created the file, unlink it."""
+        with self._lock:
+            if self._closed:
+                return
+            super().close()
+            self._chunks.clear()
+            self._leases.clear()
+            self._reservations.clear()
+            self._freed.notify_all()
+        self._finalizer()

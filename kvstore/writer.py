@@ -1,0 +1,137 @@
+"""Asynchronous write-down: moves chunks from a tier to the tiers below it.
+
+Two kinds of job: *copy* (write-through: the chunk stays where it is and a copy
+goes down; the bytes are read from the source tier when the job runs) and
+*move* (eviction: the tier is about to reuse the space, so the job carries the
+bytes, and until it runs the store serves reads of that chunk from here).
+
+Lock order, to stay deadlock-free: a tier's lock may be held when the store
+lock is taken (eviction callbacks), never the reverse, and nobody waits for
+this thread while holding a tier lock: ``submit_move`` never blocks; past the
+byte budget it runs the write in the caller's thread instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.keys import ChunkKey
+from kvstore.records import RecordHeader
+
+log = logging.getLogger("kvstore.writer")
+
+
+@dataclass
+class Job:
+    key: ChunkKey
+    targets: tuple[int, ...]  # tier levels to write to, top-down
+    header: RecordHeader | None = None  # set for moves (the bytes travel with the job)
+    blob: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob) if self.blob is not None else 0
+
+
+Runner = Callable[[Job], None]
+
+
+class WriteDown:
+    def __init__(self, run: Runner, budget_bytes: int) -> None:
+        self._run = run
+        self._budget = budget_bytes
+        self._queue: deque[Job] = deque()
+        self._moves: dict[ChunkKey, Job] = {}  # chunks whose only copy is in a queued job
+        self._bytes = 0
+        self._busy = 0
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.failures = 0
+        self.done = 0
+        self._thread = threading.Thread(target=self._loop, name="kvstore-writedown", daemon=True)
+        self._thread.start()
+
+    def submit_copy(self, key: ChunkKey, targets: tuple[int, ...]) -> None:
+        if not targets:
+            return
+        with self._cv:
+            self._queue.append(Job(key, targets))
+            self._cv.notify_all()
+
+    def submit_move(self, key: ChunkKey, header: RecordHeader, blob: bytes, target: int) -> None:
+        job = Job(key, (target,), header, blob)
+        with self._cv:
+            if self._bytes + job.nbytes <= self._budget and not self._stopping:
+                self._queue.append(job)
+                self._moves[key] = job
+                self._bytes += job.nbytes
+                self._cv.notify_all()
+                return
+        self._execute(job)  # back-pressure: over budget, the evicting caller pays
+
+    def pending_move(self, key: ChunkKey) -> tuple[RecordHeader, bytes] | None:
+        with self._cv:
+            job = self._moves.get(key)
+        if job is None or job.header is None or job.blob is None:
+            return None
+        return job.header, job.blob
+
+    def forget(self, key: ChunkKey) -> None:
+        """Drop queued work for a deleted chunk."""
+        with self._cv:
+            job = self._moves.pop(key, None)
+            if job is not None:
+                self._bytes -= job.nbytes
+                try:
+                    self._queue.remove(job)
+                except ValueError:
+                    pass
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """(jobs queued or running, bytes held by queued moves)."""
+        with self._cv:
+            return len(self._queue) + self._busy, self._bytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every job submitted so far has run; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        flushed = self.flush(timeout)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        return flushed
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy += 1
+            try:
+                self._execute(job)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    if self._moves.get(job.key) is job:
+                        del self._moves[job.key]
+                        self._bytes -= job.nbytes
+                    self._cv.notify_all()
+
+    def _execute(self, job: Job) -> None:
+        try:
+            self._run(job)
+            self.done += 1
+        except Exception:  # a failed write-down must not kill the thread
+            self.failures += 1
+            log.exception("write-down of chunk %s to tier(s) %s failed", job.key.hex()[:16], job.targets)
