@@ -106,6 +106,8 @@ class _Entry:
     packed: bytes  # the header as written to the arena
     pages: list[Extent]  # allocator runs; [] once freed
     extents: tuple[Extent, ...]
+    hs: int  # header bytes (the payload starts here); cached: hot paths read it often
+    size: int  # record bytes
     pinned: bool = False
     refs: int = 0  # read leases + in-process reads: the pages must not move
     deleted: bool = False  # out of the index; pages go back when refs reaches 0
@@ -201,7 +203,8 @@ class MemoryTier(Tier):
         for first, n in runs:
             extents.append((first * page, min(n * page, left)))
             left -= extents[-1][1]
-        return _Entry(header, header.pack(), runs, tuple(extents))
+        return _Entry(header, header.pack(), runs, tuple(extents), header.header_size,
+                      header.record_size)
 
     def _pick_victims(self, deficit: int) -> list[_Entry]:
         """LRU chunks that free ``deficit`` pages, taken out of the index; [] if impossible."""
@@ -230,7 +233,7 @@ class MemoryTier(Tier):
                 callback = self.on_evict
                 if callback is None:
                     continue
-                size = entry.header.record_size
+                size = entry.size
                 blob = self._arena.read(entry.extents, 0, size)
                 if self._verify and not self._blob_ok(entry, blob):
                     corrupt += 1  # pushing it down would only move the damage
@@ -250,7 +253,7 @@ class MemoryTier(Tier):
 
     def _unindex(self, entry: _Entry) -> None:
         del self._chunks[entry.header.key]
-        self._used_bytes -= entry.header.record_size
+        self._used_bytes -= entry.size
         entry.deleted = True
 
     def _remove_locked(self, entry: _Entry) -> None:
@@ -279,9 +282,9 @@ class MemoryTier(Tier):
                 return PutStatus.EXISTS
             entry.last_access_ms = wall_ms()
             self._chunks[key] = entry
-            self._used_bytes += entry.header.record_size
+            self._used_bytes += entry.size
             self._stats.puts += 1
-            self._stats.bytes_in += entry.header.record_size
+            self._stats.bytes_in += entry.size
             return PutStatus.STORED
 
     # -- expiry ------------------------------------------------------------------
@@ -344,7 +347,7 @@ class MemoryTier(Tier):
         self._arena.write(entry.extents, 0, entry.packed)
         with self._lock:
             rid, expires = self._hold(self._reservations, entry, owner)
-        return Reservation(rid, header.key, entry.extents, header.header_size, expires)
+        return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
     def commit(self, reservation_id: int) -> PutStatus:
         """Verify what the client wrote and publish it: STORED, or EXISTS if the key won a race.
@@ -361,8 +364,8 @@ class MemoryTier(Tier):
             raise LeaseError(f"unknown reservation {reservation_id}")
         entry = hold.entry
         header = entry.header
-        ok = (self._arena.read(entry.extents, 0, header.header_size) == entry.packed
-              and self._arena.checksum(entry.extents, header.header_size, header.stored_size)
+        ok = (self._arena.read(entry.extents, 0, entry.hs) == entry.packed
+              and self._arena.checksum(entry.extents, entry.hs, header.stored_size)
               == header.payload_checksum)
         if not ok:
             with self._lock:
@@ -383,9 +386,9 @@ class MemoryTier(Tier):
         if entry is None:
             return None
         if self._verify:
-            blob = self._arena.read(entry.extents, 0, entry.header.header_size)
+            blob = self._arena.read(entry.extents, 0, entry.hs)
             if blob != entry.packed or self._arena.checksum(
-                entry.extents, entry.header.header_size, entry.header.stored_size
+                entry.extents, entry.hs, entry.header.stored_size
             ) != entry.header.payload_checksum:
                 self._drop_corrupt(entry)
                 return None
@@ -454,7 +457,7 @@ class MemoryTier(Tier):
             self._unref_locked(entry)
 
     def _blob_ok(self, entry: _Entry, blob: bytes) -> bool:
-        hs, want = entry.header.header_size, entry.header.payload_checksum
+        hs, want = entry.hs, entry.header.payload_checksum
         view = memoryview(blob)  # slicing bytes would copy the payload
         return view[:hs] == entry.packed and xxhash.xxh3_64_intdigest(view[hs:]) == want
 
@@ -463,7 +466,7 @@ class MemoryTier(Tier):
         if entry is None:
             return None
         try:
-            blob = self._arena.read(entry.extents, 0, entry.header.record_size)
+            blob = self._arena.read(entry.extents, 0, entry.size)
         except BaseException:
             with self._lock:
                 self._unref_locked(entry)
@@ -489,10 +492,10 @@ class MemoryTier(Tier):
                     f"output buffer holds {dst.size} bytes, the payload is {header.stored_size}"
                 )
             if self._verify:
-                ok = self._arena.read(entry.extents, 0, header.header_size) == entry.packed
+                ok = self._arena.read(entry.extents, 0, entry.hs) == entry.packed
             if ok:
                 target = dst[: header.stored_size]
-                self._arena.read_into(entry.extents, header.header_size, target)
+                self._arena.read_into(entry.extents, entry.hs, target)
                 ok = not self._verify or (
                     xxhash.xxh3_64_intdigest(target.data) == header.payload_checksum
                 )
@@ -518,7 +521,7 @@ class MemoryTier(Tier):
         with self._lock:
             self._check_open()
             infos = [
-                ChunkInfo(e.header.key, e.header, e.header.record_size, e.pinned,
+                ChunkInfo(e.header.key, e.header, e.size, e.pinned,
                           e.last_access_ms, e.hits)
                 for e in self._chunks.values()
                 if fingerprint is None or e.header.fingerprint == fingerprint
@@ -546,7 +549,7 @@ class MemoryTier(Tier):
             return entry
         try:  # the entry is in no table: nothing can reclaim it while we copy
             self._arena.write(entry.extents, 0, entry.packed)
-            self._arena.write(entry.extents, header.header_size, src)
+            self._arena.write(entry.extents, entry.hs, src)
         except BaseException:
             with self._lock:
                 self._free_locked(entry)

@@ -1,0 +1,641 @@
+"""L2: chunk records in LMDB on local disk.
+
+Layout: one LMDB environment with two sub-databases keyed by the 32-byte chunk key.
+``records`` holds the whole record (packed header + stored payload, in
+``config.codec``); ``meta`` holds a small index entry (see ``_META``) so a restart
+rebuilds the index from ``meta`` alone, without touching the records. A put
+writes both in one transaction, so a chunk is either wholly there or absent.
+
+Durability: "process" opens LMDB with sync=False (a returned put is in the page
+cache and survives kill -9 of this process, not a power loss); "fsync" syncs every
+commit. Writes go through write(2), never a writable map (writemap=False): a full
+disk then fails the transaction cleanly instead of raising SIGBUS, and a stray
+pointer in this process cannot scribble over committed pages.
+
+Access times and hit counts live in memory and are written back in batches (with
+every put, on ``flush()`` and at ``close()``), so a read never needs a write
+transaction. After a crash the LRU order of the last batch is lost (approximate),
+nothing committed is. LRU order is kept exactly across restarts by a persisted
+access sequence number; ``last_access_ms`` is for display.
+
+Full disk: a write that fails with ENOSPC, EFBIG or EDQUOT returns
+``PutStatus.FULL`` (counted in ``errors`` and ``rejected``; ``healthy`` is false
+until a write succeeds); any other LMDB failure raises ``TierError``. Either way
+the transaction is aborted and what was committed before stays intact.
+
+Locks: ``_wlock`` serializes writers (put, delete, clear, pin, flush) and is held
+while ``on_evict`` runs; ``_lock`` guards the in-memory index and counters and is
+never held across a callback, so readers never wait on one. An advisory flock on
+``kvstore.lock`` in the directory keeps a second process from opening it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lmdb
+import xxhash
+
+from kvstore.clock import Clock, monotonic, wall_ms
+from kvstore.config import DiskConfig, MiB
+from kvstore.errors import CorruptRecord, InvalidArgument, TierError
+from kvstore.keys import ChunkKey
+from kvstore.records import (
+    FIXED_BYTES,
+    Codec,
+    RecordHeader,
+    decode_payload,
+    parse_header,
+    transcode_parts,
+    verify,
+)
+from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats, copy_into
+
+log = logging.getLogger(__name__)
+
+# meta value: version, flags, hits, record size, last access (wall ms), access seq,
+# then an xxh3_64 of everything else, then the record header without its padding.
+_META = struct.Struct("<BBxxIQQQ")
+_META_CHECK = struct.Struct("<Q")
+_META_FIXED = _META.size + _META_CHECK.size
+_META_VERSION = 1
+_PINNED = 1
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_SCAN_BATCH = 512
+LOCK_FILE = "kvstore.lock"
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int  # stored record bytes
+    fingerprint: bytes
+    pinned: bool
+    last_ms: int
+    hits: int
+    seq: int
+
+
+def _pack_meta(e: _Entry, header_bytes: bytes | memoryview) -> bytes:
+    fixed = _META.pack(_META_VERSION, _PINNED if e.pinned else 0, e.hits & 0xFFFFFFFF,
+                       e.size, e.last_ms, e.seq)
+    h = xxhash.xxh3_64(fixed)
+    h.update(header_bytes)
+    return fixed + _META_CHECK.pack(h.intdigest()) + bytes(header_bytes)
+
+
+def _parse_meta(key: bytes, value: bytes | memoryview) -> tuple[_Entry, RecordHeader]:
+    """Raises CorruptRecord if the entry is damaged or does not describe ``key``."""
+    view = memoryview(value)
+    if len(view) < _META_FIXED:
+        raise CorruptRecord("meta entry is too short")
+    version, flags, hits, size, last_ms, seq = _META.unpack_from(view)
+    (check,) = _META_CHECK.unpack_from(view, _META.size)
+    h = xxhash.xxh3_64(view[: _META.size])
+    h.update(view[_META_FIXED:])
+    if version != _META_VERSION or h.intdigest() != check:
+        raise CorruptRecord("meta entry checksum or version mismatch")
+    header = parse_header(view[_META_FIXED:], expect_key=key)
+    if size != header.record_size:
+        raise CorruptRecord(f"meta says {size} bytes, the header {header.record_size}")
+    return _Entry(size, header.fingerprint, bool(flags & _PINNED), last_ms, hits, seq), header
+
+
+def _disk_full(e: BaseException) -> bool:
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else getattr(e, "code", None)
+    return isinstance(e, lmdb.DiskError) or code in _DISK_FULL
+
+
+class DiskTier(Tier):
+    """L2: LMDB on local disk. See the module docstring for layout and guarantees."""
+
+    name = "disk"
+    level = 2
+
+    def __init__(self, config: DiskConfig, data_dir: str, *, clock: Clock = monotonic,
+                 map_size: int | None = None) -> None:
+        """``map_size`` overrides LMDB's map size (tests use it to provoke MapFullError)."""
+        super().__init__()
+        self.config = config
+        self.path = config.resolved_path(data_dir)
+        self._codec = Codec.parse(config.codec)
+        self._clock = clock
+        # Wall-clock milliseconds that still move with the injected clock.
+        self._ms_offset = wall_ms() - int(clock() * 1000)
+        # LMDB needs slack beyond the record bytes: page rounding of every value, the
+        # meta entries, the B-tree and pages freed but not yet reusable.
+        self._map_size = map_size or 2 * config.capacity_bytes + 64 * MiB
+        self._wlock = threading.RLock()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._dirty: set[bytes] = set()  # entries whose access info is not yet written back
+        self._used = 0
+        self._seq = 0
+        self._n = dict.fromkeys(("hits", "misses", "puts", "evictions", "corrupt", "errors",
+                                 "rejected", "bytes_in", "bytes_out"), 0)
+        self._healthy = True
+        self._last_error = ""
+        self._lock_fd = self._acquire_dir_lock()
+        try:
+            self._env = self._open_env()
+            self._load_index()
+        except BaseException:
+            env = getattr(self, "_env", None)
+            if env is not None:
+                env.close()
+            os.close(self._lock_fd)
+            raise
+
+    # -- opening --------------------------------------------------------------
+    def _acquire_dir_lock(self) -> int:
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise TierError(f"cannot create the disk tier directory {self.path}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise TierError(f"{self.path} is in use by another kvstore process (pid {pid}); "
+                            "stop it or give this one another disk path") from e
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _open_env(self) -> lmdb.Environment:
+        sync = self.config.durability == "fsync"
+        try:
+            env = lmdb.open(self.path, map_size=self._map_size, max_dbs=2, subdir=True,
+                            sync=sync, metasync=sync, writemap=False, max_readers=512)
+            try:
+                self._records = env.open_db(b"records")
+                self._meta = env.open_db(b"meta")
+                env.reader_check()  # reader slots left by a killed process pin old pages
+            except BaseException:
+                env.close()
+                raise
+        except lmdb.Error as e:
+            raise TierError(
+                f"cannot open the disk tier's LMDB database at {self.path}: {e}. The files "
+                "are damaged or not an LMDB database; move the directory aside (e.g. "
+                f"mv {self.path} {self.path}.broken) and restart to begin with an empty disk "
+                "tier") from e
+        return env
+
+    def _load_index(self) -> None:
+        """Rebuild the LRU index from ``meta`` only; drop entries that do not verify."""
+        entries: list[tuple[bytes, _Entry]] = []
+        broken: list[bytes] = []
+        try:
+            with self._env.begin(db=self._meta, buffers=True) as txn:
+                for k, v in txn.cursor():
+                    key = bytes(k)
+                    try:
+                        entry, _ = _parse_meta(key, v)
+                    except CorruptRecord as e:
+                        log.warning("disk tier %s: dropping damaged meta of %s: %s",
+                                    self.path, key.hex(), e)
+                        broken.append(key)
+                        continue
+                    entries.append((key, entry))
+                # Both tables change in one transaction, so their counts agree unless a
+                # meta entry was dropped above or the files were edited by hand.
+                orphans = txn.stat(self._records)["entries"] != len(entries)
+                if orphans:
+                    known = {k for k, _ in entries}
+                    broken += [bytes(k) for k in txn.cursor(self._records).iternext(values=False)
+                               if bytes(k) not in known]
+        except lmdb.Error as e:
+            raise TierError(f"cannot read the disk tier index at {self.path}: {e}; move the "
+                            "directory aside and restart to begin with an empty disk tier") from e
+        entries.sort(key=lambda kv: kv[1].seq)
+        self._index = OrderedDict(entries)
+        self._used = sum(e.size for _, e in entries)
+        self._seq = entries[-1][1].seq if entries else 0
+        now = self._now_ms()
+        if entries and entries[-1][1].last_ms > now:  # wall clock went back: keep order
+            self._ms_offset += entries[-1][1].last_ms - now
+        if broken:
+            self._n["corrupt"] += len(broken)
+            self._write(deletes=broken)
+
+    # -- helpers --------------------------------------------------------------
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000) + self._ms_offset
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._n[k] += v
+
+    def _backend_error(self, what: str, e: Exception) -> TierError:
+        with self._lock:
+            self._n["errors"] += 1
+            self._last_error = f"{what}: {e}"
+        return TierError(f"disk tier {self.path}: {what} failed: {e}")
+
+    def _write(self, *, deletes: Sequence[bytes] = (),
+               put: tuple[bytes, bytes | bytearray, bytes] | None = None,
+               metas: dict[bytes, _Entry] | None = None) -> list[bool]:
+        """One write transaction: delete keys, put one (key, record, meta), rewrite the
+        trailer of the meta entries in ``metas``. Returns which deletes existed."""
+        existed = []
+        with self._env.begin(write=True) as txn:
+            for key in deletes:
+                txn.delete(key, db=self._records)
+                existed.append(txn.delete(key, db=self._meta))
+            if put is not None:
+                txn.put(put[0], put[1], db=self._records)
+                txn.put(put[0], put[2], db=self._meta)
+            for key, entry in (metas or {}).items():
+                old = txn.get(key, db=self._meta)
+                if old is not None:
+                    txn.put(key, _pack_meta(entry, memoryview(old)[_META_FIXED:]), db=self._meta)
+        return existed
+
+    def _take_dirty(self) -> dict[bytes, _Entry]:
+        with self._lock:
+            out = {k: replace(e) for k in self._dirty if (e := self._index.get(k)) is not None}
+            self._dirty.clear()
+            return out
+
+    def _restore_dirty(self, metas: dict[bytes, _Entry]) -> None:
+        with self._lock:
+            self._dirty.update(k for k in metas if k in self._index)
+
+    # -- writes ---------------------------------------------------------------
+    def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
+        self._check_open()
+        if memoryview(payload).nbytes != header.stored_size:
+            raise InvalidArgument(f"payload is {memoryview(payload).nbytes} bytes, its header "
+                                  f"says {header.stored_size}")
+        key = bytes(header.key)
+        if key in self._index:
+            return PutStatus.EXISTS
+        blob = self._encode(header, payload)  # outside the locks: zstd takes milliseconds
+        size = len(blob)
+        if size > self.config.capacity_bytes:
+            self._count(rejected=1)
+            return PutStatus.TOO_LARGE
+        with self._wlock:
+            self._check_open()
+            if key in self._index:
+                return PutStatus.EXISTS
+            return self._put_locked(key, header.fingerprint, header.n_tokens, blob)
+
+    def _encode(self, header: RecordHeader, payload: bytes | memoryview) -> bytes | bytearray:
+        if header.codec != self._codec:
+            return transcode_parts(header, payload, self._codec, self.config.level)
+        blob = bytearray(header.record_size)  # one copy; LMDB needs one contiguous value
+        blob[: header.header_size] = header.pack()
+        blob[header.header_size :] = payload
+        return blob
+
+    def _put_locked(self, key: bytes, fingerprint: bytes, n_tokens: int,
+                    blob: bytes | bytearray) -> PutStatus:
+        size = len(blob)
+        header_bytes = memoryview(blob)[: FIXED_BYTES + 4 * n_tokens]  # without the padding
+        victims = self._pick_victims(self._used + size - self.config.capacity_bytes, set())
+        if victims is None:
+            self._count(rejected=1)
+            return PutStatus.FULL
+        self._hand_over(victims)
+        entry = _Entry(size, bytes(fingerprint), False, self._now_ms(), 0, 0)
+        while True:
+            metas = self._take_dirty()
+            with self._lock:
+                self._seq += 1
+                entry.seq = self._seq
+            try:
+                self._write(deletes=victims, put=(key, blob, _pack_meta(entry, header_bytes)),
+                            metas=metas)
+                break
+            except lmdb.MapFullError:
+                # Page rounding, fragmentation or not-yet-reusable free pages: evict more.
+                # Deletes commit on their own first, as pages freed inside the failed
+                # transaction could not have been reused by it.
+                self._restore_dirty(metas)
+                more = self._pick_victims(size, set(victims), partial=True) or []
+                self._hand_over(more)
+                self._commit_evictions(victims + more)  # handed over: they must go
+                victims = []
+                if not more:
+                    self._count(rejected=1)
+                    return PutStatus.FULL
+            except (lmdb.Error, OSError) as e:
+                self._restore_dirty(metas)
+                if not _disk_full(e):
+                    raise self._backend_error("put", e) from e
+                with self._lock:
+                    self._n["errors"] += 1
+                    self._n["rejected"] += 1
+                    self._healthy, self._last_error = False, f"disk full: {e}"
+                # Freed pages are reused, so this needs little new space; if it fails the
+                # victims stay here as well as below, and nothing is lost.
+                with contextlib.suppress(TierError):
+                    self._commit_evictions(victims)
+                return PutStatus.FULL
+        with self._lock:
+            self._drop_from_index(victims, evicted=True)
+            self._index[key] = entry
+            self._used += size
+            self._n["puts"] += 1
+            self._n["bytes_in"] += size
+            self._healthy = True
+        return PutStatus.STORED
+
+    def _pick_victims(self, need: int, exclude: set[bytes], partial: bool = False
+                      ) -> list[bytes] | None:
+        """LRU unpinned keys freeing at least ``need`` bytes; None if impossible
+        (or, with ``partial``, every evictable key)."""
+        if need <= 0:
+            return []
+        out, freed = [], 0
+        with self._lock:
+            for key, e in self._index.items():
+                if e.pinned or key in exclude:
+                    continue
+                out.append(key)
+                freed += e.size
+                if freed >= need:
+                    return out
+        return out if partial else None
+
+    def _hand_over(self, victims: list[bytes]) -> None:
+        """Give each victim's verified record to on_evict before it is deleted."""
+        cb = self.on_evict
+        if cb is None or not victims:
+            return
+        blobs: list[tuple[bytes, RecordHeader, bytes]] = []
+        try:
+            with self._env.begin(db=self._records, buffers=True) as txn:
+                for key in victims:
+                    view = txn.get(key)
+                    try:
+                        if view is None:
+                            raise CorruptRecord("record missing")
+                        blobs.append((key, verify(view, expect_key=key), bytes(view)))
+                    except CorruptRecord as e:
+                        log.warning("disk tier: evicting damaged %s: %s", key.hex(), e)
+                        self._count(corrupt=1)
+        except lmdb.Error as e:
+            raise self._backend_error("read for eviction", e) from e
+        for key, header, blob in blobs:
+            cb(ChunkKey(key), header, blob)
+
+    def _commit_evictions(self, victims: list[bytes]) -> None:
+        if not victims:
+            return
+        try:
+            self._write(deletes=victims)
+        except lmdb.Error as e:
+            raise self._backend_error("evict", e) from e
+        with self._lock:
+            self._drop_from_index(victims, evicted=True)
+
+    def _drop_from_index(self, keys: Sequence[bytes], *, evicted: bool = False) -> int:
+        """Caller holds _lock."""
+        n = 0
+        for key in keys:
+            e = self._index.pop(key, None)
+            self._dirty.discard(key)
+            if e is not None:
+                self._used -= e.size
+                n += 1
+        if evicted:
+            self._n["evictions"] += n
+        return n
+
+    def delete(self, key: ChunkKey) -> bool:
+        self._check_open()
+        with self._wlock:
+            self._check_open()
+            try:
+                (existed,) = self._write(deletes=[bytes(key)])
+            except lmdb.Error as e:
+                raise self._backend_error("delete", e) from e
+            with self._lock:
+                self._drop_from_index([bytes(key)])
+            return existed
+
+    def clear(self, fingerprint: bytes | None = None) -> int:
+        self._check_open()
+        with self._wlock:
+            self._check_open()
+            with self._lock:
+                keys = [k for k, e in self._index.items()
+                        if fingerprint is None or e.fingerprint == fingerprint]
+            try:
+                if fingerprint is None:
+                    with self._env.begin(write=True) as txn:
+                        txn.drop(self._records, delete=False)
+                        txn.drop(self._meta, delete=False)
+                else:
+                    for i in range(0, len(keys), 4096):  # bound the dirty pages of one txn
+                        self._write(deletes=keys[i : i + 4096])
+            except lmdb.Error as e:
+                raise self._backend_error("clear", e) from e
+            with self._lock:
+                return self._drop_from_index(keys)
+
+    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
+        self._check_open()
+        with self._wlock:
+            self._check_open()
+            with self._lock:
+                e = self._index.get(bytes(key))
+                if e is None:
+                    return False
+                e.pinned = pinned
+                self._dirty.discard(bytes(key))
+                snapshot = replace(e)
+            try:
+                self._write(metas={bytes(key): snapshot})
+            except lmdb.Error as err:
+                raise self._backend_error("pin", err) from err
+            return True
+
+    def flush(self) -> int:
+        """Write back in-memory access times and hit counts; returns how many entries."""
+        self._check_open()
+        with self._wlock:
+            metas = self._take_dirty()
+            if not metas:
+                return 0
+            try:
+                self._write(metas=metas)
+            except lmdb.Error as e:
+                self._restore_dirty(metas)
+                raise self._backend_error("flush", e) from e
+            return len(metas)
+
+    # -- reads ----------------------------------------------------------------
+    def get(self, key: ChunkKey) -> bytes | None:
+        out = self._read(bytes(key), None)
+        return out if isinstance(out, bytes) else None
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        header = self._read(bytes(key), out)
+        return header if isinstance(header, RecordHeader) else None
+
+    def _read(self, key: bytes, out: memoryview | None) -> bytes | RecordHeader | None:
+        self._check_open()
+        if key not in self._index:
+            self._count(misses=1)
+            return None
+        result: bytes | RecordHeader | None = None
+        damaged: str | None = None
+        nbytes = 0
+        try:
+            with self._env.begin(db=self._records, buffers=True) as txn:
+                view = txn.get(key)  # a view into the map, valid until the txn ends
+                if view is None:
+                    damaged = "record missing for an indexed key"
+                else:
+                    nbytes = len(view)
+                    try:
+                        header = verify(view, expect_key=key)
+                        if out is None:
+                            result = bytes(view)
+                        else:
+                            raw = decode_payload(header, view[header.header_size :])
+                            copy_into(out, raw, header.raw_size)
+                            result = header
+                    except CorruptRecord as e:
+                        damaged = str(e)
+        except lmdb.Error as e:
+            raise self._backend_error("get", e) from e
+        if damaged is not None:
+            self._count(misses=1)
+            self._drop_corrupt(key, damaged)
+            return None
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                self._index.move_to_end(key)
+                self._seq += 1
+                entry.seq, entry.last_ms, entry.hits = self._seq, self._now_ms(), entry.hits + 1
+                self._dirty.add(key)
+            self._n["hits"] += 1
+            self._n["bytes_out"] += nbytes
+        return result
+
+    def _drop_corrupt(self, key: bytes, why: str) -> None:
+        log.warning("disk tier %s: deleting damaged record %s: %s", self.path, key.hex(), why)
+        with self._wlock:
+            if self._closed:
+                return
+            try:
+                with self._env.begin(db=self._records, buffers=True) as txn:
+                    view = txn.get(key)
+                    if view is not None:
+                        verify(view, expect_key=key)
+                        return  # replaced by a good record meanwhile
+            except CorruptRecord:
+                pass
+            except lmdb.Error as e:
+                raise self._backend_error("delete damaged record", e) from e
+            try:
+                self._write(deletes=[key])
+            except lmdb.Error as e:
+                raise self._backend_error("delete damaged record", e) from e
+            with self._lock:
+                self._drop_from_index([key])
+                self._n["corrupt"] += 1
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._check_open()
+        try:
+            with self._env.begin(db=self._meta, buffers=True) as txn:
+                return [txn.get(bytes(k)) is not None for k in keys]
+        except lmdb.Error as e:
+            raise self._backend_error("contains", e) from e
+
+    def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
+        """Reads ``meta`` only, in short read transactions of a few hundred entries."""
+        self._check_open()
+        after: bytes | None = None
+        while True:
+            batch: list[tuple[bytes, bytes]] = []
+            try:
+                with self._env.begin(db=self._meta, buffers=True) as txn:
+                    cur = txn.cursor()
+                    ok = cur.set_range(after + b"\0") if after is not None else cur.first()
+                    while ok and len(batch) < _SCAN_BATCH:
+                        key = bytes(cur.key())
+                        e = self._index.get(key)
+                        if e is not None and (fingerprint is None or e.fingerprint == fingerprint):
+                            batch.append((key, bytes(cur.value())))
+                        after = key
+                        ok = cur.next()
+            except lmdb.Error as err:
+                raise self._backend_error("scan", err) from err
+            for key, value in batch:
+                try:
+                    stored, header = _parse_meta(key, value)
+                except CorruptRecord:
+                    continue  # the record itself is verified on every read
+                e = self._index.get(key)
+                e = e if e is not None else stored  # in memory: access info not yet written
+                yield ChunkInfo(key=ChunkKey(key), header=header, size=e.size, pinned=e.pinned,
+                                last_access_ms=e.last_ms, hits=e.hits)
+            if not ok:
+                return
+            self._check_open()
+
+    def stats(self) -> TierStats:
+        self._check_open()
+        with self._lock:
+            n = self._n
+            s = TierStats(
+                name=self.name, level=self.level, capacity_bytes=self.config.capacity_bytes,
+                used_bytes=self._used, chunks=len(self._index), healthy=self._healthy,
+                hits=n["hits"], misses=n["misses"], puts=n["puts"], evictions=n["evictions"],
+                corrupt=n["corrupt"], errors=n["errors"], rejected=n["rejected"],
+                bytes_in=n["bytes_in"], bytes_out=n["bytes_out"])
+            dirty = len(self._dirty)
+        detail: dict[str, Any] = {"path": self.path, "codec": self._codec.name.lower(),
+                                  "durability": self.config.durability, "dirty_access": dirty,
+                                  "last_error": self._last_error}
+        try:
+            info = self._env.info()
+            detail.update(map_size=info["map_size"], last_txnid=info["last_txnid"],
+                          num_readers=info["num_readers"], page_size=self._env.stat()["psize"])
+            detail["file_size"] = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except (lmdb.Error, OSError) as e:
+            s.healthy = False
+            detail["stats_error"] = str(e)
+        s.detail = detail
+        return s
+
+    # -- lifecycle --------------------------------------------------------------
+    def close(self) -> None:
+        """Write back access info, sync to disk, close LMDB and release the directory."""
+        with self._wlock:
+            if self._closed:
+                return
+            try:
+                metas = self._take_dirty()
+                if metas:
+                    self._write(metas=metas)
+                self._env.sync(True)
+            except lmdb.Error as e:
+                log.warning("disk tier %s: could not write back access info at close: %s",
+                            self.path, e)
+            finally:
+                self._closed = True
+                self._env.close()
+                os.close(self._lock_fd)
