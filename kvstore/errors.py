@@ -43,3 +43,26 @@ class StoreClosed(KVStoreError):
 
 class DeadlineExceeded(TierError):
     """A call did not finish within its deadline."""
+
+
+# -- errors of the client SDK (kvstore.Client): gRPC statuses mapped to this hierarchy --
+
+
+class ServerUnavailable(KVStoreError):
+    """The server cannot be reached, is shutting down, or a tier it needed is down."""
+
+
+class Unauthenticated(KVStoreError):
+    """The server refused the call: missing or wrong token (UNAUTHENTICATED, PERMISSION_DENIED)."""
+
+
+class NotFound(KVStoreError, LookupError):
+    """The server does not know a lease or reservation the call named (NOT_FOUND)."""
+
+
+class ResourceExhausted(KVStoreError):
+    """A request went over a server limit (message size, max_chunk_bytes, concurrent RPCs)."""
+
+
+class ServerError(KVStoreError):
+    """The server failed while handling the call (INTERNAL, UNKNOWN and other statuses)."""

@@ -30,6 +30,7 @@ from kvstore.keys import (
     ROOT,
     ChunkKey,
     Fingerprint,
+    Namespace,
     chunk_key,
     common_units,
     family,
@@ -44,8 +45,8 @@ class RemoteView(Protocol):
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
 
-    def children(self, group: bytes) -> dict[ChunkKey, bytes]:
-        """Children of a sibling group (keys.family), with their token ids (u32le)."""
+    def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
+        """Stored children of ``parent`` in namespace ``fingerprint``, with their token ids."""
         ...
 
 
@@ -74,6 +75,15 @@ STOP_REASONS = (
 
 
 @dataclass(frozen=True)
+class NamespaceMatch:
+    """Another namespace holding more of the same tokens (a lookup with ``explain``)."""
+
+    fingerprint: Fingerprint
+    matched_tokens: int
+    namespace: Namespace | None = None  # when a client described it
+
+
+@dataclass(frozen=True)
 class LookupResult:
     matched_tokens: int
     total_tokens: int
@@ -81,6 +91,7 @@ class LookupResult:
     stop: str = "not_stored"  # one of STOP_REASONS: why matching ended where it did
     stop_chunk: int = -1  # index of the chunk where matching ended; -1 when complete
     by_tier: dict[int, int] = field(default_factory=dict)  # matched tokens per tier
+    other_namespaces: tuple[NamespaceMatch, ...] = ()  # explain: namespaces that match more
 
 
 def lookup(
@@ -131,7 +142,7 @@ def lookup(
     if len(matches) < len(spans):
         stop = index.gone.get(stop_key, "not_stored") if stop_key else "not_stored"
         s, e = spans[len(matches)]
-        best = _best_sibling(index, family(parent, fingerprint), tb[s * 4 : e * 4], remote)
+        best = _best_sibling(index, parent, fingerprint, tb[s * 4 : e * 4], remote)
         if best is not None:
             key, units, stored, tier = best
             matches.append(ChunkMatch(key, s, units * index.granularity, stored, tier, True))
@@ -154,14 +165,15 @@ def lookup(
 
 
 def _best_sibling(
-    index: Index, group: bytes, query: memoryview, remote: RemoteView | None
+    index: Index, parent: ChunkKey, fingerprint: Fingerprint, query: memoryview,
+    remote: RemoteView | None,
 ) -> tuple[ChunkKey, int, int, int] | None:
-    """The stored chunk of sibling group ``group`` sharing the most whole units with ``query``."""
+    """The stored child of ``parent`` sharing the most whole units with ``query``."""
     qsub = sub_hashes(query, index.granularity)
     if not qsub:
         return None
     best: tuple[ChunkKey, int, int, int] | None = None
-    for child in index.children.get(group, ()):
+    for child in index.children.get(family(parent, fingerprint), ()):
         entry = index.entries.get(child)
         if entry is None:
             continue
@@ -169,7 +181,7 @@ def _best_sibling(
         if units and (best is None or units > best[1]):
             best = (child, units, entry.n_tokens, tier_levels(entry.tiers)[0])
     if remote is not None:
-        for child, token_bytes in remote.children(group).items():
+        for child, token_bytes in remote.children(parent, fingerprint).items():
             if child in index.entries:
                 continue
             units = common_units(qsub, sub_hashes(token_bytes, index.granularity))

@@ -102,10 +102,13 @@ class TieredStore:
         self.index = Index(cfg.granularity)
         self._layouts: dict[Fingerprint, tuple[str, int, int]] = {}  # fp -> dtype, raw, tokens
         self._reservations: dict[int, RecordHeader] = {}
+        self._inflight: dict[ChunkKey, int] = {}  # keys between tier put and index update
+        self._evicted_inflight: dict[ChunkKey, bool] = {}
         self._counters = {"lookups": 0, "lookup_tokens": 0, "matched_tokens": 0, "gets": 0,
                           "hits": 0, "puts": 0, "rejected_puts": 0}
         for tier in self.tiers:
             tier.on_evict = self._evict_callback(tier)
+            tier.on_corrupt = self._corrupt_callback(tier)
         self._rebuild()
         self._writer = WriteDown(self._run_job, cfg.write_queue_bytes)
 
@@ -160,8 +163,10 @@ class TieredStore:
         self._validate(header)
         if header.key in self.index:
             return PutStatus.EXISTS
+        self._begin(header.key)
         status = self.memory.put(header, payload)
-        if status == PutStatus.STORED:
+        evicted = self._end(header.key)
+        if status == PutStatus.STORED and not evicted:
             self._committed(header)
         elif status in (PutStatus.FULL, PutStatus.TOO_LARGE):
             status = self._put_below(header, payload, status)
@@ -219,8 +224,13 @@ class TieredStore:
         self._check_open()
         with self._lock:
             header = self._reservations.pop(reservation_id, None)
-        status = self.memory.commit(reservation_id)
-        if status == PutStatus.STORED and header is not None:
+        if header is not None:
+            self._begin(header.key)
+        try:
+            status = self.memory.commit(reservation_id)
+        finally:
+            evicted = header is not None and self._end(header.key)
+        if status == PutStatus.STORED and header is not None and not evicted:
             self._committed(header)
         self._count("puts" if status.ok else "rejected_puts")
         return status
@@ -257,7 +267,6 @@ class TieredStore:
                 continue
             blob = tier.get(key)
             if blob is None:
-                self._lost(key, tier, entry)
                 continue
             header = parse_header(blob)
             if header.codec != Codec.RAW:
@@ -302,17 +311,29 @@ class TieredStore:
         # The local index is authoritative for local tiers; the remote is shared.
         return tier is self.remote
 
-    def _lost(self, key: ChunkKey, tier: Tier, entry: Entry | None) -> None:
-        """The index said ``tier`` held ``key`` and it did not: corrupt or gone."""
-        if entry is None or not entry.tiers & (1 << tier.level):
-            return
-        with self._lock:
-            self.index.drop_tier(key, tier.level, "corrupt")
-
     def _promote(self, header: RecordHeader, payload: memoryview) -> None:
-        if self.memory.put(header, payload) == PutStatus.STORED:
+        self._begin(header.key)
+        status = self.memory.put(header, payload)
+        evicted = self._end(header.key)
+        if status == PutStatus.STORED and not evicted:
             with self._lock:
-                self.index.add(header, self.memory.level)
+                if header.key in self.index:  # not deleted meanwhile
+                    self.index.add(header, self.memory.level)
+
+    # A chunk can be evicted from L1 between the tier accepting it and the index
+    # learning of it (another thread's put needed the room). The eviction
+    # callback marks such in-flight keys so the writer does not index a copy
+    # that is already gone, and moves the bytes down itself.
+    def _begin(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._inflight[key] = self._inflight.get(key, 0) + 1
+
+    def _end(self, key: ChunkKey) -> bool:
+        with self._lock:
+            n = self._inflight.pop(key, 1) - 1
+            if n > 0:
+                self._inflight[key] = n
+            return self._evicted_inflight.pop(key, False) if n <= 0 else key in self._evicted_inflight
 
     def _touch(self, key: ChunkKey) -> None:
         entry = self.index.get(key)
@@ -466,9 +487,14 @@ class TieredStore:
         def on_evict(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
             with self._lock:
                 entry = self.index.get(key)
+                below = self._lower(tier.level)
+                if tier is self.memory and key in self._inflight:
+                    self._evicted_inflight[key] = True
+                    if entry is None:  # not indexed yet: index it here, then move it
+                        entry = self.index.add(header, tier.level)
+                        self._layouts.setdefault(header.fingerprint, _layout(header))
                 if entry is None:
                     return
-                below = self._lower(tier.level)
                 holds_below = any(entry.tiers & (1 << t.level) for t in below)
                 if below and not holds_below:
                     # Keep the entry alive under the target tier while the bytes travel.
@@ -479,6 +505,13 @@ class TieredStore:
             self._writer.submit_move(key, header, blob, below[0].level)
 
         return on_evict
+
+    def _corrupt_callback(self, tier: Tier):  # type: ignore[no-untyped-def]
+        def on_corrupt(key: ChunkKey) -> None:
+            with self._lock:
+                self.index.drop_tier(key, tier.level, "corrupt")
+
+        return on_corrupt
 
     def _run_job(self, job: Job) -> None:
         header, payload = job.header, None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -274,6 +273,14 @@ class ServerCluster:
     def url(self) -> str:
         return f"{self.nodes[0].url}?cluster=1"
 
+    def stop_node(self, i: int) -> RedisServer:
+        """Stop node ``i`` (graceful); ``start_node(i)`` brings it back on the same port."""
+        self.nodes[i].stop()
+        return self.nodes[i]
+
+    def start_node(self, i: int) -> RedisServer:
+        return self.nodes[i].start()
+
     def urls(self) -> list[str]:
         return [s.url for s in self.nodes]
 
@@ -312,7 +319,5 @@ def _stop_all() -> None:
 
 
 def available(flavor: str) -> bool:
-    """Whether ``<flavor>-server`` is installed (tests skip otherwise)."""
-    return shutil.which(f"{flavor}-server") is not None and os.access(
-        shutil.which(f"{flavor}-server") or "", os.X_OK
-    )
+    """Whether ``<flavor>-server`` and ``<flavor>-cli`` are installed (tests skip otherwise)."""
+    return all(shutil.which(f"{flavor}-{tool}") for tool in ("server", "cli"))

@@ -12,8 +12,9 @@ Contract, for every tier:
 2. ``put`` of a key already present returns ``EXISTS`` and leaves it alone:
    a key names one prefix, so its bytes never change.
 3. ``get``/``get_into`` verify what they read. A record that fails
-   verification is deleted, counted in ``stats().corrupt`` and reported as a
-   miss (``None``). Wrong bytes are never returned.
+   verification is deleted, counted in ``stats().corrupt``, reported to
+   ``on_corrupt`` (if set) and returned as a miss (``None``). Wrong bytes are
+   never returned.
 4. Capacity is in bytes of stored records. To make room ``put`` evicts
    least-recently-used chunks that are neither pinned nor being read, handing
    each to ``on_evict`` (if set) before it is gone, so the store can move it
@@ -25,7 +26,7 @@ Contract, for every tier:
 6. ``contains`` answers for many keys in one call (one round trip for a
    remote tier) and does not verify or touch LRU order.
 7. ``stats`` never fails, even when the backend is down (it says so).
-8. After ``close`` every method raises ``StoreClosed``.
+8. After ``close`` every method but ``stats`` raises ``StoreClosed``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 from kvstore.errors import InvalidArgument, StoreClosed
 from kvstore.keys import ChunkKey
@@ -90,6 +92,9 @@ class ChunkInfo:
 EvictCallback = Callable[[ChunkKey, RecordHeader, bytes], None]
 """Called with (key, header, whole record) for each chunk a tier evicts, before it is gone."""
 
+CorruptCallback = Callable[[ChunkKey], None]
+"""Called with the key of each record a tier deleted because it failed verification."""
+
 
 class Tier(ABC):
     """One level of storage. See the module docstring for the contract."""
@@ -99,6 +104,7 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.on_evict: EvictCallback | None = None
+        self.on_corrupt: CorruptCallback | None = None
         self._closed = False
         self._stats_lock = threading.Lock()
 
@@ -149,6 +155,17 @@ class Tier(ABC):
     def stats(self) -> TierStats:
         """A snapshot of the counters; never raises."""
 
+    def _report_corrupt(self, key: ChunkKey) -> None:
+        """Tell the store a record was dropped as corrupt; never raises into the tier."""
+        cb = self.on_corrupt
+        if cb is not None:
+            try:
+                cb(key)
+            except Exception:  # the store's bookkeeping must not break a read
+                import logging
+
+                logging.getLogger("kvstore.tiers").exception("on_corrupt callback failed")
+
     # -- lifecycle ----------------------------------------------------------
     def close(self) -> None:
         self._closed = True
@@ -161,7 +178,7 @@ class Tier(ABC):
         if self._closed:
             raise StoreClosed(f"{self.name} tier is closed")
 
-    def __enter__(self) -> Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,17 +40,13 @@ size rounded down to whole pages. ``last_access_ms`` is wall-clock time (like
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
-import os
-import secrets
-import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -59,45 +55,22 @@ from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
-from kvstore.records import Codec, RecordHeader
-from kvstore.tiers.arena import ArenaView, Extent, PageAllocator, as_u8
+from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
+from kvstore.tiers.arena import (
+    ArenaView,
+    Extent,
+    LeaseError,
+    PageAllocator,
+    ReadLease,
+    Reservation,
+    as_u8,
+    default_arena_path,
+)
 from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
 
+__all__ = ["LeaseError", "MemoryTier", "ReadLease", "Reservation"]
+
 log = logging.getLogger(__name__)
-
-
-class LeaseError(InvalidArgument):
-    """A reservation or read lease id is unknown, already used, or expired."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Pages reserved for one record; the client writes the payload, then commits."""
-
-    id: int
-    key: ChunkKey
-    extents: tuple[Extent, ...]  # arena (offset, length), covering exactly the record
-    payload_offset: int  # record offset where the payload starts (= header size)
-    expires_at: float  # on the tier's clock
-
-    @property
-    def record_size(self) -> int:
-        return sum(n for _, n in self.extents)
-
-
-@dataclass(frozen=True)
-class ReadLease:
-    """A verified record the holder may read in place until it releases the lease."""
-
-    id: int
-    key: ChunkKey
-    header: RecordHeader
-    extents: tuple[Extent, ...]  # the whole record: header, then payload
-    expires_at: float
-
-    @property
-    def payload_offset(self) -> int:
-        return self.header.header_size
 
 
 @dataclass(eq=False)
@@ -126,18 +99,6 @@ class _Hold:
     expires_at: float
 
 
-def default_path() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _cleanup(arena: ArenaView, unlink: bool, pid: int) -> None:
-    arena.close()
-    if unlink and os.getpid() == pid:  # a forked child must not delete its parent's arena
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(arena.path)
-
-
 class MemoryTier(Tier):
     """The shared-memory arena tier. Thread-safe: one lock guards the index."""
 
@@ -153,9 +114,9 @@ class MemoryTier(Tier):
         self.page_bytes = config.page_bytes
         n_pages = config.capacity_bytes // config.page_bytes
         self.capacity_bytes = n_pages * config.page_bytes
-        self.path = config.path or default_path()
+        self.path = config.path or default_arena_path()
         self._arena = ArenaView.own(self.path, self.capacity_bytes, create=create)
-        self._finalizer = weakref.finalize(self, _cleanup, self._arena, create, os.getpid())
+        self._finalizer = weakref.finalize(self, self._arena.close)  # no leak in /dev/shm
         self._clock = clock
         self._lease_s = config.lease_ms / 1000.0
         self._verify = config.verify_reads
@@ -233,8 +194,7 @@ class MemoryTier(Tier):
                 callback = self.on_evict
                 if callback is None:
                     continue
-                size = entry.size
-                blob = self._arena.read(entry.extents, 0, size)
+                blob = self._arena.read(entry.extents, 0, entry.size)
                 if self._verify and not self._blob_ok(entry, blob):
                     corrupt += 1  # pushing it down would only move the damage
                     continue
@@ -363,11 +323,7 @@ class MemoryTier(Tier):
         if hold is None:
             raise LeaseError(f"unknown reservation {reservation_id}")
         entry = hold.entry
-        header = entry.header
-        ok = (self._arena.read(entry.extents, 0, entry.hs) == entry.packed
-              and self._arena.checksum(entry.extents, entry.hs, header.stored_size)
-              == header.payload_checksum)
-        if not ok:
+        if not self._in_place_ok(entry):
             with self._lock:
                 self._free_locked(entry)
                 self._stats.corrupt += 1
@@ -385,15 +341,11 @@ class MemoryTier(Tier):
         entry = self._ref(key)
         if entry is None:
             return None
-        if self._verify:
-            blob = self._arena.read(entry.extents, 0, entry.hs)
-            if blob != entry.packed or self._arena.checksum(
-                entry.extents, entry.hs, entry.header.stored_size
-            ) != entry.header.payload_checksum:
-                self._drop_corrupt(entry)
-                return None
+        if self._verify and not self._in_place_ok(entry):
+            self._drop_corrupt(entry)
+            return None
         with self._lock:
-            self._hit_locked(entry, entry.header.stored_size)
+            self._hit_locked(entry)
             lid, expires = self._hold(self._leases, entry, owner)  # keeps the ref taken above
         return ReadLease(lid, key, entry.header, entry.extents, expires)
 
@@ -419,6 +371,21 @@ class MemoryTier(Tier):
             self._push_expiry(hold.expires_at, hold_id)
             return True
 
+    def renew_owner(self, owner: str) -> int:
+        """Renew every live lease and reservation tagged ``owner`` (a session ping); how many."""
+        with self._lock:
+            self._check_open()
+            self._sweep_locked()  # what already expired stays expired
+            expires = self._clock() + self._lease_s
+            n = 0
+            for table in (self._leases, self._reservations):
+                for hid, hold in table.items():
+                    if hold.owner == owner:
+                        hold.expires_at = expires
+                        self._push_expiry(expires, hid)
+                        n += 1
+            return n
+
     def release_owner(self, owner: str) -> int:
         """Drop every lease and reservation tagged ``owner`` (a client went away); how many."""
         with self._lock:
@@ -441,11 +408,11 @@ class MemoryTier(Tier):
             self._chunks.move_to_end(key)
             return entry
 
-    def _hit_locked(self, entry: _Entry, nbytes: int) -> None:
+    def _hit_locked(self, entry: _Entry) -> None:
         entry.hits += 1
         entry.last_access_ms = wall_ms()
         self._stats.hits += 1
-        self._stats.bytes_out += nbytes
+        self._stats.bytes_out += entry.size
 
     def _drop_corrupt(self, entry: _Entry) -> None:
         log.warning("L1 chunk %s failed verification; deleted", entry.header.key.hex())
@@ -455,50 +422,26 @@ class MemoryTier(Tier):
             if self._chunks.get(entry.header.key) is entry:
                 self._unindex(entry)
             self._unref_locked(entry)
+        self._report_corrupt(entry.header.key)
+
+    def _in_place_ok(self, entry: _Entry) -> bool:
+        """The header bytes are the ones we wrote and the payload hashes right, read in place."""
+        want = entry.header.payload_checksum
+        return (self._arena.read(entry.extents, 0, entry.hs) == entry.packed
+                and self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size) == want)
 
     def _blob_ok(self, entry: _Entry, blob: bytes) -> bool:
         hs, want = entry.hs, entry.header.payload_checksum
         view = memoryview(blob)  # slicing bytes would copy the payload
         return view[:hs] == entry.packed and xxhash.xxh3_64_intdigest(view[hs:]) == want
 
-    def get(self, key: ChunkKey) -> bytes | None:
+    def _read(self, key: ChunkKey, copy: Callable[[_Entry], bool]) -> _Entry | None:
+        """Run ``copy`` (False: the bytes did not verify) while a ref keeps the pages put."""
         entry = self._ref(key)
         if entry is None:
             return None
         try:
-            blob = self._arena.read(entry.extents, 0, entry.size)
-        except BaseException:
-            with self._lock:
-                self._unref_locked(entry)
-            raise
-        if self._verify and not self._blob_ok(entry, blob):
-            self._drop_corrupt(entry)
-            return None
-        with self._lock:
-            self._hit_locked(entry, len(blob))
-            self._unref_locked(entry)
-        return blob
-
-    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
-        dst = as_u8(out, writable=True)
-        entry = self._ref(key)
-        if entry is None:
-            return None
-        header = entry.header
-        ok = True
-        try:
-            if dst.size < header.stored_size:
-                raise InvalidArgument(
-                    f"output buffer holds {dst.size} bytes, the payload is {header.stored_size}"
-                )
-            if self._verify:
-                ok = self._arena.read(entry.extents, 0, entry.hs) == entry.packed
-            if ok:
-                target = dst[: header.stored_size]
-                self._arena.read_into(entry.extents, entry.hs, target)
-                ok = not self._verify or (
-                    xxhash.xxh3_64_intdigest(target.data) == header.payload_checksum
-                )
+            ok = copy(entry)
         except BaseException:
             with self._lock:
                 self._unref_locked(entry)
@@ -507,9 +450,40 @@ class MemoryTier(Tier):
             self._drop_corrupt(entry)
             return None
         with self._lock:
-            self._hit_locked(entry, header.stored_size)
+            self._hit_locked(entry)
             self._unref_locked(entry)
-        return header
+        return entry
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        blobs: list[bytes] = []
+
+        def copy(e: _Entry) -> bool:
+            blobs.append(self._arena.read(e.extents, 0, e.size))
+            return not self._verify or self._blob_ok(e, blobs[0])
+
+        return blobs[0] if self._read(key, copy) else None
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        """Copy the payload straight from the extents into ``out``.
+
+        Verification hashes ``out`` after the copy: that checks exactly the bytes
+        delivered (if they do not verify, ``out`` holds garbage and this is a miss).
+        """
+        dst = as_u8(out, writable=True)
+
+        def copy(e: _Entry) -> bool:
+            n = e.header.stored_size
+            if dst.size < n:
+                raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is {n}")
+            if self._verify and self._arena.read(e.extents, 0, e.hs) != e.packed:
+                return False
+            self._arena.read_into(e.extents, e.hs, dst[:n])
+            return not self._verify or (
+                xxhash.xxh3_64_intdigest(dst[:n].data) == e.header.payload_checksum
+            )
+
+        entry = self._read(key, copy)
+        return None if entry is None else entry.header
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
@@ -518,15 +492,13 @@ class MemoryTier(Tier):
 
     def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
         """Chunks in LRU order (least recently used first), as of the call."""
-        with self._lock:
+        with self._lock:  # not a generator: a closed tier raises at the call
             self._check_open()
-            infos = [
-                ChunkInfo(e.header.key, e.header, e.size, e.pinned,
-                          e.last_access_ms, e.hits)
+            return iter([
+                ChunkInfo(e.header.key, e.header, e.size, e.pinned, e.last_access_ms, e.hits)
                 for e in self._chunks.values()
                 if fingerprint is None or e.header.fingerprint == fingerprint
-            ]
-        yield from infos
+            ])
 
     # -- writes ------------------------------------------------------------------
     def _check_raw(self, header: RecordHeader) -> None:
@@ -534,7 +506,14 @@ class MemoryTier(Tier):
             raise InvalidArgument(f"L1 stores RAW records only, got codec {header.codec.name}")
 
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
-        self._check_raw(header)
+        if header.codec != Codec.RAW:  # L1 is read in place: decode compressed records once here
+            self._check_open()
+            try:
+                blob = transcode_parts(header, payload, Codec.RAW)
+            except CorruptRecord as e:
+                raise InvalidArgument(f"record does not decode: {e}") from e
+            header = parse_header(blob)
+            payload = memoryview(blob)[header.header_size :]
         src = as_u8(payload)
         if src.size != header.stored_size:
             raise InvalidArgument(
@@ -594,22 +573,14 @@ class MemoryTier(Tier):
                 used_bytes=self._used_bytes,
                 chunks=len(self._chunks),
                 healthy=not self._closed,
-                detail={
-                    "path": self.path,
-                    "page_bytes": self.page_bytes,
-                    "pages_total": a.n_pages,
-                    "pages_used": a.n_pages - a.free_pages,
-                    "pages_free": a.free_pages,
-                    "free_extents": a.fragments,
-                    "largest_free_pages": a.largest_free,
-                    "active_leases": len(self._leases),
-                    "reservations": len(self._reservations),
-                    "deleted_while_leased": len(pending),
-                    "evicting_pages": self._evicting_pages,
-                    "expired": self._expired,
+                detail={  # page figures include reservations and chunks still leased
+                    "path": self.path, "page_bytes": self.page_bytes, "pages_total": a.n_pages,
+                    "pages_used": a.n_pages - a.free_pages, "pages_free": a.free_pages,
+                    "free_extents": a.fragments, "largest_free_pages": a.largest_free,
+                    "active_leases": len(self._leases), "reservations": len(self._reservations),
+                    "deleted_while_leased": len(pending), "evicting_pages": self._evicting_pages,
+                    "expired": self._expired, "verify_reads": self._verify,
                     "pinned": sum(1 for e in self._chunks.values() if e.pinned),
-                    "verify_reads": self._verify,
-                    "closed": self._closed,
                 },
             )
 

@@ -1,0 +1,285 @@
+"""What the server and the SDK agree on besides the .proto: defaults, conversions, statuses.
+
+Both sides import this module (``kvstore/`` never imports ``server/``), so a
+value crosses the wire the same way in both directions: tier ``PutStatus`` <->
+proto enum, ``keys.Namespace`` <-> proto ``Namespace``, ``LookupResult``,
+``StoreStats`` and ``ChunkView`` <-> their messages, and kvstore errors <-> gRPC
+status codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvstore import errors
+from kvstore.keys import ChunkKey, Fingerprint, Namespace
+from kvstore.lookup import ChunkMatch, LookupResult, NamespaceMatch
+from kvstore.store import ChunkView, StoreStats
+from kvstore.tiers.base import PutStatus, TierStats
+from kvstore.v1 import kvstore_pb2 as pb
+
+DEFAULT_PORT = 50551
+SESSION_HEADER = "x-kvstore-session"  # metadata: the client's session id (lease owner)
+AUTH_HEADER = "authorization"  # metadata: "Bearer <token>"
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def default_socket_path() -> str:
+    """The Unix socket a server listens on and a client dials when told nothing else."""
+    return os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}", "kvstore.sock")
+
+
+def boot_id() -> str:
+    """This host's boot id: with the arena's inode it proves a client shares the server's host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a server is and offers (the Info RPC)."""
+
+    server_version: str
+    record_format: int
+    key_scheme: str
+    chunk_tokens: int
+    granularity: int
+    max_chunk_bytes: int
+    piece_bytes: int
+    max_message_bytes: int
+    shm_path: str
+    shm_size: int
+    boot_id: str
+    shm_inode: int
+    lease_ms: int
+    tiers: tuple[str, ...]
+    auth_required: bool
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One namespace the server holds chunks of (the Namespaces RPC)."""
+
+    fingerprint: Fingerprint
+    chunks: int
+    bytes: int  # raw payload bytes
+    namespace: Namespace | None  # when a client described it (a lookup with a Namespace)
+
+
+# -- put status ------------------------------------------------------------------------
+
+_STATUS_TO_PB: dict[PutStatus, pb.PutStatus] = {
+    PutStatus.STORED: pb.STORED,
+    PutStatus.EXISTS: pb.EXISTS,
+    PutStatus.FULL: pb.FULL,
+    PutStatus.TOO_LARGE: pb.TOO_LARGE,
+    PutStatus.UNAVAILABLE: pb.UNAVAILABLE,
+}
+_STATUS_FROM_PB: dict[int, PutStatus] = {int(v): k for k, v in _STATUS_TO_PB.items()}
+
+
+def status_to_pb(status: PutStatus) -> pb.PutStatus:
+    return _STATUS_TO_PB[status]
+
+
+def status_from_pb(value: int) -> PutStatus:
+    try:
+        return _STATUS_FROM_PB[value]
+    except KeyError:
+        raise errors.ServerError(f"server sent an unknown put status {value}") from None
+
+
+# -- namespaces ------------------------------------------------------------------------
+
+def namespace_to_pb(ns: Namespace) -> pb.Namespace:
+    return pb.Namespace(
+        model=ns.model, revision=ns.revision, dtype=ns.dtype, layout=ns.layout,
+        device=ns.device, tp_rank=ns.tp_rank, tp_size=ns.tp_size, pp_rank=ns.pp_rank,
+        pp_size=ns.pp_size, lora=ns.lora, salt=ns.salt, extra=dict(ns.extra),
+    )
+
+
+def namespace_from_pb(msg: pb.Namespace) -> Namespace:
+    """A Namespace from its message; raises InvalidArgument for an invalid one."""
+    return Namespace(
+        model=msg.model, revision=msg.revision, dtype=msg.dtype, layout=msg.layout,
+        device=msg.device, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1,
+        pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1, lora=msg.lora, salt=msg.salt,
+        extra=tuple(sorted(msg.extra.items())),
+    )
+
+
+# -- lookup ----------------------------------------------------------------------------
+
+def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        matched_tokens=result.matched_tokens,
+        total_tokens=result.total_tokens,
+        chunks=[pb.ChunkMatch(key=m.key, start=m.start, tokens=m.tokens,
+                              stored_tokens=m.stored_tokens, tier=m.tier, partial=m.partial)
+                for m in result.chunks],
+        stop=result.stop,
+        stop_chunk=result.stop_chunk,
+        tokens_by_tier=result.by_tier,
+        other_namespaces=[
+            pb.NamespaceMatch(fingerprint=o.fingerprint, matched_tokens=o.matched_tokens,
+                              namespace=namespace_to_pb(o.namespace) if o.namespace else None)
+            for o in result.other_namespaces
+        ],
+    )
+
+
+def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(
+        matched_tokens=msg.matched_tokens,
+        total_tokens=msg.total_tokens,
+        chunks=tuple(ChunkMatch(ChunkKey(m.key), m.start, m.tokens, m.stored_tokens, m.tier,
+                                m.partial) for m in msg.chunks),
+        stop=msg.stop,
+        stop_chunk=msg.stop_chunk,
+        by_tier=dict(msg.tokens_by_tier),
+        other_namespaces=tuple(
+            NamespaceMatch(Fingerprint(o.fingerprint), o.matched_tokens,
+                           _maybe_namespace(o.namespace) if o.HasField("namespace") else None)
+            for o in msg.other_namespaces
+        ),
+    )
+
+
+def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:
+    try:
+        return namespace_from_pb(msg)
+    except errors.InvalidArgument:
+        return None
+
+
+# -- stats and listings ----------------------------------------------------------------
+
+def stats_to_pb(stats: StoreStats, *, active_leases: int, uptime_s: int) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        chunks=stats.chunks, namespaces=stats.namespaces,
+        tiers=[pb.TierStats(
+            name=t.name, level=t.level, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
+            chunks=t.chunks, hits=t.hits, misses=t.misses, puts=t.puts, evictions=t.evictions,
+            corrupt=t.corrupt, errors=t.errors, rejected=t.rejected, bytes_in=t.bytes_in,
+            bytes_out=t.bytes_out, healthy=t.healthy,
+            detail_json=json.dumps(t.detail, default=str, sort_keys=True),
+        ) for t in stats.tiers],
+        pending_writes=stats.pending_writes, pending_bytes=stats.pending_bytes,
+        write_failures=stats.write_failures, lookups=stats.lookups,
+        lookup_tokens=stats.lookup_tokens, matched_tokens=stats.matched_tokens,
+        gets=stats.gets, hits=stats.hits, puts=stats.puts, rejected_puts=stats.rejected_puts,
+        active_leases=active_leases, uptime_s=uptime_s,
+    )
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
+    """The server's StoreStats; ``extra`` holds active_leases and uptime_s."""
+    tiers = []
+    for t in msg.tiers:
+        try:
+            detail: dict[str, Any] = json.loads(t.detail_json) if t.detail_json else {}
+        except ValueError:
+            detail = {"raw": t.detail_json}
+        tiers.append(TierStats(
+            t.name, t.level, t.capacity_bytes, used_bytes=t.used_bytes, chunks=t.chunks,
+            hits=t.hits, misses=t.misses, puts=t.puts, evictions=t.evictions,
+            corrupt=t.corrupt, errors=t.errors, rejected=t.rejected, bytes_in=t.bytes_in,
+            bytes_out=t.bytes_out, healthy=t.healthy, detail=detail,
+        ))
+    return StoreStats(
+        chunks=msg.chunks, namespaces=msg.namespaces, tiers=tiers,
+        pending_writes=msg.pending_writes, pending_bytes=msg.pending_bytes,
+        write_failures=msg.write_failures, lookups=msg.lookups, lookup_tokens=msg.lookup_tokens,
+        matched_tokens=msg.matched_tokens, gets=msg.gets, hits=msg.hits, puts=msg.puts,
+        rejected_puts=msg.rejected_puts,
+        extra={"active_leases": msg.active_leases, "uptime_s": msg.uptime_s},
+    )
+
+
+def chunk_to_pb(v: ChunkView) -> pb.ChunkInfo:
+    return pb.ChunkInfo(
+        key=v.key, fingerprint=v.fingerprint, parent=v.parent, n_tokens=v.n_tokens,
+        raw_size=v.raw_size, dtype=v.dtype, tiers=list(v.tiers), pinned=v.pinned,
+        created_ms=v.created_ms, last_access_ms=v.last_access_ms, hits=v.hits,
+    )
+
+
+def chunk_from_pb(m: pb.ChunkInfo) -> ChunkView:
+    return ChunkView(
+        key=ChunkKey(m.key), fingerprint=Fingerprint(m.fingerprint), parent=ChunkKey(m.parent),
+        n_tokens=m.n_tokens, raw_size=m.raw_size, dtype=m.dtype, tiers=tuple(m.tiers),
+        pinned=m.pinned, created_ms=m.created_ms, last_access_ms=m.last_access_ms, hits=m.hits,
+    )
+
+
+def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
+    return ServerInfo(
+        server_version=m.server_version, record_format=m.record_format, key_scheme=m.key_scheme,
+        chunk_tokens=m.chunk_tokens, granularity=m.granularity,
+        max_chunk_bytes=m.max_chunk_bytes, piece_bytes=m.piece_bytes,
+        max_message_bytes=m.max_message_bytes, shm_path=m.shm_path, shm_size=m.shm_size,
+        boot_id=m.boot_id, shm_inode=m.shm_inode, lease_ms=m.lease_ms, tiers=tuple(m.tiers),
+        auth_required=m.auth_required,
+    )
+
+
+# -- errors <-> statuses ---------------------------------------------------------------
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a server returns for an exception raised while serving a call."""
+    from kvstore.tiers.memory import LeaseError
+
+    msg = str(exc) or type(exc).__name__
+    code = grpc.StatusCode.INTERNAL
+    if isinstance(exc, (LeaseError, errors.NotFound)):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, errors.ResourceExhausted):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(exc, errors.InvalidArgument):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, errors.CorruptRecord):
+        code = grpc.StatusCode.DATA_LOSS
+    elif isinstance(exc, errors.DeadlineExceeded):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    elif isinstance(exc, (errors.StoreClosed, errors.TierUnavailable, errors.ServerUnavailable)):
+        code = grpc.StatusCode.UNAVAILABLE
+    elif isinstance(exc, errors.Unauthenticated):
+        code = grpc.StatusCode.UNAUTHENTICATED
+    elif not isinstance(exc, errors.KVStoreError):
+        msg = f"internal error ({type(exc).__name__}: {exc}); see the server log"
+    return code, msg
+
+
+_ERRORS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.DATA_LOSS: errors.CorruptRecord,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.UNAVAILABLE: errors.ServerUnavailable,
+    grpc.StatusCode.CANCELLED: errors.ServerUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+}
+
+
+def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreError:
+    """The kvstore error a client raises for a failed call (chain it with ``from e``)."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else "") or str(code)
+    cls = _ERRORS.get(code, errors.ServerError)
+    if cls is errors.ServerUnavailable:
+        return cls(f"{what}: kvstore server at {target} is unavailable: {details}")
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    return cls(f"{what}: {details} ({name})")

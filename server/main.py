@@ -1,0 +1,352 @@
+"""kvstore-server: the daemon. Argument parsing, startup, signals, shutdown.
+
+Startup order matters for the messages a user sees: the configuration is
+validated first (exit 2), then the store is opened (a second server on the same
+data dir is refused here by the disk tier's lock, exit 1), then the sockets are
+bound (exit 1 if taken). Nothing of this prints a traceback.
+
+SIGTERM or SIGINT: refuse new calls, let in-flight calls finish (``grace_s``),
+end Session streams, flush pending write-downs (``store.close()``), exit 0. A
+second signal while shutting down exits at once (1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore import __version__
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.wire import default_socket_path
+
+from . import logs
+from .config import ServerConfig, load, parse_address
+
+log = logging.getLogger("kvstore.server")
+
+
+class StartError(KVStoreError):
+    """The server cannot start; the message says why."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = ServerConfig.__dataclass_fields__
+    s = StoreConfig()
+
+    def default(name: str) -> str:
+        value = d[name].default
+        return f" (default: {value!r})" if value not in ("", None) else ""
+
+    p = argparse.ArgumentParser(
+        prog="kvstore-server",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A tiered KV-cache store for LLM inference: L1 shared memory, L2 LMDB, "
+                    "L3 Redis/Valkey,\nserved over gRPC on TCP and a Unix socket.",
+        epilog=(
+            "Sources, later ones winning: defaults < --config FILE < KVSTORE_* environment "
+            "variables < flags.\nIn the TOML file, server settings go under [server] (same "
+            "names as the flags, with\nunderscores: listen, unix_socket, token_file, "
+            "max_message_bytes, ...); store settings\nat the top level (data_dir, chunk_tokens, "
+            "granularity, write_policy, max_chunk_bytes)\nand in [memory], [disk] and [remote]. "
+            "Environment: KVSTORE_LISTEN, KVSTORE_TOKEN,\nKVSTORE_DATA_DIR, "
+            "KVSTORE_MEMORY_CAPACITY_BYTES, KVSTORE_REMOTE_URL, ... Sizes accept units\n"
+            "(64MiB, 1GiB). Exit status: 0 after a clean shutdown, 1 when the server cannot "
+            "start\n(e.g. its data dir is in use), 2 for a bad configuration."
+        ),
+    )
+    p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file")
+
+    g = p.add_argument_group("listening")
+    g.add_argument("--listen", metavar="HOST:PORT",
+                   help=f"TCP address; '' for none{default('listen')}")
+    g.add_argument("--unix-socket", metavar="PATH",
+                   help=f"Unix socket path; '' for none (default: {default_socket_path()})")
+    g.add_argument("--max-message-bytes", metavar="SIZE",
+                   help="largest gRPC message either way (default: 4MiB)")
+    g.add_argument("--piece-bytes", metavar="SIZE",
+                   help="payload bytes per Put/Get stream message (default: 1MiB)")
+    g.add_argument("--max-concurrent-rpcs", type=int, metavar="N",
+                   help=f"worker threads for calls{default('max_concurrent_rpcs')}")
+    g.add_argument("--max-sessions", type=int, metavar="N",
+                   help=f"live client Session streams{default('max_sessions')}")
+    g.add_argument("--grace", dest="grace_s", type=float, metavar="SECONDS",
+                   help=f"on SIGTERM, time for in-flight calls to finish{default('grace_s')}")
+    g.add_argument("--no-shm", dest="shm", action="store_const", const=False,
+                   help="do not offer the shared-memory data plane to same-host clients")
+    g.add_argument("--sweep-interval", dest="sweep_interval_s", type=float, metavar="SECONDS",
+                   help=f"how often expired leases are reclaimed{default('sweep_interval_s')}")
+
+    g = p.add_argument_group("security")
+    g.add_argument("--token", help="bearer token every call must carry (health checks "
+                                   "excepted); also KVSTORE_TOKEN")
+    g.add_argument("--token-file", metavar="FILE", help="read the token from FILE's first line")
+    g.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve TLS on TCP")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--insecure", action="store_const", const=True,
+                   help="allow a non-loopback --listen address without a token")
+
+    g = p.add_argument_group("observability")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 9464 "
+                        "(default: 0 = off)")
+    g.add_argument("--metrics-host", metavar="HOST", help=f"{default('metrics_host')[1:]}")
+    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help=f"{default('log_level')[1:]}")
+    g.add_argument("--log-format", choices=("text", "json"),
+                   help=f"json: one object per line{default('log_format')}")
+    g.add_argument("--log-interval", dest="log_interval_s", type=float, metavar="SECONDS",
+                   help=f"period of the request-count log line; 0 = off"
+                        f"{default('log_interval_s')}")
+
+    g = p.add_argument_group("store")
+    g.add_argument("--data-dir", metavar="DIR",
+                   help=f"where L2 (LMDB) and its lock live (default: {s.data_dir})")
+    g.add_argument("--chunk-tokens", type=int, metavar="N",
+                   help=f"tokens per chunk (default: {s.chunk_tokens})")
+    g.add_argument("--granularity", type=int, metavar="N",
+                   help=f"partial-match unit in tokens (default: {s.granularity})")
+    g.add_argument("--write-policy", choices=("write-through", "write-back"),
+                   help=f"(default: {s.write_policy})")
+    g.add_argument("--max-chunk-bytes", metavar="SIZE", help="largest record (default: 256MiB)")
+    g.add_argument("--memory-capacity", metavar="SIZE",
+                   help="size of the L1 shared-memory arena (default: 1GiB)")
+    g.add_argument("--shm-path", metavar="PATH",
+                   help="arena file (default: a fresh file under /dev/shm)")
+    g.add_argument("--lease-ms", type=int, metavar="MS",
+                   help=f"lease of a reservation or read (default: {s.memory.lease_ms})")
+    g.add_argument("--disk-capacity", metavar="SIZE", help="L2 capacity (default: 16GiB)")
+    g.add_argument("--disk-path", metavar="DIR", help="LMDB directory (default: DATA_DIR/lmdb)")
+    g.add_argument("--disk-codec", choices=("raw", "zstd", "zstd_shuffle"),
+                   help=f"(default: {s.disk.codec})")
+    g.add_argument("--no-disk", dest="disk_enabled", action="store_const", const=False,
+                   help="no L2 tier")
+    g.add_argument("--remote", metavar="URL",
+                   help="L3: redis://, rediss://, valkey://, valkeys://; ?cluster=1 for a "
+                        "cluster (default: none)")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    server = {name: getattr(args, name, None) for name in ServerConfig.__dataclass_fields__}
+    store: dict[str, Any] = {
+        "data_dir": args.data_dir, "chunk_tokens": args.chunk_tokens,
+        "granularity": args.granularity, "write_policy": args.write_policy,
+        "max_chunk_bytes": args.max_chunk_bytes,
+        "memory": {"capacity_bytes": args.memory_capacity, "path": args.shm_path,
+                   "lease_ms": args.lease_ms},
+        "disk": {"capacity_bytes": args.disk_capacity, "path": args.disk_path,
+                 "codec": args.disk_codec, "enabled": args.disk_enabled},
+        "remote": {"url": args.remote},
+    }
+    return server, store
+
+
+@dataclass
+class _Running:
+    server: Any
+    health: Any
+    socket_path: str
+    socket_inode: int
+    endpoints: list[str]
+
+
+def _prepare_socket(path: str) -> None:
+    """Make the socket's directory (0700 if new); refuse a live socket, remove a stale one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise StartError(f"unix socket {path}: {e}") from e
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartError(f"unix socket {path}: the path exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: its server is gone
+            return
+    raise StartError(f"another server is listening on unix socket {path}; stop it or "
+                     "choose another --unix-socket")
+
+
+def _start(cfg: ServerConfig, service: Any, token: str,
+           tls: tuple[bytes, bytes] | None) -> _Running:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from kvstore.v1 import kvstore_pb2_grpc
+    from kvstore.wire import SERVICE_NAME
+
+    from .auth import TokenAuth
+
+    interceptors = [TokenAuth(token)] if token else []
+    pool = futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions,
+                                      thread_name_prefix="kvstore-rpc")
+    options = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # else a second server could bind the same port silently
+    ]
+    server = grpc.server(pool, interceptors=interceptors, options=options)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    health_servicer = health.HealthServicer(
+        experimental_non_blocking=True,
+        experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2),
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    endpoints = []
+    if cfg.listen:
+        host, port = parse_address(cfg.listen)
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            if tls is not None:
+                bound = server.add_secure_port(target, grpc.ssl_server_credentials([tls]))
+            else:
+                bound = server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise StartError(f"cannot listen on {cfg.listen}: {e} (is the port in use?)") from e
+        if not bound:
+            raise StartError(f"cannot listen on {cfg.listen} (is the port in use?)")
+        shown = f"{host}:{bound}" if ":" not in host else f"[{host}]:{bound}"
+        endpoints.append(f"{'grpcs' if tls else 'grpc'}://{shown}")
+    inode = 0
+    if cfg.unix_socket:
+        _prepare_socket(cfg.unix_socket)
+        try:
+            server.add_insecure_port(f"unix:{os.path.abspath(cfg.unix_socket)}")
+        except RuntimeError as e:
+            raise StartError(f"cannot listen on unix socket {cfg.unix_socket}: {e}") from e
+        endpoints.append(f"unix://{os.path.abspath(cfg.unix_socket)}")
+    server.start()
+    if cfg.unix_socket:
+        inode = os.stat(cfg.unix_socket).st_ino
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return _Running(server, health_servicer, cfg.unix_socket, inode, endpoints)
+
+
+def _housekeeping(service: Any, cfg: ServerConfig, stop: threading.Event) -> None:
+    """Reclaim expired leases; log request counts every log_interval_s."""
+    last_log, last_counts = time.monotonic(), service.request_counts()
+    while not stop.wait(cfg.sweep_interval_s):
+        try:
+            service.sweep()
+        except Exception:  # the sweeper must outlive any one failure
+            log.exception("lease sweep failed")
+        if cfg.log_interval_s and time.monotonic() - last_log >= cfg.log_interval_s:
+            counts = service.request_counts()
+            delta = {k: v - last_counts.get(k, 0) for k, v in counts.items()
+                     if v != last_counts.get(k, 0)}
+            log.info("requests in the last %.0f s: %d", time.monotonic() - last_log,
+                     sum(delta.values()), extra={"requests": delta})
+            last_log, last_counts = time.monotonic(), counts
+
+
+def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
+    token = cfg.read_token()
+    tls = cfg.read_tls()
+    from kvstore.store import TieredStore
+
+    from .metrics import Metrics
+    from .service import KVStoreService
+
+    store = TieredStore(store_cfg)  # a second server on this data dir fails here
+    stop, housekeeping_stop = threading.Event(), threading.Event()
+    signals = 0
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.error("second signal: exiting without waiting")
+            os._exit(1)
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    metrics = Metrics(store)
+    try:
+        service = KVStoreService(store, cfg, metrics=metrics, auth_required=bool(token))
+        running = _start(cfg, service, token, tls)
+        if cfg.metrics_port:
+            metrics.start(cfg.metrics_host, cfg.metrics_port)
+    except BaseException:
+        store.close()
+        raise
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    keeper = threading.Thread(target=_housekeeping, args=(service, cfg, housekeeping_stop),
+                              name="kvstore-housekeeping", daemon=True)
+    keeper.start()
+    log.info("kvstore-server %s listening on %s; tiers %s; data dir %s; shared memory %s",
+             __version__, ", ".join(running.endpoints), [t.name for t in store.tiers],
+             store_cfg.data_dir, store.memory.path if cfg.shm else "off",
+             extra={"endpoints": running.endpoints, "pid": os.getpid()})
+    while not stop.wait(1.0):
+        pass
+
+    t0 = time.monotonic()
+    running.health.enter_graceful_shutdown()
+    drained = service.shutdown(cfg.grace_s)
+    if not drained:
+        log.warning("in-flight calls did not finish within %.1f s; cancelling them", cfg.grace_s)
+    running.server.stop(0).wait(5.0)  # ends Session streams (their leases are dropped)
+    housekeeping_stop.set()
+    keeper.join(timeout=5.0)
+    metrics.stop()
+    pending = store.stats().pending_writes
+    store.close()  # flushes pending write-downs
+    if running.socket_path:
+        try:
+            if os.stat(running.socket_path).st_ino == running.socket_inode:
+                os.unlink(running.socket_path)
+        except OSError:
+            pass
+    log.info("stopped in %.2f s (%d write-downs flushed)", time.monotonic() - t0, pending,
+             extra={"requests": service.request_counts()})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    server_over, store_over = _overrides(args)
+    try:
+        cfg, store_cfg = load(args.config, server=server_over, store=store_over)
+    except ConfigError as e:
+        print(f"kvstore-server: error: {e}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log_level, cfg.log_format)
+    try:
+        return serve(cfg, store_cfg)
+    except ConfigError as e:
+        log.error("cannot start: %s", e)
+        return 2
+    except KVStoreError as e:
+        log.error("cannot start: %s", e)
+        return 1
+    except KeyboardInterrupt:
+        log.error("interrupted during startup")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,593 @@
+"""The KVStore gRPC servicer: the wire contract (proto/) over a TieredStore.
+
+Every method runs under ``_rpc``: it counts and times the call, refuses new calls
+while the server shuts down, and turns any exception into a gRPC status with a
+message saying what was wrong (``kvstore.wire.status_of``); an unexpected
+exception is logged with its traceback and returned as INTERNAL. No request can
+take the server down.
+
+Leases and reservations of the shared-memory data plane are tracked here per
+owner (the ``x-kvstore-session`` metadata of the call), so a client can only
+commit, abort or release what it was handed, a Session stream can renew its
+owner's holds, and everything an owner holds is dropped when its last Session
+stream ends (the client closed or died).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import prod
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import xxhash
+
+from kvstore import __version__
+from kvstore.errors import (
+    CorruptRecord,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    ResourceExhausted,
+    StoreClosed,
+)
+from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint, Namespace
+from kvstore.lookup import NamespaceMatch, lookup
+from kvstore.records import DTYPES, FORMAT_VERSION, Codec, RecordHeader, parse_header
+from kvstore.store import ChunkView, TieredStore
+from kvstore.tiers.base import PutStatus
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import (
+    SESSION_HEADER,
+    boot_id,
+    chunk_to_pb,
+    lookup_to_pb,
+    namespace_from_pb,
+    namespace_to_pb,
+    stats_to_pb,
+    status_of,
+    status_to_pb,
+)
+
+from .config import ServerConfig
+from .metrics import Metrics
+
+log = logging.getLogger("kvstore.server")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Status(Exception):
+    """Fail the call with exactly this status (for codes status_of does not derive)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Hold:
+    owner: str
+    kind: str  # "lease" or "reservation"
+    expires: float  # monotonic; pushed forward by each Session ping
+    nbytes: int = 0  # payload bytes (for the metrics of a commit)
+
+
+def _rpc(fn: F) -> F:
+    """Status mapping, shutdown gate, counts and timing for one RPC method."""
+    name = fn.__name__
+    streaming = name in ("Get", "Session")
+
+    def begin(self: KVStoreService) -> float:
+        if not self._enter(name):
+            raise _Status(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        return time.perf_counter()
+
+    if streaming:
+        @functools.wraps(fn)
+        def gen_wrapper(self: KVStoreService, request: Any, context: grpc.ServicerContext
+                        ) -> Iterator[Any]:
+            code, msg, t0, entered = grpc.StatusCode.OK, "", time.perf_counter(), False
+            try:
+                t0 = begin(self)
+                entered = True
+                yield from fn(self, request, context)
+            except Exception as e:
+                code, msg = self._failed(name, e, context)
+            finally:
+                self._leave(name, code, t0, entered)
+            if code != grpc.StatusCode.OK:
+                context.abort(code, msg)
+
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(self: KVStoreService, request: Any, context: grpc.ServicerContext) -> Any:
+        code, msg, t0, entered = grpc.StatusCode.OK, "", time.perf_counter(), False
+        try:
+            t0 = begin(self)
+            entered = True
+            return fn(self, request, context)
+        except Exception as e:
+            code, msg = self._failed(name, e, context)
+        finally:
+            self._leave(name, code, t0, entered)
+        context.abort(code, msg)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(self, store: TieredStore, config: ServerConfig, *,
+                 metrics: Metrics | None = None, auth_required: bool = False) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._closing = False
+        self._active = 0  # calls in flight, Session streams excepted
+        self._holds: dict[int, _Hold] = {}
+        self._sessions: Counter[str] = Counter()  # owner -> live Session streams
+        self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
+        self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
+        self._lease_s = store.config.memory.lease_ms / 1000.0
+        self._info = self._make_info(auth_required)
+
+    def _make_info(self, auth_required: bool) -> pb.InfoResponse:
+        import os
+
+        mem, cfg = self.store.memory, self.store.config
+        shm = self.config.shm
+        return pb.InfoResponse(
+            server_version=__version__, record_format=FORMAT_VERSION, key_scheme=KEY_SCHEME,
+            chunk_tokens=cfg.chunk_tokens, granularity=cfg.granularity,
+            max_chunk_bytes=cfg.max_chunk_bytes, piece_bytes=self.config.piece_bytes,
+            max_message_bytes=self.config.max_message_bytes,
+            shm_path=mem.path if shm else "", shm_size=mem.capacity_bytes if shm else 0,
+            boot_id=boot_id() if shm else "", shm_inode=os.stat(mem.path).st_ino if shm else 0,
+            lease_ms=cfg.memory.lease_ms, tiers=[t.name for t in self.store.tiers],
+            auth_required=auth_required,
+        )
+
+    # -- bookkeeping of calls ----------------------------------------------------------------------
+    def _enter(self, name: str) -> bool:
+        with self._lock:
+            if self._closing:
+                return False
+            if name != "Session":
+                self._active += 1
+            return True
+
+    def _leave(self, name: str, code: grpc.StatusCode, t0: float, entered: bool) -> None:
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            if entered and name != "Session":
+                self._active -= 1
+                if self._active == 0:
+                    self._idle.notify_all()
+            self.counts[(name, code.name)] += 1
+        if self.metrics is not None:
+            self.metrics.observe(name, code.name, seconds)
+        log.debug("rpc %s %s %.3f ms", name, code.name, seconds * 1000)
+
+    def _failed(self, name: str, e: Exception, context: grpc.ServicerContext
+                ) -> tuple[grpc.StatusCode, str]:
+        if isinstance(e, _Status):
+            return e.code, str(e)
+        if isinstance(e, grpc.RpcError) or not context.is_active():
+            return grpc.StatusCode.CANCELLED, f"{name}: the call ended before it completed"
+        code, msg = status_of(e)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed", name, exc_info=e)
+        else:
+            log.debug("%s: %s: %s", name, code.name, msg)
+        return code, f"{name}: {msg}"
+
+    def shutdown(self, grace_s: float) -> bool:
+        """Refuse new calls and wait for in-flight ones (Sessions excepted); True if drained."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            self._closing = True
+            while self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def request_counts(self) -> dict[str, int]:
+        with self._lock:
+            out: Counter[str] = Counter()
+            for (method, code), n in self.counts.items():
+                out[method if code == "OK" else f"{method}:{code}"] += n
+            return dict(out)
+
+    # -- argument parsing --------------------------------------------------------------------------
+    @staticmethod
+    def _owner(context: grpc.ServicerContext) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_HEADER:
+                return str(value)[:128]
+        return ""
+
+    @staticmethod
+    def _key(raw: bytes, what: str = "key") -> ChunkKey:
+        if len(raw) != KEY_BYTES:
+            raise InvalidArgument(f"{what} is {len(raw)} bytes; chunk keys are {KEY_BYTES}")
+        return ChunkKey(raw)
+
+    def _keys(self, raws: Any) -> list[ChunkKey]:
+        return [self._key(k, f"key #{i}") for i, k in enumerate(raws)]
+
+    @staticmethod
+    def _fingerprint(raw: bytes) -> Fingerprint:
+        if len(raw) != FINGERPRINT_BYTES:
+            raise InvalidArgument(f"fingerprint is {len(raw)} bytes; namespace fingerprints "
+                                  f"are {FINGERPRINT_BYTES}")
+        return Fingerprint(raw)
+
+    def _header(self, raw: bytes) -> RecordHeader:
+        """A verified, self-consistent RAW record header from a client."""
+        try:
+            header = parse_header(raw)
+        except CorruptRecord as e:
+            raise InvalidArgument(f"malformed record header: {e}") from e
+        if len(raw) != header.header_size:
+            raise InvalidArgument(f"malformed record header: {len(raw)} bytes, its fields say "
+                                  f"{header.header_size}")
+        if header.codec != Codec.RAW:
+            raise InvalidArgument(f"puts carry raw payloads, got codec {header.codec.name}")
+        if not header.shape or header.raw_size != prod(header.shape) * DTYPES[header.dtype][1] \
+                or header.stored_size != header.raw_size:
+            raise InvalidArgument(f"header is inconsistent: {header.dtype} x {header.shape} is "
+                                  f"not {header.raw_size} raw / {header.stored_size} stored bytes")
+        limit = self.store.config.max_chunk_bytes
+        if header.record_size > limit:
+            raise ResourceExhausted(f"record of {header.record_size} bytes exceeds "
+                                    f"max_chunk_bytes={limit}")
+        return header
+
+    def _shm_enabled(self) -> None:
+        if not self.config.shm:
+            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the shared-memory data plane is disabled on this server (shm=false)")
+
+    def _moved(self, direction: str, plane: str, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.moved(direction, plane, nbytes)
+
+    # -- holds (leases and reservations) -----------------------------------------------------------
+    def _track(self, hid: int, owner: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._holds[hid] = _Hold(owner, kind, time.monotonic() + self._lease_s, nbytes)
+
+    def _claim(self, hid: int, owner: str, kind: str) -> _Hold:
+        """Stop tracking a hold the caller owns; NotFound if it does not own it."""
+        with self._lock:
+            hold = self._holds.get(hid)
+            if hold is None or hold.owner != owner or hold.kind != kind:
+                raise NotFound(f"unknown {kind} {hid} (expired, already used, or handed to "
+                               "another session)")
+            del self._holds[hid]
+            return hold
+
+    def _drop(self, hids: list[tuple[int, str]]) -> None:
+        for hid, kind in hids:
+            try:
+                if kind == "reservation":
+                    self.store.abort(hid)
+                else:
+                    self.store.release(hid)
+            except KVStoreError:
+                pass  # expired or the store is closing: nothing left to give back
+
+    def sweep(self) -> int:
+        """Reclaim expired holds in the tier and forget the ones tracked here."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [(h, v.kind) for h, v in self._holds.items() if v.expires < now - 1.0]
+            for hid, _ in gone:
+                del self._holds[hid]
+        self._drop(gone)
+        try:
+            return self.store.memory.sweep()
+        except StoreClosed:
+            return 0
+
+    def _renew(self, owner: str) -> None:
+        with self._lock:
+            mine = [h for h, v in self._holds.items() if v.owner == owner]
+        lost = []
+        for hid in mine:
+            try:
+                alive = self.store.memory.renew(hid)
+            except StoreClosed:
+                return
+            with self._lock:
+                hold = self._holds.get(hid)
+                if hold is None:
+                    continue
+                if alive:
+                    hold.expires = time.monotonic() + self._lease_s
+                else:
+                    lost.append((hid, hold.kind))
+                    del self._holds[hid]
+        self._drop(lost)
+
+    def _end_session(self, owner: str) -> None:
+        with self._lock:
+            self._sessions[owner] -= 1
+            if self._sessions[owner] > 0:
+                return
+            del self._sessions[owner]
+            mine = [(h, v.kind) for h, v in self._holds.items() if v.owner == owner]
+            for hid, _ in mine:
+                del self._holds[hid]
+        self._drop(mine)
+        try:
+            n = self.store.memory.release_owner(owner)
+        except StoreClosed:
+            return
+        if mine or n:
+            log.info("session %s ended: dropped %d leases/reservations", owner[:16],
+                     max(len(mine), n))
+
+    # -- info and lookup ---------------------------------------------------------------------------
+    @_rpc
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        return self._info
+
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
+               ) -> pb.LookupResponse:
+        fp = self._fingerprint(request.fingerprint)
+        if len(request.token_ids) % 4:
+            raise InvalidArgument(f"token_ids is {len(request.token_ids)} bytes; "
+                                  "expected u32 little-endian ids (a multiple of 4 bytes)")
+        if request.HasField("namespace"):
+            ns = namespace_from_pb(request.namespace)
+            if ns.fingerprint != fp:
+                raise InvalidArgument("namespace does not match fingerprint (its fingerprint is "
+                                      f"{ns.fingerprint.hex()}, the request says {fp.hex()})")
+            with self._lock:
+                self._names.setdefault(fp, ns)
+        tokens = np.frombuffer(request.token_ids, dtype="<u4")
+        result = self.store.lookup(fp, tokens, min_tokens=request.min_tokens,
+                                   granularity=request.granularity or None)
+        if request.explain:
+            from dataclasses import replace
+
+            result = replace(result, other_namespaces=self._explain(fp, tokens, result))
+        return lookup_to_pb(result)
+
+    def _explain(self, fp: Fingerprint, tokens: np.ndarray, result: Any
+                 ) -> tuple[NamespaceMatch, ...]:
+        out = []
+        cfg = self.store.config
+        for other in self.store.namespaces():
+            if other == fp:
+                continue
+            r = lookup(self.store.index, other, tokens, chunk_tokens=cfg.chunk_tokens)
+            if r.matched_tokens > result.matched_tokens:
+                with self._lock:
+                    name = self._names.get(other)
+                out.append(NamespaceMatch(other, r.matched_tokens, name))
+        out.sort(key=lambda m: -m.matched_tokens)
+        return tuple(out)
+
+    # -- remote data plane -------------------------------------------------------------------------
+    @_rpc
+    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext
+            ) -> pb.PutResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("the first message of a Put stream must carry the header")
+        header = self._header(first.header)
+        buf = bytearray(header.stored_size)
+        pos = 0
+        for msg in request_iterator:
+            if msg.WhichOneof("part") != "data":
+                raise InvalidArgument("only the first message of a Put stream carries a header")
+            n = len(msg.data)
+            if pos + n > len(buf):
+                raise InvalidArgument(f"payload runs past the {header.stored_size} bytes its "
+                                      "header declares")
+            buf[pos : pos + n] = msg.data
+            pos += n
+        if pos != len(buf):
+            raise InvalidArgument(f"payload is {pos} bytes, its header declares "
+                                  f"{header.stored_size}")
+        if xxhash.xxh3_64_intdigest(buf) != header.payload_checksum:
+            raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way")
+        status = self.store.put(header, memoryview(buf))
+        if status == PutStatus.STORED:
+            self._moved("in", "grpc", pos)
+        return pb.PutResponse(status=status_to_pb(status), key=header.key)
+
+    @_rpc
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext
+            ) -> Iterator[pb.GetResponse]:
+        key = self._key(request.key)
+        blob = self.store.get(key)
+        if blob is None:
+            return
+        view = memoryview(blob)
+        hs = parse_header(view).header_size
+        yield pb.GetResponse(header=bytes(view[:hs]))
+        piece = self.config.piece_bytes
+        for off in range(hs, len(view), piece):
+            yield pb.GetResponse(data=bytes(view[off : off + piece]))
+        self._moved("out", "grpc", len(view) - hs)
+
+    # -- shared-memory data plane ------------------------------------------------------------------
+    @_rpc
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
+                ) -> pb.ReserveResponse:
+        self._shm_enabled()
+        header = self._header(request.header)
+        owner = self._owner(context)
+        res = self.store.reserve(header, owner=owner)
+        if isinstance(res, PutStatus):
+            return pb.ReserveResponse(status=status_to_pb(res))
+        self._track(res.id, owner, "reservation", header.stored_size)
+        return pb.ReserveResponse(
+            status=pb.STORED, reservation_id=res.id,
+            extents=[pb.Extent(offset=o, length=n) for o, n in res.extents],
+            payload_offset=res.payload_offset, expires_ms=self.store.config.memory.lease_ms,
+        )
+
+    @_rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
+               ) -> pb.CommitResponse:
+        hold = self._claim(request.reservation_id, self._owner(context), "reservation")
+        status = self.store.commit(request.reservation_id)
+        if status == PutStatus.STORED:
+            self._moved("in", "shm", hold.nbytes)
+        return pb.CommitResponse(status=status_to_pb(status))
+
+    @_rpc
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self._claim(request.reservation_id, self._owner(context), "reservation")
+        self.store.abort(request.reservation_id)
+        return pb.AbortResponse()
+
+    @_rpc
+    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext
+                ) -> pb.AcquireResponse:
+        self._shm_enabled()
+        key = self._key(request.key)
+        owner = self._owner(context)
+        lease = self.store.acquire(key, owner=owner)
+        if lease is None:
+            return pb.AcquireResponse(found=False)
+        self._track(lease.id, owner, "lease", lease.header.stored_size)
+        self._moved("out", "shm", lease.header.stored_size)
+        return pb.AcquireResponse(
+            found=True, lease_id=lease.id, header=lease.header.pack(),
+            extents=[pb.Extent(offset=o, length=n) for o, n in lease.extents],
+            payload_offset=lease.payload_offset, expires_ms=self.store.config.memory.lease_ms,
+        )
+
+    @_rpc
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+                ) -> pb.ReleaseResponse:
+        owner = self._owner(context)
+        ids = list(dict.fromkeys(request.lease_ids))
+        with self._lock:
+            unknown = [i for i in ids if (h := self._holds.get(i)) is None
+                       or h.owner != owner or h.kind != "lease"]
+            if unknown:
+                raise NotFound(f"unknown lease(s) {unknown[:8]} (expired, already released, or "
+                               "handed to another session)")
+            for i in ids:
+                del self._holds[i]
+        # False from the tier: the lease expired, so what the client read may be garbage.
+        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in ids))
+
+    @_rpc
+    def Session(self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
+                ) -> Iterator[pb.SessionPong]:
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        owner = first.owner or self._owner(context)
+        if not owner:
+            raise InvalidArgument("the first SessionPing must name the owner (session id)")
+        with self._lock:
+            if len(self._sessions) >= self.config.max_sessions and owner not in self._sessions:
+                raise ResourceExhausted(f"too many sessions (max_sessions="
+                                        f"{self.config.max_sessions}); leases still expire "
+                                        "on their own")
+            self._sessions[owner] += 1
+        try:
+            self._renew(owner)
+            yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+            for _ in request_iterator:
+                self._renew(owner)
+                yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+        finally:
+            self._end_session(owner)
+
+    # -- management --------------------------------------------------------------------------------
+    @_rpc
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext
+               ) -> pb.ExistsResponse:
+        found = self.store.contains(self._keys(request.keys))
+        return pb.ExistsResponse(found=[pb.TierSet(tiers=list(t)) for t in found])
+
+    @_rpc
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext
+               ) -> pb.DeleteResponse:
+        keys = self._keys(request.keys)
+        return pb.DeleteResponse(deleted=sum(self.store.delete(k) for k in keys))
+
+    @_rpc
+    def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearResponse:
+        if request.all == bool(request.fingerprint):
+            raise InvalidArgument("give either a namespace fingerprint or all=true (not both)")
+        fp = None if request.all else self._fingerprint(request.fingerprint)
+        return pb.ClearResponse(removed=self.store.clear(fp))
+
+    @_rpc
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        keys = self._keys(request.keys)
+        return pb.PinResponse(changed=sum(self.store.pin(k, request.pinned) for k in keys))
+
+    @_rpc
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self.store.stats()
+        leases = stats.tiers[0].detail.get("active_leases", 0) if stats.tiers else 0
+        return stats_to_pb(stats, active_leases=leases if isinstance(leases, int) else 0,
+                           uptime_s=int(time.monotonic() - self._started))
+
+    @_rpc
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        fp = self._fingerprint(request.fingerprint) if request.fingerprint else None
+        size = request.page_size or 100
+        if size > 1000:
+            raise InvalidArgument(f"page_size={size}: at most 1000")
+        after = b""
+        if request.page_token:
+            try:
+                after = bytes.fromhex(request.page_token)
+            except ValueError:
+                after = b""
+            if len(after) != KEY_BYTES:
+                raise InvalidArgument(f"page_token {request.page_token[:80]!r} is not one this "
+                                      "server handed out")
+
+        def keep(v: ChunkView) -> bool:
+            return (v.key > after and (not request.tier or request.tier in v.tiers)
+                    and (not request.pinned_only or v.pinned))
+
+        views = sorted((v for v in self.store.scan(fp) if keep(v)), key=lambda v: v.key)
+        page = views[:size]
+        token = page[-1].key.hex() if len(views) > size else ""
+        return pb.ListResponse(chunks=[chunk_to_pb(v) for v in page], next_page_token=token)
+
+    @_rpc
+    def Namespaces(self, request: pb.NamespacesRequest, context: grpc.ServicerContext
+                   ) -> pb.NamespacesResponse:
+        counts = self.store.namespaces()
+        sizes: Counter[bytes] = Counter()
+        for v in self.store.scan():
+            sizes[v.fingerprint] += v.raw_size
+        with self._lock:
+            names = dict(self._names)
+        out = []
+        for fp, n in sorted(counts.items()):
+            ns = names.get(fp)
+            out.append(pb.NamespaceInfo(fingerprint=fp, chunks=n, bytes=sizes[fp],
+                                        namespace=namespace_to_pb(ns) if ns else None))
+        return pb.NamespacesResponse(namespaces=out)
+

@@ -1,0 +1,201 @@
+"""TieredStore over real tiers: shared memory + LMDB (the Redis/Valkey tier in test_store_remote.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
+from kvstore.errors import InvalidArgument
+from kvstore.keys import ROOT, Namespace
+from kvstore.records import make_header, parse_header
+from kvstore.store import TieredStore
+from kvstore.tiers.base import PutStatus
+from tests.helpers import FP, make_chain, make_chunk
+
+KiB, MiB = 1 << 10, 1 << 20
+C = 16  # chunk tokens in these tests
+
+
+def config(tmp: Path, *, memory: int = 4 * MiB, disk: int = 64 * MiB, policy: str = "write-through",
+           **kw: object) -> StoreConfig:
+    return StoreConfig(
+        data_dir=str(tmp), chunk_tokens=C, granularity=4, write_policy=policy,
+        memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
+        disk=DiskConfig(capacity_bytes=disk), **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = TieredStore(config(tmp_path))
+    yield s
+    s.close()
+
+
+def put_chain(store: TieredStore, tokens: list[int], bpt: int = 64) -> list:  # type: ignore[type-arg]
+    chain = make_chain(tokens, C, bytes_per_token=bpt)
+    for header, payload in chain:
+        assert store.put(header, payload).ok
+    return chain
+
+
+def test_put_get_lookup_round_trip(store: TieredStore) -> None:
+    toks = list(range(500, 560))
+    chain = put_chain(store, toks)
+    for header, payload in chain:
+        blob = store.get(header.key)
+        assert blob is not None, "a chunk just put must be found"
+        h = parse_header(blob)
+        assert bytes(blob[h.header_size :]) == payload, "bytes differ from what was put"
+        out = bytearray(len(payload))
+        assert store.get_into(header.key, memoryview(out)) is not None and bytes(out) == payload
+    r = store.lookup(FP, toks)
+    assert r.matched_tokens == 60 and r.stop == "complete"
+    assert store.put(*chain[0]) == PutStatus.EXISTS
+
+
+def test_write_through_reaches_disk(store: TieredStore) -> None:
+    chain = put_chain(store, list(range(64)))
+    assert store.flush(10), "write-down did not finish"
+    assert all(t == (1, 2) for t in store.contains([h.key for h, _ in chain])), store.contains(
+        [h.key for h, _ in chain])
+    assert store.stats().tiers[1].chunks == len(chain)
+
+
+def test_eviction_moves_down_and_get_promotes(tmp_path: Path) -> None:
+    with TieredStore(config(tmp_path, memory=64 * KiB, policy="write-back")) as s:
+        chain = put_chain(s, list(range(16 * 40)), bpt=256)  # 40 chunks of ~4 KiB + header
+        s.flush(10)
+        where = s.contains([h.key for h, _ in chain])
+        assert all(where), f"write-back eviction must move chunks down, lost: {where.count(())}"
+        assert 2 in where[0] and 1 not in where[0], "oldest chunk should have moved to disk"
+        assert s.stats().tiers[0].evictions > 0
+        blob = s.get(chain[0][0].key)
+        assert blob is not None and bytes(blob[parse_header(blob).header_size :]) == chain[0][1]
+        assert 1 in s.contains([chain[0][0].key])[0], "a disk hit is promoted into memory"
+
+
+def test_warm_restart_rebuilds_index(tmp_path: Path) -> None:
+    toks = list(range(1000, 1100))
+    with TieredStore(config(tmp_path)) as s:
+        chain = put_chain(s, toks)
+    with TieredStore(config(tmp_path)) as s:
+        r = s.lookup(FP, toks)
+        assert r.matched_tokens == 100, "chunks committed before a clean close must be found"
+        assert r.by_tier == {2: 100}
+        blob = s.get(chain[-1][0].key)
+        assert blob is not None and bytes(blob[parse_header(blob).header_size :]) == chain[-1][1]
+
+
+def test_namespace_layout_enforced(store: TieredStore) -> None:
+    put_chain(store, list(range(32)))
+    h, p = make_chunk(range(900, 916), bytes_per_token=128)
+    with pytest.raises(InvalidArgument, match="bytes per token"):
+        store.put(h, p)
+    tb = h.token_bytes
+    bad = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=tb, dtype="float16",
+                      shape=(16, 32), payload=p[: 16 * 64])
+    with pytest.raises(InvalidArgument, match="dtype"):
+        store.put(bad, p[: 16 * 64])
+
+
+def test_bad_records_rejected(store: TieredStore) -> None:
+    h, p = make_chunk(range(16))
+    forged = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=h.token_bytes[:-4] + b"\0\0\0\0",
+                         dtype="bfloat16", shape=h.shape, payload=p)
+    with pytest.raises(InvalidArgument, match="does not match"):
+        store.put(forged, p)
+    long, lp = make_chunk(range(C * 2))
+    with pytest.raises(InvalidArgument, match="chunk_tokens"):
+        store.put(long, lp)
+
+
+def test_oversize_for_memory_goes_to_disk(tmp_path: Path) -> None:
+    with TieredStore(config(tmp_path, memory=16 * KiB)) as s:
+        h, p = make_chunk(range(16), bytes_per_token=4096)  # 64 KiB: larger than the arena
+        assert s.put(h, p) == PutStatus.STORED
+        assert s.contains([h.key]) == [(2,)]
+        assert s.get(h.key) is not None
+
+
+def test_max_chunk_bytes(tmp_path: Path) -> None:
+    with TieredStore(config(tmp_path, max_chunk_bytes=8 * KiB)) as s:
+        h, p = make_chunk(range(16), bytes_per_token=1024)
+        with pytest.raises(InvalidArgument, match="max_chunk_bytes"):
+            s.put(h, p)
+
+
+def test_delete_clear_pin(store: TieredStore) -> None:
+    other = Namespace(model="other").fingerprint
+    a = put_chain(store, list(range(48)))
+    b = make_chain(list(range(48)), C, fp=other)
+    for h, p in b:
+        store.put(h, p)
+    store.flush(10)
+    assert store.delete(a[0][0].key) and not store.delete(a[0][0].key)
+    assert store.get(a[0][0].key) is None
+    assert store.lookup(FP, list(range(48))).stop == "deleted"
+    assert store.clear(other) == 3
+    assert store.lookup(other, list(range(48))).matched_tokens == 0
+    assert store.lookup(FP, list(range(16, 48))).matched_tokens == 0
+    assert store.pin(a[1][0].key) and not store.pin(b"\x01" * 32)  # type: ignore[arg-type]
+    assert store.clear() == 2
+
+
+def test_pinned_chunks_survive_pressure(tmp_path: Path) -> None:
+    with TieredStore(config(tmp_path, memory=64 * KiB, policy="write-back")) as s:
+        first = put_chain(s, list(range(16)), bpt=256)[0]
+        assert s.pin(first[0].key)
+        put_chain(s, list(range(5000, 5000 + 16 * 30)), bpt=256)
+        assert 1 in s.contains([first[0].key])[0], "a pinned chunk was evicted from memory"
+
+
+def test_corrupt_disk_record_is_counted_miss(tmp_path: Path) -> None:
+    import lmdb
+
+    toks = list(range(64))
+    with TieredStore(config(tmp_path)) as s:
+        chain = put_chain(s, toks)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, subdir=True)
+    db = env.open_db(b"records")
+    victim = chain[1][0].key
+    with env.begin(write=True, db=db) as txn:
+        v = bytearray(txn.get(victim))
+        v[-5] ^= 0xFF
+        txn.put(victim, bytes(v))
+    env.close()
+    with TieredStore(config(tmp_path)) as s:
+        assert s.get(victim) is None, "a corrupt record must never be returned"
+        assert s.stats().tiers[1].corrupt == 1
+        r = s.lookup(FP, toks)
+        assert r.matched_tokens == 16 and r.stop == "corrupt"
+
+
+def test_concurrent_puts_and_reads_are_byte_exact(tmp_path: Path) -> None:
+    errors: list[str] = []
+    with TieredStore(config(tmp_path, memory=256 * KiB)) as s:
+        def work(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            base = seed * 10_000
+            for i in range(30):
+                toks = [base + i * 100 + j for j in range(C)]
+                h, p = make_chunk(toks, bytes_per_token=256)
+                if not s.put(h, p).ok:
+                    errors.append(f"put failed {seed}/{i}")
+                k = int(rng.integers(0, i + 1))
+                hk, pk = make_chunk([base + k * 100 + j for j in range(C)], bytes_per_token=256)
+                blob = s.get(hk.key)
+                if blob is not None and bytes(blob[parse_header(blob).header_size :]) != pk:
+                    errors.append(f"wrong bytes for {seed}/{k}")
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s.flush(20)
+        assert not errors, errors[:5]
+        assert s.stats().chunks == 180, "every acknowledged put must be somewhere"
