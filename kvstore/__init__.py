@@ -1,3 +1,28 @@
-"""kvstore: a tiered KV-cache store for LLM inference."""
+"""kvstore: a tiered KV-cache store for LLM inference.
+
+``kvstore.Client`` and ``kvstore.AsyncClient`` (the SDK of kvstore-server) are
+imported on first use, so ``import kvstore`` stays cheap and does not load grpc.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["AsyncClient", "Client", "__version__"]
+
+if TYPE_CHECKING:
+    from kvstore.aio import AsyncClient
+    from kvstore.client import Client
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from kvstore.client import Client
+
+        return Client
+    if name == "AsyncClient":
+        from kvstore.aio import AsyncClient
+
+        return AsyncClient
+    raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

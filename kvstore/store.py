@@ -272,6 +272,10 @@ class TieredStore:
             if header.codec != Codec.RAW:
                 blob = transcode_parts(header, memoryview(blob)[header.header_size :], Codec.RAW)
                 header = parse_header(blob)
+            if tier is self.remote and entry is None:
+                with self._lock:  # learned from the shared tier: index it
+                    entry = self.index.add(header, tier.level)
+                    self._layouts.setdefault(header.fingerprint, _layout(header))
             if tier is not self.memory:
                 self._promote(header, memoryview(blob)[header.header_size :])
             if count:

@@ -279,6 +279,8 @@ def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreEr
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else "") or str(code)
     cls = _ERRORS.get(code, errors.ServerError)
+    if details.startswith(f"{what}: "):  # the server already named the method
+        details = details[len(what) + 2 :]
     if cls is errors.ServerUnavailable:
         return cls(f"{what}: kvstore server at {target} is unavailable: {details}")
     name = code.name if isinstance(code, grpc.StatusCode) else str(code)

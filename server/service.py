@@ -73,6 +73,10 @@ class _Status(Exception):
         self.code = code
 
 
+# Calls that finish work a client already began; still served while draining.
+_FINISHING = frozenset({"Commit", "Abort", "Release"})
+
+
 @dataclass
 class _Hold:
     owner: str
@@ -162,7 +166,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- bookkeeping of calls ----------------------------------------------------------------------
     def _enter(self, name: str) -> bool:
         with self._lock:
-            if self._closing:
+            if self._closing and name not in _FINISHING:
                 return False
             if name != "Session":
                 self._active += 1
@@ -469,7 +473,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         owner = self._owner(context)
         lease = self.store.acquire(key, owner=owner)
         if lease is None:
-            return pb.AcquireResponse(found=False)
+            # Stored below but L1 could not take it now: the client falls back to Get.
+            return pb.AcquireResponse(found=False, use_get=key in self.store.index)
         self._track(lease.id, owner, "lease", lease.header.stored_size)
         self._moved("out", "shm", lease.header.stored_size)
         return pb.AcquireResponse(

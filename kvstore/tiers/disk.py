@@ -14,9 +14,16 @@ pointer in this process cannot scribble over committed pages.
 
 Access times and hit counts live in memory and are written back in batches (with
 every put, on ``flush()`` and at ``close()``), so a read never needs a write
-transaction. After a crash the LRU order of the last batch is lost (approximate),
-nothing committed is. LRU order is kept exactly across restarts by a persisted
-access sequence number; ``last_access_ms`` is for display.
+transaction; a reader-only service should call ``flush()`` now and then. After a
+crash the accesses since the last batch are forgotten, so the LRU order is
+approximate, but nothing committed is lost. Across a clean close the order is exact:
+it is rebuilt from a persisted access sequence number (``last_access_ms`` is for
+display and follows the injected clock).
+
+Capacity counts stored record bytes. LMDB's map is sized at 2 x capacity + 64 MiB
+for page rounding, B-tree and free pages not yet reusable; if it still fills up
+(MapFullError) a put evicts more LRU chunks and retries, and returns FULL only when
+nothing unpinned is left.
 
 Full disk: a write that fails with ENOSPC, EFBIG or EDQUOT (or EIO, which is how
 LMDB reports a short write, while the filesystem has less than the record plus
@@ -432,6 +439,7 @@ class DiskTier(Tier):
         if cb is None or not victims:
             return
         blobs: list[tuple[bytes, RecordHeader, bytes]] = []
+        damaged: list[bytes] = []
         with self._backend("read for eviction"), self._env.begin(db=self._records,
                                                                 buffers=True) as txn:
             for key in victims:
@@ -442,7 +450,10 @@ class DiskTier(Tier):
                     blobs.append((key, verify(view, expect_key=key), bytes(view)))
                 except CorruptRecord as e:  # never hand wrong bytes down
                     log.warning("disk tier: evicting damaged %s: %s", key.hex(), e)
-                    self._count(corrupt=1)
+                    damaged.append(key)
+        self._count(corrupt=len(damaged))
+        for key in damaged:
+            self._report_corrupt(ChunkKey(key))
         for key, header, blob in blobs:
             cb(ChunkKey(key), header, blob)
 
@@ -545,9 +556,7 @@ class DiskTier(Tier):
         try:
             with self._env.begin(db=self._records, buffers=True) as txn:
                 view = txn.get(key)  # a view into the map, valid until the txn ends
-                if view is None:
-                    damaged = "record missing for an indexed key"
-                else:
+                if view is not None:
                     nbytes = len(view)
                     try:
                         result = _copy_out(key, view, out)
@@ -555,6 +564,9 @@ class DiskTier(Tier):
                         damaged = str(e)
         except lmdb.Error as e:
             raise self._backend_error("get", e) from e
+        if result is None and damaged is None:  # evicted since the index said it was here
+            self._count(misses=1)
+            return None
         if damaged is not None:
             self._count(misses=1)
             self._drop_corrupt(key, damaged)
@@ -571,6 +583,8 @@ class DiskTier(Tier):
         return result
 
     def _drop_corrupt(self, key: bytes, why: str) -> None:
+        # Should the key have been deleted and put again since it was read, this deletes
+        # a good record: a later miss, never wrong bytes.
         log.warning("disk tier %s: deleting damaged record %s: %s", self.path, key.hex(), why)
         with self._wlock:
             self._check_open()
@@ -579,6 +593,7 @@ class DiskTier(Tier):
             with self._lock:
                 self._drop_from_index([key])
                 self._n["corrupt"] += 1
+        self._report_corrupt(ChunkKey(key))
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         self._check_open()

@@ -252,20 +252,22 @@ class AcquireRequest(_message.Message):
     def __init__(self, key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms")
+    __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms", "use_get")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    USE_GET_FIELD_NUMBER: _ClassVar[int]
     found: bool
     lease_id: int
     header: bytes
     extents: _containers.RepeatedCompositeFieldContainer[Extent]
     payload_offset: int
     expires_ms: int
-    def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+    use_get: bool
+    def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ..., use_get: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

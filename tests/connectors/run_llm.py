@@ -26,6 +26,7 @@ vLLM spawns processes, so any script that calls ``run_llm`` in-process needs an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -65,12 +66,20 @@ def run_llm(
     skip_tokenizer_init: bool = True,
     gpu_memory_utilization: float = 0.3,
     block_size: int | None = None,
+    log_stats: bool = False,
     **llm_kwargs: Any,
 ) -> dict[str, Any]:
     """Build one LLM, generate greedily for each prompt, return results + timings.
 
     Prefix caching is off by default so that a second request with the same
     prompt gets its KV from the connector, not from vLLM's own cache.
+
+    ``log_stats=True`` turns vLLM's stat logging on, flushes it once after
+    generating (the offline ``LLM`` only logs every ``VLLM_LOG_STATS_INTERVAL``
+    seconds, so a short run may otherwise log nothing: the flush is what prints
+    "External prefix cache hit rate" and the connector's "KV Transfer metrics"
+    line), and returns vLLM's counters and gauges under ``"metrics"``
+    (e.g. ``vllm:external_prefix_cache_hits``).
     """
     _set_env()
     t0 = time.perf_counter()
@@ -86,6 +95,7 @@ def run_llm(
         gpu_memory_utilization=gpu_memory_utilization,
         enable_prefix_caching=enable_prefix_caching,
         seed=0,
+        disable_log_stats=not log_stats,
     )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
@@ -106,6 +116,14 @@ def run_llm(
     )
     t3 = time.perf_counter()
 
+    metrics: dict[str, float] = {}
+    if log_stats:
+        llm.llm_engine.do_log_stats()
+        for m in llm.get_metrics():
+            value = getattr(m, "value", None)
+            if isinstance(value, int | float):
+                metrics[m.name] = metrics.get(m.name, 0) + value
+
     results = []
     for out in outs:
         comp = out.outputs[0]
@@ -122,13 +140,13 @@ def run_llm(
                 "num_cached_tokens": out.num_cached_tokens,
             }
         )
-    try:
+    # Best effort: stop the engine-core process now rather than at interpreter exit.
+    with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
-    except Exception:  # best effort: the process is about to exit anyway
-        pass
     del llm
     return {
         "results": results,
+        "metrics": metrics,
         "timings": {
             "import_s": t1 - t0,
             "construct_s": t2 - t1,

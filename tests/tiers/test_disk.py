@@ -216,7 +216,7 @@ def test_concurrent_puts_and_gets_keep_accounting(open_tier) -> None:
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         try:
-            for _ in range(150):
+            for _ in range(300):
                 h, p = chunks[rng.randrange(len(chunks))]
                 if rng.random() < 0.5:
                     assert t.put(h, p).ok
@@ -345,8 +345,11 @@ def test_corrupt_value_is_a_counted_miss(open_tier, tmp_path: Path, offset: int)
     t.close()
     damage(tmp_path, b"records", h.key, offset)
     t = open_tier()
+    reported: list[bytes] = []
+    t.on_corrupt = reported.append
     assert t.contains([h.key]) == [True], "contains does not verify"
     assert t.get(h.key) is None, "a damaged record must be a miss"
+    assert reported == [h.key], "the store must be told through on_corrupt"
     s = t.stats()
     assert (s.corrupt, s.misses, s.chunks) == (1, 1, 1), s
     assert t.contains([h.key]) == [False], "the damaged record and its meta must be deleted"

@@ -1,0 +1,60 @@
+"""Settings of the vLLM connector, from ``kv_connector_extra_config``, checked at start."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.config import build
+from kvstore.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` keys. Unknown keys and bad values fail at engine start."""
+
+    url: str = ""  # kvstore-server URL (unix:///path, grpc://host:port, grpcs://...); "" = a private server for this engine
+    chunk_tokens: int = 0  # tokens per chunk; 0 = the server's; must be a multiple of the block size
+    min_tokens: int = 0  # hits shorter than this are ignored (not worth a round trip)
+    timeout_ms: int = 2000  # deadline of every call to the server (lookups, loads, saves)
+    lookup_timeout_ms: int = 200  # deadline of the scheduler's lookup: it must never stall scheduling
+    auth_token: str = ""  # bearer token, when the server requires one
+    salt: str = ""  # tenant / cache salt folded into every key (requests' cache_salt adds to it)
+    shm: str = "auto"  # shared-memory data plane: auto (when on the same host), on, off
+    retry_after_ms: int = 5000  # after a failed call, skip the server this long before trying again
+    save: bool = True  # store prefill KV (kv_producer / kv_both)
+    load: bool = True  # load hits (kv_consumer / kv_both)
+    memory_capacity: str = "2GiB"  # private server only: L1 arena size
+    disk_capacity: str = "16GiB"  # private server only: L2 size
+    data_dir: str = ""  # private server only: where L2 lives ("" = a temporary directory)
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(("unix://", "grpc://", "grpcs://")):
+            raise ConfigError(
+                f"kv_connector_extra_config.url={self.url!r}: use unix:///path, grpc://host:port "
+                "or grpcs://host:port"
+            )
+        if self.chunk_tokens < 0 or self.min_tokens < 0:
+            raise ConfigError("kv_connector_extra_config: chunk_tokens and min_tokens must be >= 0")
+        if self.timeout_ms <= 0 or self.lookup_timeout_ms <= 0 or self.retry_after_ms < 0:
+            raise ConfigError("kv_connector_extra_config: timeouts must be > 0")
+        if self.shm not in ("auto", "on", "off"):
+            raise ConfigError(f"kv_connector_extra_config.shm={self.shm!r}: allowed auto, on, off")
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        values = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(names))}"
+            )
+        return build(cls, values, "kv_connector_extra_config")
+
+    @property
+    def shm_flag(self) -> bool | None:
+        return {"auto": None, "on": True, "off": False}[self.shm]

@@ -1,0 +1,266 @@
+"""What the vLLM connector needs around the SDK: the engine's namespace, a client that
+backs off when the server fails, and the private server of the embedded default."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.keys import ChunkKey, Fingerprint, Namespace
+from kvstore.lookup import LookupResult
+from kvstore.records import RecordHeader
+
+log = logging.getLogger("kvstore.connectors.vllm")
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EngineNamespace:
+    """The engine's namespace; requests add their cache salt and LoRA to it."""
+
+    base: Namespace
+
+    def for_request(self, salt: str) -> Namespace:
+        if not salt:
+            return self.base
+        return replace(self.base, salt=f"{self.base.salt}|{salt}" if self.base.salt else salt)
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.base.fingerprint
+
+    def describe(self) -> str:
+        b = self.base
+        return f"{b.model} {b.dtype} {b.layout} {b.device} tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}"
+
+
+def _ranks(worker: bool) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size); the scheduler looks up as rank 0."""
+    if not worker:
+        return 0, 0, 0, 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+        return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+    except Exception:  # not initialised (single process tests): rank 0 of 1
+        return 0, 0, 0, 0
+
+
+def engine_namespace(vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
+                     ) -> EngineNamespace:
+    """Everything that changes the KV bytes, derived identically in both processes.
+
+    The layout comes from ``kv_cache_config`` (both halves get the same one) and
+    the platform, never from tensors only the worker sees, so the scheduler's
+    lookups use the worker's keys.
+    """
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ConfigError("kvstore supports one KV-cache group (no hybrid attention models yet)")
+    layout = [f"block{cc.block_size}"]
+    if groups:
+        spec = groups[0].kv_cache_spec
+        layout += [type(spec).__name__, f"layers{len(groups[0].layer_names)}"]
+        for attr in ("num_kv_heads", "head_size", "head_size_v", "page_size_bytes"):
+            if hasattr(spec, attr):
+                layout.append(f"{attr}={getattr(spec, attr)}")
+    layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)
+    return EngineNamespace(Namespace(
+        model=str(mc.model), revision=str(getattr(mc, "revision", None) or ""), dtype=dtype,
+        layout="/".join(layout), device=str(current_platform.device_type),
+        tp_rank=tp_rank, tp_size=tp_size or pc.tensor_parallel_size,
+        pp_rank=pp_rank, pp_size=pp_size or pc.pipeline_parallel_size, salt=salt,
+    ))
+
+
+class Backend:
+    """The SDK client, opened lazily, skipped for a while after any failure."""
+
+    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str) -> None:
+        self.cfg = cfg
+        self.role = role
+        self._server: subprocess.Popen[bytes] | None = None
+        self.url = cfg.url or self._private_server(engine_id)
+        self._client: Any = None
+        self._down_until = 0.0
+        self._last_warning = 0.0
+        self._info: Any = None
+
+    # -- connection ------------------------------------------------------------
+    def _connect(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._down_until:
+            return None
+        from kvstore.client import Client
+
+        try:
+            client = Client(self.url, token=self.cfg.auth_token or None,
+                            timeout=self.cfg.timeout_ms / 1000, shm=self.cfg.shm_flag)
+            self._info = client.info(timeout=self.cfg.timeout_ms / 1000)
+        except Exception as e:
+            self.failed("connect", e)
+            return None
+        if self._client is None and time.monotonic() >= self._down_until:
+            log.info("kvstore %s: connected to %s (shared memory: %s)", self.role, self.url,
+                     getattr(client, "shm_active", False))
+        self._client = client
+        return client
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """Count a failure: back off, reconnect later, warn at most every few seconds."""
+        now = time.monotonic()
+        self._down_until = now + self.cfg.retry_after_ms / 1000
+        if now - self._last_warning > 5:
+            self._last_warning = now
+            log.warning("kvstore %s: %s via %s failed (%s: %s); computing instead, retrying in "
+                        "%d ms", self.role, what, self.url, type(error).__name__, error,
+                        self.cfg.retry_after_ms)
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def chunk_tokens(self, block_size: int) -> int:
+        client = self._connect()
+        served = int(getattr(self._info, "chunk_tokens", 0) or 0) if client else 0
+        chunk = self.cfg.chunk_tokens or served or DEFAULT_CHUNK_TOKENS
+        if served and chunk != served:
+            raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} but the server at "
+                              f"{self.url} chunks by {served}; drop the setting or match it")
+        if chunk % block_size:
+            raise ConfigError(f"chunk_tokens={chunk} is not a multiple of the block size "
+                              f"{block_size}; start kvstore-server with --chunk-tokens "
+                              f"{block_size * max(1, chunk // block_size)}")
+        return chunk
+
+    # -- calls (each degrades to a miss) -----------------------------------------
+    def lookup(self, ns: Namespace, tokens: Sequence[int], *, min_tokens: int = 0,
+               granularity: int = 0, worker: bool = False) -> LookupResult | None:
+        client = self._connect()
+        if client is None:
+            return None
+        timeout = (self.cfg.timeout_ms if worker else self.cfg.lookup_timeout_ms) / 1000
+        try:
+            return client.lookup(ns, tokens, min_tokens=min_tokens, granularity=granularity,
+                                 timeout=timeout)  # type: ignore[no-any-return]
+        except Exception as e:
+            self.failed("lookup", e)
+            return None
+
+    def get_into(self, key: ChunkKey, out: Any) -> RecordHeader | None:
+        client = self._connect()
+        if client is None:
+            return None
+        try:
+            return client.get_into(key, out.numpy())  # type: ignore[no-any-return]
+        except Exception as e:
+            self.failed("load", e)
+            return None
+
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        client = self._connect()
+        if client is None or not keys:
+            return [True] * len(keys)  # down: do not try to save
+        try:
+            return [bool(t) for t in client.exists(keys)]
+        except Exception as e:
+            self.failed("exists", e)
+            return [True] * len(keys)
+
+    def put(self, header: RecordHeader, payload: Any) -> bool:
+        client = self._connect()
+        if client is None:
+            return False
+        try:
+            status = client.put(header, payload)
+        except Exception as e:
+            self.failed("save", e)
+            return False
+        return bool(status.ok)
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        self._stop_server()
+
+    # -- the embedded default ------------------------------------------------------
+    def _private_server(self, engine_id: str) -> str:
+        """Start (or join) the kvstore-server private to this engine; it dies with it.
+
+        Scheduler and workers run in different processes; whichever comes first
+        starts the server under a file lock, the others find its socket.
+        """
+        run = os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}",
+                           f"engine-{engine_id[:16]}")
+        os.makedirs(run, exist_ok=True)
+        sock = os.path.join(run, "kvstore.sock")
+        url = f"unix://{sock}"
+        with open(os.path.join(run, "start.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _healthy(url):
+                return url
+            data = self.cfg.data_dir or os.path.join(run, "data")
+            cmd = [sys.executable, "-m", "kvstore.server.main", "--listen", "",
+                   "--unix-socket", sock, "--data-dir", data,
+                   "--memory-capacity", self.cfg.memory_capacity,
+                   "--disk-capacity", self.cfg.disk_capacity, "--log-level", "warning"]
+            if self.cfg.chunk_tokens:
+                cmd += ["--chunk-tokens", str(self.cfg.chunk_tokens)]
+            self._server = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
+            atexit.register(self._stop_server)
+            deadline = time.monotonic() + 30
+            while not _healthy(url):
+                if self._server.poll() is not None or time.monotonic() > deadline:
+                    raise KVStoreError(f"the private kvstore-server did not start ({' '.join(cmd)})")
+                time.sleep(0.1)
+        log.info("kvstore: started a private kvstore-server at %s (data in %s)", url, data)
+        return url
+
+    def _stop_server(self) -> None:
+        proc, self._server = self._server, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _healthy(url: str) -> bool:
+    from kvstore.client import Client
+
+    try:
+        with Client(url, timeout=1.0, shm=False) as c:
+            return bool(c.health(timeout=1.0))
+    except Exception:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the engine process that started us dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

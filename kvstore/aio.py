@@ -1,0 +1,323 @@
+"""The asyncio SDK of kvstore-server: ``kvstore.AsyncClient``.
+
+The same methods as ``kvstore.Client`` (see ``kvstore.client`` for URLs, the
+two data planes, deadlines and errors), as coroutines over ``grpc.aio``:
+
+    async with kvstore.AsyncClient("grpc://127.0.0.1:50551") as kv:
+        key, status = await kv.put_chunk(namespace, ROOT, tokens, payload, "bfloat16", shape)
+        header, data = await kv.get(key)
+
+Copies into and out of shared memory run on the event loop (they are memcpy
+speed: ~3 ms for 32 MiB); the Session stream that keeps leases alive is a task
+of the loop the client was first used on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore.client import Lease, NamespaceLike, Tokens, _Base, chunk_header
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import ChunkKey
+from kvstore.lookup import LookupResult
+from kvstore.records import RecordHeader, parse_header
+from kvstore.store import ChunkView, StoreStats
+from kvstore.tiers.arena import ArenaView, as_u8
+from kvstore.tiers.base import PutStatus
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import (
+    SERVICE_NAME,
+    NamespaceInfo,
+    ServerInfo,
+    chunk_from_pb,
+    info_from_pb,
+    lookup_from_pb,
+    stats_from_pb,
+    status_from_pb,
+)
+
+log = logging.getLogger("kvstore.client")
+
+
+class AsyncClient(_Base):
+    """An asyncio client of kvstore-server. See ``kvstore.client`` for the semantics."""
+
+    def __init__(self, url: str | None = None, *, token: str | None = None,
+                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
+                 timeout: float = 10.0, shm: bool | None = None, verify: bool = False) -> None:
+        super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
+                         timeout=timeout, shm=shm, verify=verify)
+        ep = self.endpoint
+        self._channel = (grpc.aio.secure_channel(ep.target, self._credentials(), self._options)
+                         if ep.tls else grpc.aio.insecure_channel(ep.target, self._options))
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._lock: asyncio.Lock | None = None
+        self._stop: asyncio.Event | None = None
+        self._session: asyncio.Task[None] | None = None
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def _call(self, what: str, method: Any, request: Any, timeout: float | None) -> Any:
+        if self._closed:
+            raise KVStoreError("the client is closed")
+        try:
+            return await method(request, timeout=self._deadline(timeout),
+                                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, what) from e
+
+    async def _shm(self) -> ArenaView | None:
+        if self._shm_checked and (self._session is None or not self._session.done()):
+            return self._arena
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._shm_checked and self._session is not None and self._session.done():
+                if self._arena is not None:
+                    self._arena.close()  # the Session ended: the server may have restarted
+                self._arena, self._session, self._shm_checked = None, None, False
+            if not self._shm_checked:
+                self._arena = self._open_arena(await self.info())
+                if self._arena is not None:
+                    self._stop = asyncio.Event()
+                    self._session = asyncio.get_running_loop().create_task(self._run_session())
+                self._shm_checked = True
+            return self._arena
+
+    async def _run_session(self) -> None:
+        assert self._stop is not None
+        stop, interval = self._stop, self._ping_interval()
+
+        async def pings() -> AsyncIterator[pb.SessionPing]:
+            yield pb.SessionPing(owner=self.session_id)
+            while True:
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                    return
+                except TimeoutError:
+                    yield pb.SessionPing(owner=self.session_id)
+
+        try:
+            async for _ in self._stub.Session(pings(), metadata=self._metadata):
+                pass
+        except grpc.RpcError as e:
+            if not stop.is_set():
+                log.debug("session stream ended: %s", e)
+
+    @property
+    def shm_active(self) -> bool:
+        """Whether shared memory is in use (known after the first data-plane call)."""
+        return self._arena is not None
+
+    # -- server --------------------------------------------------------------------------
+    async def info(self, *, timeout: float | None = None) -> ServerInfo:
+        msg = await self._call("Info", self._stub.Info, pb.InfoRequest(), timeout)
+        self._info = info_from_pb(msg)
+        return self._info
+
+    async def health(self, *, timeout: float | None = None) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                timeout=self._deadline(timeout))
+        except grpc.RpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def stats(self, *, timeout: float | None = None) -> StoreStats:
+        return stats_from_pb(await self._call("Stats", self._stub.Stats, pb.StatsRequest(),
+                                              timeout))
+
+    # -- writes ----------------------------------------------------------------------------
+    async def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None
+                  ) -> PutStatus:
+        if self._info is None:
+            await self.info(timeout=timeout)
+        src = self._check_put(header, payload)
+        arena = await self._shm()
+        if arena is not None:
+            r = await self._call("Reserve", self._stub.Reserve,
+                                 pb.ReserveRequest(header=header.pack()), timeout)
+            status = status_from_pb(r.status)
+            if status == PutStatus.EXISTS:
+                return status
+            if status == PutStatus.STORED:
+                try:
+                    arena.write(self._check_extents(r.extents), r.payload_offset, src)
+                except BaseException:
+                    with contextlib.suppress(KVStoreError):
+                        await self._call("Abort", self._stub.Abort,
+                                         pb.AbortRequest(reservation_id=r.reservation_id),
+                                         timeout)
+                    raise
+                c = await self._call("Commit", self._stub.Commit,
+                                     pb.CommitRequest(reservation_id=r.reservation_id), timeout)
+                return status_from_pb(c.status)
+        r = await self._call("Put", self._stub.Put, self._put_requests(header, src), timeout)
+        return status_from_pb(r.status)
+
+    async def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
+                        payload: Any, dtype: str, shape: Sequence[int], *,
+                        timeout: float | None = None) -> tuple[ChunkKey, PutStatus]:
+        header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
+        return header.key, await self.put(header, payload, timeout=timeout)
+
+    # -- reads ------------------------------------------------------------------------------
+    async def _lease(self, key: bytes, timeout: float | None) -> Lease | str | None:
+        arena = await self._shm()
+        if arena is None:
+            return "stream"
+        a = await self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
+        if not a.found:
+            return "stream" if a.use_get else None
+        header = parse_header(a.header, expect_key=key)
+        # The release callback is unused: AsyncClient releases with _release below.
+        return Lease(header, a.lease_id, self._check_extents(a.extents), a.payload_offset,
+                     arena, lambda lid: True)
+
+    async def _release(self, lease: Lease, timeout: float | None) -> bool:
+        lease.released = True
+        r = await self._call("Release", self._stub.Release,
+                             pb.ReleaseRequest(lease_ids=[lease.id]), timeout)
+        return r.released == 1
+
+    async def get(self, key: bytes, *, timeout: float | None = None
+                  ) -> tuple[RecordHeader, bytes] | None:
+        got = await self._lease(key, timeout)
+        if isinstance(got, Lease):
+            try:
+                data = got.read()
+            finally:
+                ok = await self._release(got, timeout)
+            if ok:
+                return got.header, data
+            got = "stream"
+        if got is None:
+            return None
+        return await self._get_stream(key, None, timeout)
+
+    async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None
+                       ) -> RecordHeader | None:
+        dst = as_u8(out, writable=True)
+        got = await self._lease(key, timeout)
+        if isinstance(got, Lease):
+            try:
+                got.read_into(dst)
+            finally:
+                ok = await self._release(got, timeout)
+            if ok:
+                return got.header
+            got = "stream"
+        if got is None:
+            return None
+        found = await self._get_stream(key, dst, timeout)
+        return found[0] if found else None
+
+    async def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
+                          ) -> tuple[RecordHeader, bytes] | None:
+        header: RecordHeader | None = None
+        pieces: list[bytes] = []
+        try:
+            async for msg in self._stub.Get(pb.GetRequest(key=key),
+                                            timeout=self._deadline(timeout),
+                                            metadata=self._metadata):
+                if header is None:
+                    header = parse_header(msg.header, expect_key=key)
+                    if out is not None and out.size < header.raw_size:
+                        raise InvalidArgument(f"output buffer holds {out.size} bytes, the "
+                                              f"payload is {header.raw_size}")
+                else:
+                    pieces.append(msg.data)
+        except grpc.RpcError as e:
+            raise self._error(e, "Get") from e
+        if header is None:
+            return None
+        self._check_stream(header, pieces)
+        if out is None:
+            return header, b"".join(pieces)
+        pos = 0
+        for p in pieces:
+            out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
+            pos += len(p)
+        return header, b""
+
+    # -- lookup and management --------------------------------------------------------------
+    async def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
+                     granularity: int = 0, explain: bool = False,
+                     timeout: float | None = None) -> LookupResult:
+        req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain)
+        return lookup_from_pb(await self._call("Lookup", self._stub.Lookup, req, timeout))
+
+    async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None
+                     ) -> builtins.list[tuple[int, ...]]:
+        r = await self._call("Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)),
+                             timeout)
+        return [tuple(t.tiers) for t in r.found]
+
+    async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        r = await self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)),
+                             timeout)
+        return int(r.deleted)
+
+    async def clear(self, namespace: NamespaceLike | None = None, *, all: bool = False,
+                    timeout: float | None = None) -> int:
+        r = await self._call("Clear", self._stub.Clear, self._clear_request(namespace, all),
+                             timeout)
+        return int(r.removed)
+
+    async def pin(self, keys: Sequence[bytes], pinned: bool = True, *,
+                  timeout: float | None = None) -> int:
+        r = await self._call("Pin", self._stub.Pin, pb.PinRequest(keys=list(keys),
+                                                                  pinned=pinned), timeout)
+        return int(r.changed)
+
+    async def list(self, namespace: NamespaceLike | None = None, *, tier: int = 0,
+                   pinned_only: bool = False, page_size: int = 500,
+                   timeout: float | None = None) -> AsyncIterator[ChunkView]:
+        token = ""
+        while True:
+            req = self._list_request(namespace, tier, pinned_only, page_size, token)
+            r = await self._call("List", self._stub.List, req, timeout)
+            for c in r.chunks:
+                yield chunk_from_pb(c)
+            token = r.next_page_token
+            if not token:
+                return
+
+    async def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
+        return self._namespaces(await self._call("Namespaces", self._stub.Namespaces,
+                                                 pb.NamespacesRequest(), timeout))
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._stop is not None:
+            self._stop.set()
+        if self._session is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._session, 2.0)
+        await self._channel.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"kvstore.AsyncClient({self.url!r})"

@@ -1,0 +1,549 @@
+"""``kvstore``: inspect and manage a running kvstore-server from a shell.
+
+Every command asks the server through the SDK (``kvstore.Client``), builds one
+JSON-able document, and prints it either as aligned tables for a person
+(``kvstore/cli_format.py``) or, with ``--json``, as one JSON document for a
+script. Building the document first keeps the two outputs in step.
+
+Expected failures (server unreachable, wrong token, a refused ``clear``) print
+one line on stderr and exit 1; bad arguments exit 2 (argparse). No tracebacks
+for either: a traceback means a bug in kvstore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstore import __version__
+from kvstore import cli_format as fmt
+from kvstore.cli_format import CLIError
+from kvstore.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KVStoreError,
+    ServerUnavailable,
+    Unauthenticated,
+)
+from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+Doc = dict[str, Any]
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes, before or after its name (SUPPRESS: no clobbering)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("connection and output")
+    g.add_argument("--url", default=argparse.SUPPRESS,
+                   help="server: grpc://HOST:PORT, grpcs://HOST:PORT or unix:///PATH (default: "
+                        "$KVSTORE_URL, else the server's default Unix socket)")
+    g.add_argument("--token", default=argparse.SUPPRESS,
+                   help="bearer token, when the server requires one (default: $KVSTORE_TOKEN)")
+    g.add_argument("--timeout", type=fmt.arg_positive(float), default=argparse.SUPPRESS,
+                   metavar="SECONDS", help="deadline of each call to the server (default: 10)")
+    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                   help="print one machine-readable JSON document instead of tables")
+    return p
+
+
+def _namespace_options(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_argument_group(
+        "namespace", f"{what}: give its fingerprint, or the fields that make it up "
+        "(the same ones the engine uses; the fingerprint is computed from them)")
+    g.add_argument("--namespace-fp", "--namespace", dest="namespace_fp", type=fmt.arg_fingerprint,
+                   metavar="HEX", help="namespace fingerprint (32 hex digits, or a unique prefix)")
+    g.add_argument("--model", help="model id, e.g. meta-llama/Llama-3.1-8B")
+    g.add_argument("--revision", default="", help="model revision or weights hash")
+    g.add_argument("--dtype", default="", help="KV cache dtype, e.g. bfloat16")
+    g.add_argument("--layout", default="", help="KV layout string, as the engine describes it")
+    g.add_argument("--device", default="", help="device kind the KV was laid out for (cuda, cpu)")
+    g.add_argument("--tp-rank", type=int, default=0, metavar="N", help="tensor-parallel rank")
+    g.add_argument("--tp-size", type=int, default=1, metavar="N", help="tensor-parallel size")
+    g.add_argument("--pp-rank", type=int, default=0, metavar="N", help="pipeline-parallel rank")
+    g.add_argument("--pp-size", type=int, default=1, metavar="N", help="pipeline-parallel size")
+    g.add_argument("--lora", default="", help="LoRA adapter name or hash")
+    g.add_argument("--salt", default="", help="cache salt / tenant")
+    g.add_argument("--extra", type=fmt.arg_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="any other namespace field (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    p = argparse.ArgumentParser(
+        prog="kvstore", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Inspect and manage a running kvstore-server (the tiered KV-cache store).",
+        epilog="Every command takes --url, --token, --timeout and --json, before or after its "
+               "name.\nExit status: 0 ok, 1 an error the message explains (e.g. the server is "
+               "unreachable),\n2 bad arguments. `kvstore COMMAND --help` documents each command.")
+    p.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help, description=description or help)
+        sp.set_defaults(parser=sp)
+        return sp
+
+    command("stats", "counters of the store and of each tier")
+    command("info", "what the server is and offers: version, chunking, tiers, shared memory")
+    command("health", "exit 0 when the server is serving, 1 otherwise",
+            "Ask the server's gRPC health check. Exit 0 when it is serving, 1 when it is "
+            "unreachable or not serving (no token needed).")
+
+    sp = command("ls", "list namespaces, or the chunks of one namespace",
+                 "Without a namespace: the namespaces the server holds chunks of. With one "
+                 "(or with --tier/--pinned/--all-chunks): its chunks, with their tiers, size, "
+                 "age, idle time, hits and pin state.")
+    sp.add_argument("namespace_pos", nargs="?", type=fmt.arg_fingerprint,
+                    metavar="NAMESPACE_FP",
+                    help="namespace fingerprint (or a unique prefix) whose chunks to list")
+    sp.add_argument("--tier", type=fmt.arg_tier,
+                    help="only chunks held by this tier: memory, disk, remote")
+    sp.add_argument("--pinned", action="store_true", help="only pinned chunks")
+    sp.add_argument("--all-chunks", action="store_true",
+                    help="list the chunks of every namespace instead of the namespaces")
+    sp.add_argument("--limit", type=int, default=100, metavar="N",
+                    help="show at most N chunks; 0 for all (default: 100)")
+    _namespace_options(sp, "the namespace whose chunks to list")
+
+    sp = command("lookup", "how much of a prompt is stored, chunk by chunk, and why it stops",
+                 "Look a prompt up as an engine would: the longest stored prefix, which tier "
+                 "serves each chunk, and why matching stops (never stored, evicted, corrupt, "
+                 "deleted, diverged mid-chunk, below --min-tokens). Another namespace (model, "
+                 "dtype, layout, ...) holding more of the prompt is reported too. Token ids come "
+                 "from the arguments, --tokens-file, standard input, or --text with a local "
+                 "--tokenizer.")
+    sp.add_argument("tokens", nargs="*", metavar="TOKEN_ID",
+                    help="token ids (spaces or commas between them); '-' reads standard input")
+    sp.add_argument("--tokens-file", metavar="FILE",
+                    help="read token ids from FILE: whitespace or comma separated, or a JSON "
+                         "array")
+    sp.add_argument("--text", help="tokenize this text with --tokenizer instead")
+    sp.add_argument("--tokenizer", metavar="DIR",
+                    help="local tokenizer: a model directory (transformers.AutoTokenizer) or a "
+                         "tokenizer.json file (tokenizers); nothing is downloaded")
+    sp.add_argument("--no-special-tokens", dest="special_tokens", action="store_false",
+                    help="do not add the tokenizer's special tokens (e.g. BOS) to --text")
+    sp.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                    help="report 0 when fewer than N tokens match (as an engine would)")
+    sp.add_argument("--granularity", type=int, default=0, metavar="N",
+                    help="round the match down to N tokens (the engine's block size; default: "
+                         "the server's)")
+    _namespace_options(sp, "the namespace to look the prompt up in")
+
+    for name, verb in (("delete", "delete"), ("pin", "pin"), ("unpin", "unpin")):
+        what = {"delete": "delete chunks from every tier",
+                "pin": "pin chunks: never evicted until unpinned",
+                "unpin": "unpin chunks: evictable again"}[name]
+        sp = command(name, what, what[0].upper() + what[1:] + ". Keys are the 64-hex-digit "
+                     "chunk keys `kvstore ls` and `kvstore lookup` print." +
+                     ("" if name == "delete" else " Exit 1 when a key is not stored."))
+        sp.add_argument("keys", nargs="+", type=fmt.arg_key, metavar="KEY",
+                        help=f"chunk key to {verb}")
+
+    sp = command("clear", "remove every chunk of one namespace, or of all namespaces",
+                 "Remove every chunk of one namespace (NAMESPACE_FP or the namespace fields), or "
+                 "of every namespace with --all. Asks for confirmation on a terminal; --yes "
+                 "skips it. Without a terminal and without --yes it refuses (exit 1).")
+    sp.add_argument("namespace_pos", nargs="?", type=fmt.arg_fingerprint,
+                    metavar="NAMESPACE_FP",
+                    help="namespace fingerprint (or a unique prefix) to clear")
+    sp.add_argument("--all", action="store_true", help="clear every namespace")
+    sp.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    _namespace_options(sp, "the namespace to clear")
+
+    sp = command("bench", "put/get throughput against the server, with verification",
+                 "Put COUNT chunks of SIZE bytes (random bytes, a throwaway namespace), read "
+                 "them back, verify every byte, report GB/s for each, then delete them.")
+    sp.add_argument("--size", type=fmt.arg_size, default=8 << 20, metavar="SIZE",
+                    help="payload bytes per chunk, e.g. 512KiB, 8MiB (default: 8MiB)")
+    sp.add_argument("--count", type=fmt.arg_positive(int), default=32, metavar="N",
+                    help="chunks to put and get (default: 32)")
+    sp.add_argument("--shm", action=argparse.BooleanOptionalAction, default=None,
+                    help="insist on (--shm) or avoid (--no-shm) the shared-memory data plane "
+                         "(default: use it when on the server's host)")
+    sp.add_argument("--keep", action="store_true", help="keep the chunks instead of deleting")
+    sp.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar on stderr")
+    return p
+
+
+# -- helpers shared by commands ---------------------------------------------------------------
+
+def _client(args: argparse.Namespace, shm: bool | None = None) -> Client:
+    from kvstore.client import Client
+
+    return Client(args.url, token=args.token, timeout=args.timeout, shm=shm)
+
+
+def _namespace_from_fields(args: argparse.Namespace) -> Namespace | None:
+    if args.model is None:
+        return None
+    try:
+        return Namespace(model=args.model, revision=args.revision, dtype=args.dtype,
+                         layout=args.layout, device=args.device, tp_rank=args.tp_rank,
+                         tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size,
+                         lora=args.lora, salt=args.salt, extra=tuple(sorted(args.extra)))
+    except InvalidArgument as e:
+        args.parser.error(str(e))
+        raise  # parser.error exits; this keeps type checkers content
+
+
+def _given_namespace(args: argparse.Namespace) -> tuple[str | None, Namespace | None]:
+    """The fingerprint prefix or the Namespace the user gave (at most one of them)."""
+    pos = getattr(args, "namespace_pos", None)
+    if pos and args.namespace_fp and pos != args.namespace_fp:
+        args.parser.error("give the namespace once: NAMESPACE_FP or --namespace-fp")
+    hexfp = pos or args.namespace_fp
+    ns = _namespace_from_fields(args)
+    if hexfp and ns is not None:
+        args.parser.error("give either a namespace fingerprint or --model and its fields, "
+                          "not both")
+    return hexfp, ns
+
+
+def _resolve_fp(client: Client, hexfp: str) -> Fingerprint:
+    """A full fingerprint from 32 hex digits, or from a prefix unique among stored namespaces."""
+    if len(hexfp) == FINGERPRINT_BYTES * 2:
+        return Fingerprint(bytes.fromhex(hexfp))
+    found = [n.fingerprint for n in client.namespaces() if n.fingerprint.hex().startswith(hexfp)]
+    if len(found) != 1:
+        raise CLIError(f"namespace prefix {hexfp!r} matches {len(found)} stored namespaces; "
+                       "give more hex digits (see `kvstore ls`)")
+    return found[0]
+
+
+def _lookup_tokens(args: argparse.Namespace) -> list[int]:
+    sources = sum(bool(x) for x in (args.tokens, args.tokens_file, args.text))
+    if sources > 1:
+        args.parser.error("give token ids one way: arguments, --tokens-file or --text")
+    if args.text is not None:
+        if not args.tokenizer:
+            args.parser.error("--text needs --tokenizer DIR (a local tokenizer)")
+        return fmt.load_tokenizer(args.tokenizer, args.special_tokens)(args.text)
+    if args.tokens_file:
+        try:
+            with open(args.tokens_file) as f:
+                return fmt.read_token_ids(f.read(), args.tokens_file)
+        except OSError as e:
+            raise CLIError(f"--tokens-file: {e}") from e
+    if args.tokens and args.tokens != ["-"]:
+        return fmt.read_token_ids(" ".join(args.tokens), "token ids")
+    if sys.stdin.isatty() and args.tokens != ["-"]:
+        args.parser.error("give token ids as arguments, --tokens-file, --text or on stdin")
+    return fmt.read_token_ids(sys.stdin.read(), "standard input")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def cmd_stats(args: argparse.Namespace) -> Doc:
+    with _client(args) as c:
+        s = c.stats()
+    doc: Doc = {"url": c.url, "chunks": s.chunks, "namespaces": s.namespaces}
+    for name in ("pending_writes", "pending_bytes", "write_failures", "lookups",
+                 "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts"):
+        doc[name] = getattr(s, name)
+    doc.update(s.extra)
+    doc["tiers"] = [{**{f: getattr(t, f) for f in (
+        "name", "level", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "puts",
+        "evictions", "corrupt", "errors", "rejected", "bytes_in", "bytes_out", "healthy")},
+        "detail": t.detail} for t in s.tiers]
+    return doc
+
+
+def cmd_info(args: argparse.Namespace) -> Doc:
+    import dataclasses
+
+    from kvstore.wire import boot_id
+
+    with _client(args) as c:
+        info = c.info()
+    why = ""
+    if not info.shm_path:
+        why = "the server does not offer it"
+    elif info.boot_id != boot_id():
+        why = "the server runs on another host"
+    else:
+        try:
+            if os.stat(info.shm_path).st_ino != info.shm_inode:
+                why = f"{info.shm_path} here is not the server's arena"
+        except OSError as e:
+            why = f"cannot open {info.shm_path}: {e.strerror}"
+    return {"url": c.url, **dataclasses.asdict(info), "client_version": __version__,
+            "shm_usable": not why, "shm_unusable_reason": why}
+
+
+def cmd_health(args: argparse.Namespace) -> Doc:
+    with _client(args) as c:
+        serving = c.health()
+        doc: Doc = {"url": c.url, "serving": serving, "status": "serving", "error": ""}
+        if serving:
+            try:
+                doc["server_version"] = c.info().server_version
+            except KVStoreError:  # e.g. a token is needed for Info but not for health
+                doc["server_version"] = ""
+            return doc
+        # health() folds every failure into False; Info tells unreachable from not serving.
+        try:
+            c.info()
+            doc.update(status="not_serving", error="the server answers but is not serving "
+                                                   "(starting or shutting down)")
+        except ServerUnavailable as e:
+            doc.update(status="unreachable", error=_unreachable(c.url, e))
+        except KVStoreError as e:
+            doc.update(status="not_serving", error=str(e))
+    return doc
+
+
+def cmd_ls(args: argparse.Namespace) -> Doc:
+    hexfp, ns = _given_namespace(args)
+    if args.limit < 0:
+        args.parser.error("--limit must be >= 0")
+    with _client(args) as c:
+        chunks_wanted = hexfp or ns or args.tier or args.pinned or args.all_chunks
+        if not chunks_wanted:
+            return {"url": c.url, "namespaces": [
+                {"fingerprint": n.fingerprint.hex(), "chunks": n.chunks, "bytes": n.bytes,
+                 "namespace": fmt.namespace_fields(n.namespace)} for n in c.namespaces()]}
+        fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp) if hexfp else None
+        now_ms = time.time() * 1000
+        rows: list[Doc] = []
+        truncated = False
+        for v in c.list(fp, tier=args.tier or 0, pinned_only=args.pinned):
+            if args.limit and len(rows) == args.limit:
+                truncated = True
+                break
+            rows.append({
+                "key": v.key.hex(), "fingerprint": v.fingerprint.hex(), "parent": v.parent.hex(),
+                "tokens": v.n_tokens, "size_bytes": v.raw_size, "dtype": v.dtype,
+                "tiers": [fmt.tier_name(t) for t in v.tiers], "pinned": v.pinned,
+                "hits": v.hits, "created_ms": v.created_ms, "last_access_ms": v.last_access_ms,
+                "age_s": round(max(0.0, now_ms - v.created_ms) / 1000, 3),
+                "idle_s": round(max(0.0, now_ms - v.last_access_ms) / 1000, 3)})
+    return {"url": c.url, "namespace": fp.hex() if fp else None, "chunks": rows,
+            "truncated": truncated, "limit": args.limit}
+
+
+def cmd_lookup(args: argparse.Namespace) -> Doc:
+    hexfp, ns = _given_namespace(args)
+    if not hexfp and ns is None:
+        args.parser.error("give the namespace: --namespace-fp HEX, or --model and its fields")
+    tokens = _lookup_tokens(args)
+    with _client(args) as c:
+        info = c.info()
+        fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp or "")
+        # The Namespace itself, when given, lets the server name it in `kvstore ls`.
+        r = c.lookup(ns if ns is not None else fp, tokens, min_tokens=args.min_tokens,
+                     granularity=args.granularity, explain=True)
+        named = {n.fingerprint: n.namespace for n in c.namespaces()} if ns is None else {}
+    mine = ns if ns is not None else named.get(fp)
+    ct = info.chunk_tokens
+    chunks = []
+    for m in r.chunks:
+        chunks.append({"index": m.start // ct, "key": m.key.hex(), "start": m.start,
+                       "end": m.start + m.tokens, "tokens": m.tokens,
+                       "stored_tokens": m.stored_tokens, "tier": fmt.tier_name(m.tier),
+                       "partial": m.partial})
+    stop_span = None
+    if r.stop not in ("complete", "granularity", "below_min_tokens") and r.stop_chunk >= 0:
+        start = r.stop_chunk * ct
+        if start < r.total_tokens:
+            stop_span = [start, min(start + ct, r.total_tokens)]
+    others = []
+    for o in r.other_namespaces:
+        diff = fmt.namespace_diff(mine, o.namespace) if mine and o.namespace else []
+        others.append({"fingerprint": o.fingerprint.hex(), "matched_tokens": o.matched_tokens,
+                       "namespace": fmt.namespace_fields(o.namespace), "differs_in": diff})
+    return {
+        "url": c.url, "namespace": {"fingerprint": fp.hex(),
+                                    "fields": fmt.namespace_fields(mine)},
+        "total_tokens": r.total_tokens, "matched_tokens": r.matched_tokens,
+        "chunk_tokens": ct, "granularity": args.granularity or info.granularity,
+        "min_tokens": args.min_tokens,
+        "by_tier": {fmt.tier_name(t): n for t, n in sorted(r.by_tier.items())},
+        "chunks": chunks, "stop": r.stop, "stop_chunk": r.stop_chunk, "stop_span": stop_span,
+        "explanation": fmt.explain_stop(r.stop, r.stop_chunk, stop_span, chunks,
+                                        args.min_tokens, args.granularity or info.granularity),
+        "other_namespaces": others,
+    }
+
+
+def _keys_command(args: argparse.Namespace) -> Doc:
+    keys: list[ChunkKey] = list(dict.fromkeys(args.keys))  # each key once, in order
+    with _client(args) as c:
+        stored = c.exists(keys)
+        missing = [k.hex() for k, tiers in zip(keys, stored, strict=True) if not tiers]
+        if args.command == "delete":
+            n = c.delete(keys)
+            return {"url": c.url, "requested": len(keys), "deleted": n, "not_found": missing}
+        pinned = args.command == "pin"
+        n = c.pin(keys, pinned)
+    doc = {"url": c.url, "pinned": pinned, "requested": len(keys), "changed": n,
+           "not_found": missing}
+    if missing:
+        doc["error"] = (f"{len(missing)} of {len(keys)} keys are not stored: "
+                        f"{', '.join(k[:16] + '...' for k in missing)}")
+    return doc
+
+
+def cmd_clear(args: argparse.Namespace) -> Doc:
+    hexfp, ns = _given_namespace(args)
+    if args.all == bool(hexfp or ns):
+        args.parser.error("give a namespace (NAMESPACE_FP or --model ...) or --all, not both")
+    with _client(args) as c:
+        fp = None if args.all else ns.fingerprint if ns else _resolve_fp(c, hexfp or "")
+        held = [n for n in c.namespaces() if fp is None or n.fingerprint == fp]
+        what = ("every namespace" if fp is None else f"namespace {fp.hex()}"
+                + (f" ({fmt.describe_namespace(held[0].namespace)})"
+                   if held and held[0].namespace else ""))
+        n_chunks = sum(n.chunks for n in held)
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise CLIError(f"refusing to clear {what} without confirmation: standard input "
+                               "is not a terminal; pass --yes to clear anyway")
+            sys.stderr.write(f"Remove {n_chunks} chunks "
+                             f"({fmt.human_bytes(sum(n.bytes for n in held))}) of {what}? "
+                             "[y/N] ")
+            sys.stderr.flush()
+            answer = sys.stdin.readline().strip().lower()
+            if answer not in ("y", "yes"):
+                raise CLIError("not cleared (answer y to confirm)")
+        removed = c.clear(fp, all=fp is None)
+    return {"url": c.url, "all": fp is None, "namespace": fp.hex() if fp else None,
+            "removed": removed}
+
+
+def cmd_bench(args: argparse.Namespace) -> Doc:
+    import uuid
+
+    import numpy as np
+
+    from kvstore.keys import ROOT
+    from kvstore.tiers.base import PutStatus
+
+    size, count = args.size, args.count
+    with _client(args, shm=args.shm) as c:
+        info = c.info()
+        if size + 65536 > info.max_chunk_bytes:
+            raise CLIError(f"--size {fmt.human_bytes(size)} is over the server's largest chunk "
+                           f"({fmt.human_bytes(info.max_chunk_bytes)} with its header)")
+        # A fresh namespace per run: earlier runs' chunks cannot turn puts into EXISTS.
+        ns = Namespace(model="kvstore-bench", salt=uuid.uuid4().hex)
+        payload = np.random.default_rng().integers(0, 256, size, dtype=np.uint8)
+        out = np.empty(size, dtype=np.uint8)
+        ct = max(1, info.chunk_tokens)
+
+        def stamp(i: int) -> np.ndarray:  # chunk i's bytes: the random block, i in front
+            payload[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)[: min(8, size)]
+            return payload
+
+        keys: list[tuple[int, ChunkKey]] = []
+        statuses = dict.fromkeys((s.name.lower() for s in PutStatus), 0)
+        verified = missing = 0
+        t_put = t_get = 0.0
+        bar = fmt.Progress("put", count, enabled=args.progress)
+        for i in range(count):
+            tokens = np.arange(i * ct, (i + 1) * ct, dtype=np.uint32)
+            data = stamp(i)
+            t0 = time.perf_counter()
+            key, status = c.put_chunk(ns, ROOT, tokens, data, "uint8", (size,))
+            t_put += time.perf_counter() - t0
+            statuses[status.name.lower()] += 1
+            if status in (PutStatus.STORED, PutStatus.EXISTS):
+                keys.append((i, key))
+            bar.update()
+        bar.close()
+        bar = fmt.Progress("get", len(keys), enabled=args.progress)
+        for i, key in keys:
+            t0 = time.perf_counter()
+            found = c.get_into(key, out)
+            t_get += time.perf_counter() - t0
+            if found is None:
+                missing += 1
+            elif np.array_equal(out, stamp(i)):
+                verified += 1
+            bar.update()
+        bar.close()
+        plane = "shm" if c.shm_active else "stream"
+        if not args.keep:
+            c.delete([k for _, k in keys])
+    doc: Doc = {
+        "url": c.url, "plane": plane, "size_bytes": size, "count": count,
+        "put": {"seconds": t_put, "bytes": size * count,
+                "gb_per_s": size * count / t_put / 1e9 if t_put else 0.0,
+                "statuses": {k: v for k, v in statuses.items() if v}},
+        "get": {"seconds": t_get, "bytes": size * len(keys),
+                "gb_per_s": size * len(keys) / t_get / 1e9 if t_get else 0.0,
+                "missing": missing},
+        "verified": verified, "kept": args.keep}
+    if verified != count:
+        doc["error"] = (f"only {verified} of {count} chunks were stored and read back intact "
+                        f"(put statuses {doc['put']['statuses']}, {missing} missing on get)")
+    return doc
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], Doc]] = {
+    "stats": cmd_stats, "info": cmd_info, "health": cmd_health, "ls": cmd_ls,
+    "lookup": cmd_lookup, "delete": _keys_command, "pin": _keys_command,
+    "unpin": _keys_command, "clear": cmd_clear, "bench": cmd_bench,
+}
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+def _unreachable(url: str, e: KVStoreError) -> str:
+    detail = str(e).split(" is unavailable: ", 1)[-1].replace("\n", " ")
+    return (f"cannot reach a kvstore server at {url} ({detail}); is it running? Start one with "
+            "`kvstore-server`, or point --url / KVSTORE_URL at a running server")
+
+
+def _message(e: KVStoreError, args: argparse.Namespace) -> str:
+    url = args.url or os.environ.get("KVSTORE_URL") or "the default URL"
+    if isinstance(e, ServerUnavailable):
+        return _unreachable(url, e)
+    if isinstance(e, Unauthenticated):
+        return f"{e}; pass the server's token with --token or KVSTORE_TOKEN"
+    if isinstance(e, DeadlineExceeded):
+        return f"{e}; no answer within --timeout {args.timeout:g} s"
+    return str(e)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name, default in (("url", None), ("token", None), ("timeout", 10.0), ("json", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    try:
+        doc = COMMANDS[args.command](args)
+        if args.json:
+            fmt.emit_json(doc)
+        else:
+            text = fmt.render(args.command, doc)
+            if text:
+                print(text)
+        failed = doc.get("error")
+        if failed:
+            print(f"kvstore {args.command}: {failed}", file=sys.stderr)
+        return EXIT_ERROR if failed else EXIT_OK
+    except KVStoreError as e:
+        print(f"kvstore {args.command}: {_message(e, args)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvstore ls | head`: the reader left; not an error
+        sys.stderr.close()
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

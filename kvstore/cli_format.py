@@ -1,0 +1,479 @@
+"""Text in and out for the ``kvstore`` CLI: argument values and token ids in; human
+sizes, ages, aligned tables and JSON documents out.
+
+Kept apart from ``kvstore/cli.py`` so the commands read as "ask the server,
+build a document, render it", and so the formatting rules (what a person sees
+versus what a script parses) live in one place. Nothing here talks to a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
+
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Namespace, parse_key
+
+
+class CLIError(KVStoreError):
+    """An expected failure: printed as one line on stderr, exit status 1."""
+
+
+TIER_NAMES = {1: "memory", 2: "disk", 3: "remote"}
+TIER_LEVELS = {name: level for level, name in TIER_NAMES.items()}
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "4096", "8MiB", "1.5GiB", "64M" (K/M/G/T alone are decimal, like GB)."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; use e.g. 4096, 512KiB, 8MiB or 1GiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: float) -> str:
+    """12.0 MiB, 512 B: binary units, one decimal."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    """3m12s, 45s, 2h05m, 3d04h: the two largest units, like `ps` and `kubectl`."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def human_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def percent(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def tier_name(level: int) -> str:
+    return TIER_NAMES.get(level, f"L{level}")
+
+
+def tier_names(levels: Iterable[int]) -> str:
+    return ",".join(tier_name(t) for t in levels) or "-"
+
+
+def namespace_fields(ns: Namespace | None) -> dict[str, Any] | None:
+    """A Namespace as a JSON object (``extra`` as a mapping), None when unknown."""
+    if ns is None:
+        return None
+    data = dataclasses.asdict(ns)
+    data["extra"] = dict(ns.extra)
+    return data
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Namespace)}
+
+
+def describe_namespace(ns: Namespace | None) -> str:
+    """The fields that differ from their defaults: "model=m dtype=bfloat16 tp=1/2"."""
+    if ns is None:
+        return "(unnamed: no client described it yet)"
+    parts = []
+    for name, value in dataclasses.asdict(ns).items():
+        if name in ("tp_rank", "tp_size", "pp_rank", "pp_size", "extra"):
+            continue
+        if value != _DEFAULTS.get(name):
+            parts.append(f"{name}={value}")
+    for kind in ("tp", "pp"):
+        rank, size = getattr(ns, f"{kind}_rank"), getattr(ns, f"{kind}_size")
+        if size != 1:
+            parts.append(f"{kind}={rank}/{size}")
+    parts.extend(f"{k}={v}" for k, v in ns.extra)
+    return " ".join(parts)
+
+
+def namespace_diff(mine: Namespace, other: Namespace) -> list[str]:
+    """Names of the fields in which two namespaces differ (why they do not share KV)."""
+    a, b = dataclasses.asdict(mine), dataclasses.asdict(other)
+    return [name for name in a if a[name] != b[name]]
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
+          right: Sequence[str] = ()) -> str:
+    """An aligned plain-text table; columns named in ``right`` are right-aligned (numbers)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+
+    def line(row: Sequence[str]) -> str:
+        out = []
+        for i, c in enumerate(row):
+            out.append(c.rjust(widths[i]) if headers[i] in right else c.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(list(headers)), *(line(r) for r in cells)])
+
+
+def key_values(pairs: Sequence[tuple[str, Any]]) -> str:
+    """"name:  value" lines with the values aligned."""
+    width = max((len(k) for k, _ in pairs), default=0) + 1
+    return "\n".join(f"{(k + ':').ljust(width)}  {v}" for k, v in pairs)
+
+
+def emit_json(doc: Any, out: IO[str] | None = None) -> None:
+    """One JSON document on stdout (bytes as hex, dataclasses as objects)."""
+    out = out or sys.stdout
+    json.dump(doc, out, indent=2, default=_json_default)
+    out.write("\n")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+# -- text in: argument types (a bad value is an argparse error, exit 2) and token ids ----------
+
+def arg_key(text: str) -> ChunkKey:
+    try:
+        return parse_key(text)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def arg_fingerprint(text: str) -> str:
+    """A namespace fingerprint in hex, or a prefix of one (resolved against the server)."""
+    t = text.lower().strip()
+    if not t or len(t) > FINGERPRINT_BYTES * 2 or any(c not in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(
+            f"a namespace fingerprint is {FINGERPRINT_BYTES * 2} hex characters (a unique "
+            f"prefix will do), got {text!r}")
+    return t
+
+
+def arg_size(text: str) -> int:
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if n <= 0:
+        raise argparse.ArgumentTypeError("the size must be positive")
+    return n
+
+
+def arg_positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from e
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return check
+
+
+def arg_tier(text: str) -> int:
+    t = text.lower()
+    if t in TIER_LEVELS:
+        return TIER_LEVELS[t]
+    if t in ("1", "2", "3"):
+        return int(t)
+    raise argparse.ArgumentTypeError(f"{text!r}: a tier is memory, disk or remote (or 1, 2, 3)")
+
+
+def arg_pair(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return k, v
+
+
+def read_token_ids(text: str, source: str) -> list[int]:
+    """Token ids separated by whitespace or commas, or a JSON array of integers."""
+    text = text.strip()
+    try:
+        if text.startswith("["):
+            values = json.loads(text)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise ValueError("the JSON array must hold integers")
+            return list(values)
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise CLIError(f"{source}: expected token ids (integers): {e}") from e
+
+
+def load_tokenizer(path: str, special: bool) -> Callable[[str], list[int]]:
+    """Encode with a local tokenizer; network access is switched off before loading.
+
+    A model directory with a tokenizer config goes through transformers.AutoTokenizer
+    (what vLLM uses, so the ids match the engine's); a bare tokenizer.json (or a
+    directory holding only that) through the lighter ``tokenizers`` library.
+    """
+    p = os.path.expanduser(path)
+    tj = os.path.join(p, "tokenizer.json") if os.path.isdir(p) else p
+    has_config = os.path.isdir(p) and any(
+        os.path.exists(os.path.join(p, f)) for f in ("tokenizer_config.json", "config.json"))
+    if has_config:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            pass
+        else:
+            try:
+                tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+            except Exception as e:  # transformers raises many kinds; all mean "cannot load"
+                raise CLIError(f"--tokenizer {path}: cannot load it: {e}") from e
+            return lambda s: list(tok.encode(s, add_special_tokens=special))
+    if os.path.isfile(tj):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise CLIError("--tokenizer needs the `tokenizers` or `transformers` package") from e
+        try:
+            t = Tokenizer.from_file(tj)
+        except Exception as e:  # the Rust binding raises a bare Exception
+            raise CLIError(f"--tokenizer {tj}: cannot load it: {e}") from e
+        return lambda s: list(t.encode(s, add_special_tokens=special).ids)
+    raise CLIError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json there")
+
+
+# -- text out: one renderer per command, from the same document --json prints ----------------
+
+class Progress:
+    """A progress bar on stderr: tqdm when installed, else one rewritten line (TTY only)."""
+
+    def __init__(self, desc: str, total: int, *, enabled: bool = True) -> None:
+        self.desc, self.total, self.n = desc, total, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+        if self.enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self._bar = tqdm(total=total, desc=desc, unit="chunk", file=sys.stderr,
+                             leave=False)
+
+    def update(self) -> None:
+        self.n += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif self.enabled:
+            sys.stderr.write(f"\r{self.desc} {self.n}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            sys.stderr.write("\r" + " " * (len(self.desc) + 24) + "\r")
+            sys.stderr.flush()
+
+
+def explain_stop(stop: str, stop_chunk: int, span: list[int] | None,
+                 chunks: list[dict[str, Any]], min_tokens: int, granularity: int) -> str:
+    """Why a lookup stopped where it did, in a sentence."""
+    where = f"chunk {stop_chunk}" + (f" (tokens {span[0]}-{span[1] - 1})" if span else "")
+    if stop == "complete":
+        return "every token of the prompt is stored"
+    if stop == "diverged" and chunks and chunks[-1]["partial"]:
+        m = chunks[-1]
+        if m["tokens"] == m["stored_tokens"]:
+            return (f"{where}: the stored chunk ends after its first {m['tokens']} tokens (it "
+                    "was the short last chunk of an earlier prompt)")
+        return (f"{where}: a stored chunk under the same prefix shares only its first "
+                f"{m['tokens']} of {m['stored_tokens']} tokens with this prompt (the prompt "
+                f"diverges within tokens {m['end']}-{m['end'] + granularity - 1})")
+    return {
+        "not_stored": f"{where} was never stored (or was evicted long ago)",
+        "evicted": f"{where} was evicted from every tier",
+        "corrupt": f"{where} failed verification and was deleted",
+        "deleted": f"{where} was deleted (kvstore delete or clear)",
+        "below_min_tokens": f"a prefix is stored but is shorter than --min-tokens {min_tokens}: "
+                            "reported as 0",
+        "granularity": f"the match was cut to whole units of {granularity} tokens",
+    }.get(stop, f"{where}: {stop}")
+
+
+def _render_stats(d: dict[str, Any]) -> str:
+    lines = key_values([
+        ("server", f"{d['url']} (up {human_age(d.get('uptime_s', 0))})"),
+        ("chunks", f"{human_count(d['chunks'])} in {d['namespaces']} namespaces"),
+        ("lookups", f"{human_count(d['lookups'])}: matched {human_count(d['matched_tokens'])} "
+                    f"of {human_count(d['lookup_tokens'])} tokens "
+                    f"({percent(d['matched_tokens'], d['lookup_tokens'])})"),
+        ("gets", f"{human_count(d['gets'])} ({human_count(d['hits'])} hits)"),
+        ("puts", f"{human_count(d['puts'])} ({human_count(d['rejected_puts'])} rejected)"),
+        ("write-downs", f"{d['pending_writes']} pending ({human_bytes(d['pending_bytes'])}), "
+                        f"{d['write_failures']} failed"),
+        ("leases", f"{d.get('active_leases', 0)} active"),
+    ])
+    rows = [[t["name"], t["level"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
+             percent(t["used_bytes"], t["capacity_bytes"]), human_count(t["chunks"]),
+             human_count(t["hits"]), human_count(t["misses"]), human_count(t["puts"]),
+             human_count(t["evictions"]), t["corrupt"], t["errors"], t["rejected"],
+             "yes" if t["healthy"] else "NO"] for t in d["tiers"]]
+    right = ("LEVEL", "USED", "CAPACITY", "USE", "CHUNKS", "HITS", "MISSES", "PUTS",
+             "EVICTIONS", "CORRUPT", "ERRORS", "REJECTED")
+    return lines + "\n\n" + table(("TIER", "LEVEL", "USED", "CAPACITY", "USE", "CHUNKS", "HITS",
+                                   "MISSES", "PUTS", "EVICTIONS", "CORRUPT", "ERRORS",
+                                   "REJECTED", "HEALTHY"), rows, right=right)
+
+
+def _render_info(d: dict[str, Any]) -> str:
+    shm = "not offered"
+    if d["shm_path"]:
+        usable = ("usable from here" if d["shm_usable"]
+                  else f"not usable here: {d['shm_unusable_reason']}")
+        shm = f"{d['shm_path']} ({human_bytes(d['shm_size'])}), {usable}"
+    return key_values([
+        ("server", d["url"]),
+        ("version", f"kvstore-server {d['server_version']} (this client {d['client_version']})"),
+        ("record format", d["record_format"]), ("key scheme", d["key_scheme"]),
+        ("chunk tokens", d["chunk_tokens"]), ("granularity", f"{d['granularity']} tokens"),
+        ("tiers", ", ".join(d["tiers"])),
+        ("max chunk", human_bytes(d["max_chunk_bytes"])),
+        ("max message", human_bytes(d["max_message_bytes"])),
+        ("stream piece", human_bytes(d["piece_bytes"])),
+        ("shared memory", shm), ("lease", f"{d['lease_ms']} ms"),
+        ("auth", "token required" if d["auth_required"] else "none"),
+    ])
+
+
+def _render_health(d: dict[str, Any]) -> str:
+    if d["serving"]:
+        version = f" (kvstore-server {d['server_version']})" if d.get("server_version") else ""
+        return f"serving: {d['url']}{version}"
+    return f"{d['status'].replace('_', ' ')}: {d['url']}"
+
+
+def _render_ls(d: dict[str, Any]) -> str:
+    if "namespaces" in d:
+        if not d["namespaces"]:
+            return "no namespaces: the store is empty"
+        rows = [[n["fingerprint"], human_count(n["chunks"]), human_bytes(n["bytes"]),
+                 describe_namespace(_namespace(n["namespace"]) if n["namespace"] else None)]
+                for n in d["namespaces"]]
+        return table(("FINGERPRINT", "CHUNKS", "SIZE", "NAMESPACE"), rows,
+                     right=("CHUNKS", "SIZE"))
+    if not d["chunks"]:
+        return "no chunks match"
+    many = d["namespace"] is None
+    rows = [[*([c["fingerprint"][:8]] if many else []), c["key"], ",".join(c["tiers"]) or "-",
+             human_bytes(c["size_bytes"]), c["tokens"], human_age(c["age_s"]),
+             human_age(c["idle_s"]), human_count(c["hits"]), "yes" if c["pinned"] else "no"]
+            for c in d["chunks"]]
+    headers = (*(("NS",) if many else ()), "KEY", "TIERS", "SIZE", "TOKENS", "AGE", "IDLE",
+               "HITS", "PINNED")
+    out = table(headers, rows, right=("SIZE", "TOKENS", "AGE", "IDLE", "HITS"))
+    if d["truncated"]:
+        out += f"\n(first {d['limit']} chunks shown; --limit 0 shows all)"
+    return out
+
+
+def _render_lookup(d: dict[str, Any]) -> str:
+    ns = d["namespace"]
+    fields = ns["fields"]
+    named = describe_namespace(_namespace(fields)) if fields else "(fields unknown)"
+    tiers = ", ".join(f"{t} {n}" for t, n in d["by_tier"].items()) or "nothing stored"
+    lines = [key_values([
+        ("namespace", f"{ns['fingerprint']}  {named}"),
+        ("matched", f"{d['matched_tokens']} of {d['total_tokens']} tokens "
+                    f"({percent(d['matched_tokens'], d['total_tokens'])}): {tiers}"),
+    ])]
+    rows = [[c["index"], f"{c['start']}-{c['end'] - 1}", f"{c['tokens']}/{c['stored_tokens']}",
+             c["tier"], "partial" if c["partial"] else "hit", c["key"]] for c in d["chunks"]]
+    if d["stop_span"] and not (d["chunks"] and d["chunks"][-1]["partial"]):
+        s, e = d["stop_span"]
+        rows.append([d["stop_chunk"], f"{s}-{e - 1}", f"0/{e - s}", "-",
+                     d["stop"].replace("_", " "), ""])
+    if rows:
+        lines.append(table(("CHUNK", "TOKENS", "MATCHED", "TIER", "STATUS", "KEY"), rows,
+                           right=("CHUNK", "MATCHED")))
+    lines.append(f"stop: {d['stop']}: {d['explanation']}")
+    n_chunks = -(-d["total_tokens"] // d["chunk_tokens"]) if d["chunk_tokens"] else 0
+    after = (d["stop_chunk"] + 1) if d["stop_span"] else n_chunks
+    if d["stop"] != "complete" and after < n_chunks:
+        lines.append(f"chunks {after}-{n_chunks - 1} not looked at: a prefix match ends at the "
+                     "first chunk that is not stored")
+    if d["other_namespaces"]:
+        lines.append("other namespaces hold more of these tokens (KV of another model, dtype, "
+                     "layout, rank or salt is never served here):")
+        rows = [[o["fingerprint"], o["matched_tokens"],
+                 describe_namespace(_namespace(o["namespace"])) if o["namespace"] else "(unnamed)",
+                 ",".join(o["differs_in"]) or "?"] for o in d["other_namespaces"]]
+        lines.append(table(("FINGERPRINT", "MATCHED", "NAMESPACE", "DIFFERS IN"), rows,
+                           right=("MATCHED",)))
+    return "\n".join(lines)
+
+
+def _namespace(fields: dict[str, Any]) -> Namespace:
+    return Namespace(**{**fields, "extra": tuple(sorted(fields["extra"].items()))})
+
+
+def _render_keys(d: dict[str, Any]) -> str:
+    if "deleted" in d:
+        out = f"deleted {d['deleted']} of {d['requested']} chunks"
+        return out + (f" ({len(d['not_found'])} not stored)" if d["not_found"] else "")
+    verb = "pinned" if d["pinned"] else "unpinned"
+    return f"{verb} {d['changed']} of {d['requested']} chunks" + (
+        f" (the other {d['requested'] - d['changed']} already were)"
+        if d["changed"] < d["requested"] - len(d["not_found"]) else "")
+
+
+def _render_clear(d: dict[str, Any]) -> str:
+    what = "every namespace" if d["all"] else f"namespace {d['namespace']}"
+    return f"removed {d['removed']} chunks of {what}"
+
+
+def _render_bench(d: dict[str, Any]) -> str:
+    rows = [[op, human_count(d["count"] if op == "put" else d["count"] - d["get"]["missing"]),
+             human_bytes(d[op]["bytes"]), f"{d[op]['seconds']:.3f}", f"{d[op]['gb_per_s']:.2f}"]
+            for op in ("put", "get")]
+    head = (f"{d['count']} chunks of {human_bytes(d['size_bytes'])} via {d['plane']} "
+            f"({d['url']})")
+    tail = f"verified {d['verified']} of {d['count']} chunks byte for byte"
+    return "\n".join([head, table(("OP", "CHUNKS", "BYTES", "SECONDS", "GB/S"), rows,
+                                  right=("CHUNKS", "BYTES", "SECONDS", "GB/S")), tail])
+
+
+def render(command: str, doc: dict[str, Any]) -> str:
+    """The human output of ``command`` from its document."""
+    return {
+        "stats": _render_stats, "info": _render_info, "health": _render_health,
+        "ls": _render_ls, "lookup": _render_lookup, "delete": _render_keys,
+        "pin": _render_keys, "unpin": _render_keys, "clear": _render_clear,
+        "bench": _render_bench,
+    }[command](doc)

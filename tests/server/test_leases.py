@@ -1,0 +1,129 @@
+"""Leases of the shared-memory data plane: a dead client cannot leak arena pages."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+import kvstore
+from kvstore.errors import NotFound
+from kvstore.keys import ROOT
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.server.conftest import KVServer, clean_env
+from tests.server.helpers import namespace, payload, shape_for, tokens
+
+# A client that stores a chunk, then holds a read lease on it and a reservation
+# for another, says "ready" and waits to be killed.
+HOLDER = r"""
+import sys, time
+import kvstore
+from kvstore.keys import ROOT
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.server.helpers import namespace, payload, shape_for, tokens, chunk_header_for
+
+url = sys.argv[1]
+c = kvstore.Client(url, shm=True)
+ns = namespace("holder", 4096)
+data = payload(256 * 4096, 1)
+key, status = c.put_chunk(ns, ROOT, tokens(256, 77), data, "bfloat16", shape_for(256, 4096))
+assert status.ok, status
+lease = c.acquire(key)
+assert lease is not None
+other = chunk_header_for(ns, tokens(256, 78), 4096, seed=2)
+r = c._stub.Reserve(pb.ReserveRequest(header=other.pack()), metadata=c._metadata)
+assert r.status == pb.STORED, r
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _memory(c: kvstore.Client) -> dict[str, Any]:
+    return c.stats().tiers[0].detail
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_killed_client_leaks_no_pages(server: KVServer) -> None:
+    with kvstore.Client(server.unix_url, shm=True) as c:
+        before = _memory(c)
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, server.unix_url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(), cwd=str(_repo_root()))
+        try:
+            line = proc.stdout.readline() if proc.stdout else b""
+            assert line.strip() == b"ready", (
+                f"holder did not start: {line!r} {proc.stderr.read() if proc.stderr else b''!r}")
+            held = _memory(c)
+            assert held["active_leases"] >= before["active_leases"] + 1, held
+            assert held["reservations"] >= before["reservations"] + 1, held
+            # The stored chunk (16 pages of 64 KiB + a header page) plus the reservation.
+            assert held["pages_used"] > before["pages_used"] + 17, (before, held)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+        # lease_ms is 30 s: only the end of the Session stream can free these now.
+        _wait_for(lambda: _memory(c)["active_leases"] == before["active_leases"]
+                  and _memory(c)["reservations"] == before["reservations"], 5.0,
+                  "the killed client's lease and reservation to be dropped")
+        after = _memory(c)
+        stored_pages = -(-(256 * 4096 + 4096) // after["page_bytes"])  # the committed chunk
+        assert after["pages_used"] == before["pages_used"] + stored_pages, (before, after)
+        assert after["deleted_while_leased"] == before["deleted_while_leased"]
+
+
+def test_closed_client_drops_its_leases(server: KVServer) -> None:
+    with kvstore.Client(server.unix_url) as watcher:
+        base = _memory(watcher)["active_leases"]
+        c = kvstore.Client(server.unix_url, shm=True)
+        ns = namespace("closer", 4096)
+        key, _ = c.put_chunk(ns, ROOT, tokens(16, 5), payload(16 * 4096, 4), "bfloat16",
+                             shape_for(16, 4096))
+        leases = [c.acquire(key) for _ in range(3)]
+        assert all(leases) and _memory(watcher)["active_leases"] == base + 3
+        c.close()  # ends the Session without releasing
+        _wait_for(lambda: _memory(watcher)["active_leases"] == base, 5.0,
+                  "leases of a closed client to be dropped")
+
+
+def test_leases_are_per_session(server: KVServer) -> None:
+    with kvstore.Client(server.unix_url, shm=True) as a, \
+            kvstore.Client(server.unix_url, shm=True) as b:
+        ns = namespace("per-session", 4096)
+        key, _ = a.put_chunk(ns, ROOT, tokens(16, 6), payload(16 * 4096, 8), "bfloat16",
+                             shape_for(16, 4096))
+        lease = a.acquire(key)
+        assert lease is not None
+        with pytest.raises(NotFound, match="unknown lease"):
+            b._release(lease.id, None)  # another session's lease
+        assert lease.release() is True
+        with pytest.raises(NotFound, match="unknown lease"):
+            a._release(lease.id, None)  # released twice
+        stub = pb_grpc.KVStoreStub(a._channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Commit(pb.CommitRequest(reservation_id=987654321), metadata=a._metadata)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+        assert "unknown reservation" in (e.value.details() or "")
+
+
+def _repo_root() -> Any:
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2]

@@ -1,0 +1,145 @@
+"""Starting, refusing to start, and stopping kvstore-server without losing data."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore.errors import KVStoreError
+from kvstore.keys import ROOT, ChunkKey
+from tests.server.conftest import KVServer, clean_env
+from tests.server.helpers import namespace, payload, tokens
+from tests.servers import RedisServer, available, free_port
+
+
+def test_help_documents_every_option() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvstore.server.main", "--help"],
+                          capture_output=True, text=True, timeout=30, env=clean_env())
+    assert done.returncode == 0, done.stderr
+    for option in ("--listen", "--unix-socket", "--token", "--token-file", "--tls-cert",
+                   "--tls-key", "--insecure", "--metrics-port", "--max-message-bytes",
+                   "--piece-bytes", "--max-concurrent-rpcs", "--log-format", "--config",
+                   "--data-dir", "--memory-capacity", "--remote", "KVSTORE_"):
+        assert option in done.stdout, f"--help does not mention {option}"
+
+
+def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KVServer]
+                                                   ) -> None:
+    first = make_server("first").start()
+    second = make_server("second", data_dir=first.data_dir).start(wait=False)
+    rc = second.wait(30)
+    log = second.log()
+    assert rc == 1, f"second server exited with {rc}:\n{log}"
+    assert "in use by another kvstore process" in log, log
+    assert "Traceback" not in log, log
+    with kvstore.Client(first.unix_url) as c:
+        assert c.health(), "the first server must keep running"
+    assert first.stop() == 0, first.log()
+
+
+def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..., KVServer]
+                                                        ) -> None:
+    srv = make_server("load").start()
+    acked: list[ChunkKey] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def writer(idx: int, url: str, shm: bool) -> None:
+        ns = namespace(f"load-{idx}", 1024)
+        with kvstore.Client(url, shm=shm, timeout=10) as c:
+            i = 0
+            while not stop.is_set():
+                data = payload(64 * 1024, idx * 100_000 + i)
+                try:
+                    key, status = c.put_chunk(ns, ROOT, tokens(64, idx * 10_000_000 + i * 64),
+                                              data, "bfloat16", (64, 512))
+                except KVStoreError as e:  # the server went away mid-call: not acknowledged
+                    errors.append(str(e))
+                    return
+                if status.ok:
+                    with lock:
+                        acked.append(key)
+                i += 1
+
+    threads = [threading.Thread(target=writer, args=(i, url, shm))
+               for i, (url, shm) in enumerate([(srv.unix_url, True), (srv.unix_url, True),
+                                               (srv.tcp_url, False), (srv.tcp_url, False)])]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rc = srv.stop(timeout=30)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert rc == 0, f"SIGTERM exit code {rc}:\n{srv.log()}"
+    assert len(acked) >= 50, f"only {len(acked)} puts acknowledged before SIGTERM: {errors}"
+    assert "Traceback" not in srv.log(), srv.log()
+
+    again = make_server("load-again", data_dir=srv.data_dir).start()
+    with kvstore.Client(again.unix_url) as c:
+        found = c.exists(acked)
+        lost = [k.hex()[:16] for k, tiers in zip(acked, found, strict=True) if 2 not in tiers]
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged chunks lost: {lost[:5]}"
+        got = c.get(acked[-1])
+        assert got is not None and len(got[1]) == 64 * 1024
+    assert again.stop() == 0, again.log()
+
+
+def test_runs_with_no_arguments(tmp_path: Path) -> None:
+    """Defaults: data dir under XDG_DATA_HOME, socket under TMPDIR; the SDK finds the socket."""
+    port = free_port()
+    env = clean_env({"XDG_DATA_HOME": str(tmp_path / "xdg"), "TMPDIR": str(tmp_path),
+                     "KVSTORE_LISTEN": f"127.0.0.1:{port}",  # tests never use fixed ports
+                     "KVSTORE_MEMORY_CAPACITY_BYTES": "32MiB"})
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.main"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        code = ("import time, kvstore\n"
+                "c = kvstore.Client()\n"
+                "for _ in range(300):\n"
+                "    if c.health(): break\n"
+                "    time.sleep(0.1)\n"
+                "i = c.info(); print(c.url, i.tiers, i.shm_size, c.shm_active)\n")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        assert f"unix://{tmp_path}/kvstore-" in done.stdout, done.stdout
+        assert "('memory', 'disk') 33554432 True" in done.stdout, done.stdout
+        assert (tmp_path / "xdg" / "kvstore" / "lmdb").is_dir(), "L2 not in the data dir"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, out
+
+
+@pytest.mark.skipif(not available("redis"), reason="redis-server is not installed")
+def test_config_file_and_remote_tier(make_server: Callable[..., KVServer], tmp_path: Path
+                                     ) -> None:
+    with RedisServer("redis") as redis:
+        config = tmp_path / "kvstore.toml"
+        config.write_text(f'chunk_tokens = 128\n\n[server]\nlog_format = "json"\n'
+                          f'piece_bytes = "256KiB"\n\n[remote]\nurl = "{redis.url}"\n')
+        srv = make_server("remote", args=["--config", str(config)]).start()
+        with kvstore.Client(srv.tcp_url, shm=False) as c:
+            info = c.info()
+            assert info.tiers == ("memory", "disk", "remote"), info.tiers
+            assert info.chunk_tokens == 128 and info.piece_bytes == 256 * 1024, info
+            ns = namespace("remote", 8192)
+            data = payload(128 * 8192, 9)  # 1 MiB: four Get pieces of 256 KiB
+            key, status = c.put_chunk(ns, ROOT, tokens(128), data, "bfloat16", (128, 4096))
+            assert status.ok, status
+            got = c.get(key)
+            assert got is not None and got[1] == data.tobytes()
+        assert srv.stop() == 0, srv.log()
+        assert srv.log().lstrip().startswith("{"), "log_format from [server] not applied"

@@ -1,0 +1,171 @@
+"""Round trips through a real kvstore-server over both data planes, and the management RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.keys import ROOT
+from kvstore.tiers.base import PutStatus
+from tests.server.conftest import KVServer
+from tests.server.helpers import namespace, payload, put_chain, shape_for, tokens
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=[True, False], ids=["shm", "grpc"])
+def client(request: pytest.FixtureRequest, server: KVServer) -> Iterator[kvstore.Client]:
+    shm = request.param
+    # shm over the Unix socket, streaming over TCP: the two ways clients really connect.
+    c = kvstore.Client(server.unix_url if shm else server.tcp_url, shm=shm, timeout=30)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("nbytes", [512, MiB + 4096, 32 * MiB], ids=["512B", "1MiB+", "32MiB"])
+def test_put_get_byte_exact(client: kvstore.Client, nbytes: int) -> None:
+    plane = "shm" if client._shm_pref else "grpc"
+    n_tok = 256
+    bpt = nbytes // n_tok
+    ns = namespace(f"rt-{plane}", bpt)
+    data = payload(n_tok * bpt, seed=nbytes)
+    key, status = client.put_chunk(ns, ROOT, tokens(n_tok), data, "bfloat16",
+                                   shape_for(n_tok, bpt))
+    assert status == PutStatus.STORED, f"{plane}: put returned {status}"
+    assert client.shm_active is (plane == "shm"), f"data plane is not {plane}"
+
+    got = client.get(key)
+    assert got is not None, f"{plane}: stored chunk not found"
+    header, blob = got
+    assert header.key == key and header.shape == shape_for(n_tok, bpt)
+    assert blob == data.tobytes(), f"{plane}: get returned different bytes"
+
+    out = np.zeros(data.size + 7, dtype=np.uint8)  # larger buffers are fine
+    h2 = client.get_into(key, out)
+    assert h2 is not None and h2.key == key
+    assert np.array_equal(out[: data.size], data), f"{plane}: get_into wrote different bytes"
+
+    again = client.put_chunk(ns, ROOT, tokens(n_tok), data, "bfloat16", shape_for(n_tok, bpt))
+    assert again == (key, PutStatus.EXISTS), f"second put of the same chunk: {again}"
+
+
+def test_miss_and_small_buffer(client: kvstore.Client) -> None:
+    assert client.get(b"\x01" * 32) is None, "unknown key must be a miss"
+    assert client.get_into(b"\x02" * 32, bytearray(16)) is None
+    ns = namespace("small-buf", 64)
+    key, _ = client.put_chunk(ns, ROOT, tokens(16), payload(1024, 3), "bfloat16", (16, 32))
+    with pytest.raises(InvalidArgument, match="output buffer"):
+        client.get_into(key, bytearray(100))
+    with pytest.raises(InvalidArgument, match="read-only"):
+        client.get_into(key, b"\0" * 2048)
+
+
+def test_lookup_through_server(server: KVServer) -> None:
+    with kvstore.Client(server.unix_url) as c:
+        info = c.info()
+        ct = info.chunk_tokens
+        ns = namespace("lookup", 64)
+        prompt = tokens(4 * ct, start=10_000)
+        put_chain(c, ns, prompt, ct, 64)
+
+        full = c.lookup(ns, prompt)
+        assert full.matched_tokens == 4 * ct and full.stop == "complete", full
+        assert len(full.chunks) == 4 and full.by_tier.get(1) == 4 * ct, full
+
+        # Diverges 40 tokens into the third chunk: 2 chunks + 32 tokens (granularity 16).
+        other = prompt.copy()
+        other[2 * ct + 40 :] += 1
+        part = c.lookup(ns, other)
+        assert part.matched_tokens == 2 * ct + 32, part
+        assert part.stop == "diverged" and part.chunks[-1].partial, part
+
+        assert c.lookup(ns, other, granularity=64).matched_tokens == 2 * ct, "granularity cut"
+        assert c.lookup(ns, prompt[:100], min_tokens=200).matched_tokens == 0, "min_tokens"
+        assert c.lookup(namespace("lookup-nothing", 64), prompt).matched_tokens == 0
+
+        # explain: the same tokens are stored under another namespace.
+        elsewhere = namespace("lookup-else", 64)
+        res = c.lookup(elsewhere, prompt, explain=True)
+        assert res.matched_tokens == 0
+        fps = {m.fingerprint: m for m in res.other_namespaces}
+        assert ns.fingerprint in fps and fps[ns.fingerprint].matched_tokens == 4 * ct, res
+        assert fps[ns.fingerprint].namespace == ns, "server should name namespaces it was told"
+
+
+def test_management(server: KVServer) -> None:
+    with kvstore.Client(server.tcp_url, shm=False) as c:
+        ns = namespace("mgmt", 32)
+        chain = put_chain(c, ns, tokens(3 * 256, start=50_000), 256, 32)
+        keys = [k for k, _ in chain]
+        c.stats()  # write-through to L2 is asynchronous; poll exists
+        found = c.exists([*keys, b"\x07" * 32])
+        assert all(1 in f for f in found[:3]) and found[3] == (), found
+
+        assert c.pin(keys[:2]) == 2
+        pinned = list(c.list(ns, pinned_only=True))
+        assert {v.key for v in pinned} == set(keys[:2]), pinned
+        listed = list(c.list(ns, page_size=2))  # paginates: 3 chunks, pages of 2
+        assert [v.key for v in listed] == sorted(keys), "list must return every chunk once"
+        assert all(v.n_tokens == 256 and v.dtype == "bfloat16" for v in listed)
+        assert c.pin(keys[:2], pinned=False) == 2
+
+        spaces = {n.fingerprint: n for n in c.namespaces()}
+        assert spaces[ns.fingerprint].chunks == 3
+        assert spaces[ns.fingerprint].bytes == 3 * 256 * 32
+
+        assert c.delete([keys[2], b"\x08" * 32]) == 1
+        assert c.get(keys[2]) is None, "deleted chunk still served"
+        assert c.clear(ns) == 2
+        assert c.exists(keys[:2]) == [(), ()], "clear left chunks behind"
+        with pytest.raises(InvalidArgument, match="namespace or all"):
+            c.clear()
+
+        stats = c.stats()
+        assert [t.name for t in stats.tiers][:2] == ["memory", "disk"]
+        assert stats.puts >= 3 and stats.extra["uptime_s"] >= 0
+        assert c.health() is True
+
+
+def test_zero_copy_lease(server: KVServer) -> None:
+    with kvstore.Client(server.unix_url, shm=True) as c:
+        ns = namespace("lease-views", 4096)
+        data = payload(64 * 4096, 11)
+        key, _ = c.put_chunk(ns, ROOT, tokens(64, 7), data, "bfloat16", (64, 2048))
+        lease = c.acquire(key)
+        assert lease is not None
+        with lease:
+            joined = b"".join(bytes(v) for v in lease.views())
+            assert joined == data.tobytes(), "lease views show other bytes"
+            assert c.stats().extra["active_leases"] >= 1
+        assert lease.released
+        assert c.acquire(b"\x09" * 32) is None
+    with kvstore.Client(server.tcp_url, shm=False) as c, pytest.raises(KVStoreError):
+        c.acquire(key)
+
+
+def test_async_client(server: KVServer) -> None:
+    async def run(url: str, shm: bool) -> None:
+        async with kvstore.AsyncClient(url, shm=shm) as c:
+            ns = namespace(f"async-{shm}", 1024)
+            data = payload(256 * 1024, 5 + shm)
+            key, status = await c.put_chunk(ns, ROOT, tokens(256, 900), data, "bfloat16",
+                                            (256, 512))
+            assert status == PutStatus.STORED, status
+            assert c.shm_active is shm
+            got = await c.get(key)
+            assert got is not None and got[1] == data.tobytes(), "async get: wrong bytes"
+            out = np.empty_like(data)
+            assert await c.get_into(key, out) is not None and np.array_equal(out, data)
+            assert (await c.lookup(ns, tokens(256, 900))).matched_tokens == 256
+            assert (await c.exists([key]))[0]
+            assert [v.key async for v in c.list(ns)] == [key]
+            assert await c.health()
+            assert await c.get(b"\x03" * 32) is None
+
+    asyncio.run(run(server.unix_url, True))
+    asyncio.run(run(server.tcp_url, False))

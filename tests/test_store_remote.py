@@ -1,0 +1,108 @@
+"""TieredStore with a real Redis/Valkey L3: sharing across stores, spanning tiers, a remote that fails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig, StoreConfig
+from kvstore.records import parse_header
+from kvstore.store import TieredStore
+from tests.helpers import FP, make_chain
+from tests.servers import RedisServer
+
+KiB, MiB = 1 << 10, 1 << 20
+C = 16
+
+
+@pytest.fixture(scope="module", params=["redis", "valkey"])
+def server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    with RedisServer(request.param) as s:
+        yield s
+
+
+def make_store(tmp: Path, url: str, *, memory: int = 4 * MiB, prefix: str = "kvs",
+               policy: str = "write-through") -> TieredStore:
+    return TieredStore(StoreConfig(
+        data_dir=str(tmp), chunk_tokens=C, granularity=4, write_policy=policy,
+        memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
+        disk=DiskConfig(capacity_bytes=64 * MiB),
+        remote=RemoteConfig(url=url, prefix=prefix, timeout_ms=300, connect_timeout_ms=300,
+                            cooldown_ms=200, failure_threshold=1, retries=0),
+    ))
+
+
+def test_two_hosts_share_through_the_remote(server: RedisServer, tmp_path: Path) -> None:
+    toks = list(range(7000, 7064))
+    prefix = f"share{time.monotonic_ns()}"
+    with make_store(tmp_path / "a", server.url, prefix=prefix) as a:
+        chain = make_chain(toks, C)
+        for h, p in chain:
+            assert a.put(h, p).ok
+        assert a.flush(10)
+    with make_store(tmp_path / "b", server.url, prefix=prefix) as b:
+        r = b.lookup(FP, toks)
+        assert r.matched_tokens == 64 and r.by_tier == {3: 64}, "host B must see host A's chunks in L3"
+        blob = b.get(chain[2][0].key)
+        assert blob is not None and bytes(blob[parse_header(blob).header_size :]) == chain[2][1]
+        assert 1 in b.contains([chain[2][0].key])[0], "a remote hit is promoted into memory"
+        # Partial match against a chunk only the remote holds (diverges mid-chunk 3).
+        q = toks[:52] + [1, 2, 3, 4, 5, 6, 7, 8]
+        r = b.lookup(FP, q)
+        assert r.matched_tokens == 52 and r.chunks[-1].partial and r.chunks[-1].tier == 3
+
+
+def test_prefix_spans_three_tiers(server: RedisServer, tmp_path: Path) -> None:
+    toks = list(range(100, 148))
+    prefix = f"span{time.monotonic_ns()}"
+    chain = make_chain(toks, C)
+    with make_store(tmp_path / "w", server.url, prefix=prefix) as w:
+        for h, p in chain:
+            w.put(h, p)
+        w.flush(10)
+    with make_store(tmp_path / "r", server.url, prefix=prefix) as s:
+        s.disk.put(*chain[1])  # type: ignore[union-attr]
+        s.index.add(chain[1][0], 2)
+        s.memory.put(*chain[0])
+        s.index.add(chain[0][0], 1)
+        r = s.lookup(FP, toks)
+        assert [c.tier for c in r.chunks] == [1, 2, 3], r
+        assert r.matched_tokens == 48
+
+
+def test_remote_down_keeps_serving_local_tiers(tmp_path: Path) -> None:
+    with RedisServer("valkey") as srv:
+        toks = list(range(300, 348))
+        with make_store(tmp_path, srv.url) as s:
+            chain = make_chain(toks, C)
+            for h, p in chain[:2]:
+                assert s.put(h, p).ok
+            s.flush(10)
+            srv.stop()
+            t0 = time.monotonic()
+            assert s.put(*chain[2]).ok, "a put must land in L1 with the remote down"
+            r = s.lookup(FP, toks)
+            assert r.matched_tokens == 48
+            assert s.get(chain[0][0].key) is not None
+            assert s.flush(10)
+            assert time.monotonic() - t0 < 5, "the remote's deadline must bound every call"
+            remote = s.stats().tiers[2]
+            assert not remote.healthy, "stats must say the remote is down"
+            srv.start()
+            time.sleep(0.3)  # the breaker's cooldown (200 ms) on the real clock
+            s.remote.contains([chain[0][0].key])  # type: ignore[union-attr]
+            assert s.stats().tiers[2].healthy, "the remote must be used again once it is back"
+
+
+def test_unreachable_remote_at_start(tmp_path: Path) -> None:
+    from tests.servers import free_port
+
+    with make_store(tmp_path, f"redis://127.0.0.1:{free_port()}") as s:
+        chain = make_chain(list(range(32)), C)
+        for h, p in chain:
+            assert s.put(h, p).ok
+        assert s.lookup(FP, list(range(32))).matched_tokens == 32
+        assert not s.stats().tiers[2].healthy
