@@ -398,7 +398,7 @@ def _keys_command(args: argparse.Namespace) -> Doc:
 def cmd_clear(args: argparse.Namespace) -> Doc:
     hexfp, ns = _given_namespace(args)
     if args.all == bool(hexfp or ns):
-        args.parser.error("give a namespace (NAMESPACE_FP or --model ...) or --all, not both")
+        args.parser.error("give either a namespace (NAMESPACE_FP or --model ...) or --all")
     with _client(args) as c:
         fp = None if args.all else ns.fingerprint if ns else _resolve_fp(c, hexfp or "")
         held = [n for n in c.namespaces() if fp is None or n.fingerprint == fp]

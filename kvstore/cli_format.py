@@ -407,11 +407,12 @@ def _render_lookup(d: dict[str, Any]) -> str:
     ns = d["namespace"]
     fields = ns["fields"]
     named = describe_namespace(_namespace(fields)) if fields else "(fields unknown)"
-    tiers = ", ".join(f"{t} {n}" for t, n in d["by_tier"].items()) or "nothing stored"
+    tiers = ", ".join(f"{t} {n}" for t, n in d["by_tier"].items())
     lines = [key_values([
         ("namespace", f"{ns['fingerprint']}  {named}"),
         ("matched", f"{d['matched_tokens']} of {d['total_tokens']} tokens "
-                    f"({percent(d['matched_tokens'], d['total_tokens'])}): {tiers}"),
+                    f"({percent(d['matched_tokens'], d['total_tokens'])})"
+                    + (f"; by tier: {tiers}" if tiers else "")),
     ])]
     rows = [[c["index"], f"{c['start']}-{c['end'] - 1}", f"{c['tokens']}/{c['stored_tokens']}",
              c["tier"], "partial" if c["partial"] else "hit", c["key"]] for c in d["chunks"]]
@@ -426,8 +427,10 @@ def _render_lookup(d: dict[str, Any]) -> str:
     n_chunks = -(-d["total_tokens"] // d["chunk_tokens"]) if d["chunk_tokens"] else 0
     after = (d["stop_chunk"] + 1) if d["stop_span"] else n_chunks
     if d["stop"] != "complete" and after < n_chunks:
-        lines.append(f"chunks {after}-{n_chunks - 1} not looked at: a prefix match ends at the "
-                     "first chunk that is not stored")
+        which = (f"chunk {after}" if after == n_chunks - 1
+                 else f"chunks {after}-{n_chunks - 1}")
+        lines.append(f"{which} not looked at: a prefix match ends at the first chunk that is "
+                     "not stored")
     if d["other_namespaces"]:
         lines.append("other namespaces hold more of these tokens (KV of another model, dtype, "
                      "layout, rank or salt is never served here):")

@@ -115,9 +115,9 @@ class RemoteConfig:
 
     def __post_init__(self) -> None:
         if self.url:
-            _require(re.match(r"^(redis|rediss|valkey|valkeys|unix)://", self.url) is not None,
-                     f"remote.url={self.url!r}: must start with redis://, rediss://, valkey://, "
-                     "valkeys:// or unix://")
+            _require(re.match(r"^(redis|rediss|valkey|valkeys)://", self.url) is not None,
+                     f"remote.url={self.url!r}: must start with redis://, rediss://, valkey:// "
+                     "or valkeys://")
         _require(self.capacity_bytes >= 0, "remote.capacity_bytes must be >= 0")
         _require(self.codec in CODECS, f"remote.codec={self.codec!r}: allowed {', '.join(CODECS)}")
         _require(1 <= self.level <= 19, f"remote.level={self.level}: allowed 1-19")

@@ -94,7 +94,9 @@ class TieredStore:
 
                 remote = RemoteTier(cfg.remote, clock=clock)
         except BaseException:
-            self.memory.close()
+            for tier in (disk, self.memory):
+                if tier is not None:
+                    tier.close()
             raise
         self.disk, self.remote = disk, remote
         self.tiers: list[Tier] = [t for t in (self.memory, disk, remote) if t is not None]
@@ -427,7 +429,10 @@ class TieredStore:
         found = False
         for tier in self.tiers:
             if tier is self.remote or self._may_hold(tier, entry):
-                found = tier.pin(key, pinned) or found
+                try:
+                    found = tier.pin(key, pinned) or found
+                except TierError as e:  # the local tiers are pinned; the remote is best effort
+                    log.warning("pin of %s in %s failed: %s", key.hex()[:16], tier.name, e)
         if entry is not None:
             entry.pinned = pinned
         return found
@@ -464,6 +469,12 @@ class TieredStore:
         """Finish write-downs, then close every tier. Idempotent."""
         if self._closed:
             return
+        if self.config.write_policy == "write-back":
+            # Write-back only moves chunks down on eviction: persist what L1 alone holds.
+            below = tuple(t.level for t in self._lower(1) if t is not self.remote)
+            for key, entry in list(self.index.items()):
+                if entry.tiers == 1 << self.memory.level and below:
+                    self._writer.submit_copy(key, below[:1])
         self._writer.stop(timeout)
         self._closed = True
         for tier in reversed(self.tiers):

@@ -197,6 +197,7 @@ class MemoryTier(Tier):
                 blob = self._arena.read(entry.extents, 0, entry.size)
                 if self._verify and not self._blob_ok(entry, blob):
                     corrupt += 1  # pushing it down would only move the damage
+                    self._report_corrupt(entry.header.key)
                     continue
                 try:
                     callback(entry.header.key, entry.header, blob)
@@ -564,6 +565,11 @@ class MemoryTier(Tier):
             return True
 
     # -- inspection and lifecycle -----------------------------------------------------
+    @property
+    def arena(self) -> ArenaView:
+        """The tier's own mapping: a server relays reservations and leases through it."""
+        return self._arena
+
     def stats(self) -> TierStats:
         with self._lock:
             a = self._alloc

