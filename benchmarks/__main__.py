@@ -30,14 +30,21 @@ DEFAULT_MARKDOWN = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", metavar="NAME[,NAME]",
-                    help=f"run only these suites (of: {', '.join(SUITES)})")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--only", metavar="NAME[,NAME]", help=f"run only these suites (of: {', '.join(SUITES)})"
+    )
     ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions")
     ap.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
-    ap.add_argument("--markdown", metavar="PATH",
-                    help="write a Markdown table (default: benchmarks/RESULTS.md, full mode only)")
+    ap.add_argument(
+        "--markdown",
+        metavar="PATH",
+        help="write a Markdown table (default: benchmarks/RESULTS.md, full mode only)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--list", action="store_true", help="list the suites and exit")
     return ap.parse_args(argv)
@@ -53,8 +60,9 @@ def select(only: str | None) -> list[str]:
     return names
 
 
-def run_suites(names: list[str], quick: bool, progress_on: bool = True) -> tuple[list[Record],
-                                                                                  list[str]]:
+def run_suites(
+    names: list[str], quick: bool, progress_on: bool = True
+) -> tuple[list[Record], list[str]]:
     """Records of every suite that ran, and the names of those that failed."""
     progress = make_progress(progress_on)
     records: list[Record] = []
@@ -72,8 +80,11 @@ def run_suites(names: list[str], quick: bool, progress_on: bool = True) -> tuple
         for r in got:
             r.suite = r.suite or name
         records += got
-        print(f"[{name}] {len(got)} records in {time.monotonic() - start:.1f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{name}] {len(got)} records in {time.monotonic() - start:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     return records, failed
 
 

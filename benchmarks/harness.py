@@ -101,8 +101,9 @@ class TqdmProgress:
         self._tqdm = tqdm.tqdm
 
     def __call__(self, items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-        bar = self._tqdm(items, desc=f"  {desc}", total=total, leave=False, file=sys.stderr,
-                         dynamic_ncols=True)
+        bar = self._tqdm(
+            items, desc=f"  {desc}", total=total, leave=False, file=sys.stderr, dynamic_ncols=True
+        )
         try:
             yield from bar
         finally:
@@ -230,8 +231,13 @@ def machine_info() -> dict[str, str]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=5, cwd=Path(__file__).resolve().parent)
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         if rev.returncode == 0:
             info["commit"] = rev.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -258,13 +264,22 @@ def markdown(records: Sequence[Record], machine: Mapping[str, str], title: str =
     lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
     lines += [
         "Every ratio is value / limit, the limit measured in the same run; "
-        "targets are goals, not pass/fail.", "",
+        "targets are goals, not pass/fail.",
+        "",
         "| suite | case | value | unit | limit | ratio | limit is | target |",
         "| --- | --- | ---: | --- | ---: | ---: | --- | --- |",
     ]
     for r in records:
-        cells = [r.suite, r.name, fmt(r.value), r.unit, fmt(r.limit), fmt(r.ratio),
-                 r.limit_name, r.target]
+        cells = [
+            r.suite,
+            r.name,
+            fmt(r.value),
+            r.unit,
+            fmt(r.limit),
+            fmt(r.ratio),
+            r.limit_name,
+            r.target,
+        ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     notes = [(r.name, r.notes) for r in records if r.notes]
     if notes:
@@ -272,6 +287,10 @@ def markdown(records: Sequence[Record], machine: Mapping[str, str], title: str =
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(records: Sequence[Record], path: str | Path,
-                   machine_info: Mapping[str, str], title: str = "Benchmark results") -> None:
+def write_markdown(
+    records: Sequence[Record],
+    path: str | Path,
+    machine_info: Mapping[str, str],
+    title: str = "Benchmark results",
+) -> None:
     Path(path).write_text(markdown(records, machine_info, title))

@@ -1,36 +1,38 @@
-#!/usr/bin/env python3
-"""kvstore-server data planes and lookup latency, against limits measured in the same run.
+"""kvstore-server benchmarks: both data planes and lookup latency, each against a limit.
 
-    python benchmarks/server_bench.py [--quick] [--json PATH]
+    python benchmarks/server_bench.py [--quick] [--json PATH] [--markdown PATH]
+
+Also a suite of ``python -m benchmarks`` (``run(quick, progress)``). A real
+kvstore-server runs in a subprocess (L1 only: an LMDB write-through would compete
+for the CPU with what is measured), the clients in this process.
 
 1. Same host, shared memory: ``Client.put`` (Reserve, copy into the arena,
-   Commit) and ``Client.get_into`` (Acquire, copy out, Release) of 1-32 MiB
-   chunks, against a single-thread memcpy of the same bytes (numpy copyto).
+   Commit, which checksums the bytes) and ``Client.get_into`` (Acquire, which
+   verifies them, copy out, Release) of 1-32 MiB chunks, against a
+   single-thread memcpy of the same bytes into a touched buffer.
 2. Remote streaming over loopback TCP: ``Client(shm=False).put/get`` against raw
-   grpcio streaming of the same bytes in the same piece size, through a minimal
-   sink/source service in another process (no kvstore code on either side).
+   grpcio streaming of the same bytes in the same 1 MiB pieces, to and from a
+   minimal sink/source service in another process (no kvstore code on its path).
 3. Lookup: p50/p99 of one Lookup RPC for a 128k-token prompt whose 512 chunks
-   are stored, among thousands of other chunks, against a raw grpcio unary echo
-   of a request of the same size.
+   are stored among thousands of others, against a raw grpcio unary call
+   carrying the same 512 KiB of token ids.
 
-Every record is {name, value, unit, limit, ratio}: ratio = value / limit for
-throughputs (1.0 = as fast as the limit) and latencies (1.0 = no overhead over
-raw gRPC). The machine is shared and noisy: each figure is the median of
-several runs, and the limit is re-measured next to it.
+Cases and their limits take turns (``harness.interleaved``), so noise from other
+tenants of this shared machine hits both alike; compare ratios, not values.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import signal
-import statistics
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -38,15 +40,36 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
 
-MiB = 1 << 20
-PIECE = 1 * MiB
-RAW_SERVICE = "bench.Raw"
+from benchmarks.harness import (  # noqa: E402
+    GB,
+    Case,
+    MiB,
+    Progress,
+    Record,
+    interleaved,
+    machine_info,
+    make_progress,
+    markdown,
+    median,
+    memcpy,
+    percentile,
+    random_bytes,
+    size_label,
+    touched,
+    write_json,
+)
+
+PIECE = 1 * MiB  # the server's default piece_bytes
+RAW = "bench.Raw"
+MEMCPY = "memcpy (1 thread, touched dst)"
+RAW_STREAM = "raw grpcio stream, 1 MiB pieces"
+RAW_UNARY = "raw grpcio unary call, same request bytes"
 
 
-# -- the raw grpcio baseline: a sink, a source and an echo, with identity serializers -----
-
+# -- the raw grpcio limit: sink, source and echo with identity serializers -----------------
 def raw_server(port: int) -> None:
     import grpc
 
@@ -58,14 +81,14 @@ def raw_server(port: int) -> None:
     def source(request: bytes, context: Any) -> Iterator[bytes]:
         size = int(request)
         if size not in cache:
-            data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+            data = random_bytes(size, size).tobytes()
             cache[size] = [data[o : o + PIECE] for o in range(0, size, PIECE)]
         yield from cache[size]
 
     def echo(request: bytes, context: Any) -> bytes:
         return request[:64]
 
-    handler = grpc.method_handlers_generic_handler(RAW_SERVICE, {
+    handler = grpc.method_handlers_generic_handler(RAW, {
         "Sink": grpc.stream_unary_rpc_method_handler(sink),
         "Source": grpc.unary_stream_rpc_method_handler(source),
         "Echo": grpc.unary_unary_rpc_method_handler(echo),
@@ -79,236 +102,252 @@ def raw_server(port: int) -> None:
     server.wait_for_termination()
 
 
-# -- helpers --------------------------------------------------------------------------------
-
-def free_port() -> int:
-    import socket
-
+# -- processes ------------------------------------------------------------------------------
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Servers:
+    """kvstore-server (Unix socket + TCP) and the raw grpcio service, as subprocesses."""
+
+    def __init__(self, memory: str) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+        self.port, self.raw_port = _free_port(), _free_port()
+        self.unix = f"unix://{self.tmp / 'kv.sock'}"
+        self.tcp = f"grpc://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "kvstore.server.main", "--listen",
+                              f"127.0.0.1:{self.port}", "--unix-socket", str(self.tmp / "kv.sock"),
+                              "--data-dir", str(self.tmp / "data"), "--memory-capacity", memory,
+                              "--no-disk", "--log-level", "warning"],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "benchmarks.server_bench", "--raw-server",
+                              str(self.raw_port)], env=env, cwd=ROOT, stdout=subprocess.PIPE),
+        ]
+
+    def __enter__(self) -> Servers:
+        import kvstore
+
+        raw = self.procs[1]
+        if raw.stdout is None or raw.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the raw grpcio server did not start")
+        deadline = time.monotonic() + 60
+        with kvstore.Client(self.unix) as c:
+            while not c.health(timeout=1):
+                if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                    out = self.procs[0].stdout.read() if self.procs[0].stdout else b""
+                    raise RuntimeError(f"kvstore-server did not start: {out.decode()[-2000:]}")
+                time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def raw_channel(self) -> Any:
+        import grpc
+
+        return grpc.insecure_channel(f"127.0.0.1:{self.raw_port}", options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
 
 
-def record(name: str, value: float, unit: str, limit: float) -> dict[str, Any]:
-    return {"name": name, "value": round(value, 4), "unit": unit, "limit": round(limit, 4),
-            "ratio": round(value / limit, 4) if limit else None}
+def _headers(tag: str, src: np.ndarray, n: int) -> list[Any]:
+    from kvstore.client import chunk_header
+    from kvstore.keys import ROOT, Namespace
+
+    ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
+    return [chunk_header(ns, ROOT, np.arange(256) + 256 * i, src, "bfloat16",
+                         (256, src.size // 512)) for i in range(n)]
 
 
-def start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-
-
-def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    import kvstore
-
-    deadline = time.monotonic() + timeout
-    with kvstore.Client(url) as c:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                sys.exit(f"kvstore-server exited: {out}")
-            if c.health(timeout=1):
-                return
-            time.sleep(0.1)
-    sys.exit("kvstore-server did not become ready")
+def _gbs(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / GB / median(seconds)
 
 
 # -- 1. shared memory vs memcpy ---------------------------------------------------------------
-
-def bench_shm(url: str, sizes: list[int], reps: int) -> list[dict[str, Any]]:
+def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> list[Record]:
     import kvstore
-    from kvstore.client import chunk_header
-    from kvstore.keys import ROOT, Namespace
 
     out = []
-    with kvstore.Client(url, shm=True, timeout=60) as c:
-        assert c.shm_active, "shared memory is not usable from this process"
+    with kvstore.Client(s.unix, shm=True, timeout=60) as c:
+        if not c.shm_active:
+            raise RuntimeError("shared memory is not usable from this process")
+        time.sleep(1.0)  # let the client's background prefault of the arena finish
         for size in sizes:
-            ns = Namespace(model="bench", dtype="bfloat16", layout=f"shm-{size}")
-            src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-            dst = np.empty_like(src)
-            memcpy = median_time(lambda src=src, dst=dst: np.copyto(dst, src), reps * 3)
-            headers = iter([chunk_header(ns, ROOT, np.arange(256) + 256 * i, src, "bfloat16",
-                                         (256, size // 512)) for i in range(reps + 1)])
-            keys: list[bytes] = []
+            src, dst = random_bytes(size, size), touched(size)
+            put_h, get_h = _headers("shm", src, 2)
+            assert c.put(get_h, src).ok
 
-            def put(c: Any = c, src: np.ndarray = src, headers: Any = headers,
-                    keys: list[bytes] = keys) -> None:
-                h = next(headers)
+            def put(h: Any = put_h, src: np.ndarray = src) -> None:
                 assert c.put(h, src).ok
-                keys.append(h.key)
 
-            t_put = median_time(put, reps)
-            t_get = median_time(lambda c=c, dst=dst, k=keys[-1]: c.get_into(k, dst), reps)
-            assert np.array_equal(dst, src), "shm get returned other bytes"
-            gbs = size / 1e9
-            tag = f"{size // MiB}MiB"
-            out.append(record(f"shm_put_{tag}", gbs / t_put, "GB/s", gbs / memcpy))
-            out.append(record(f"shm_get_into_{tag}", gbs / t_get, "GB/s", gbs / memcpy))
-            c.clear(ns)
+            def undo(h: Any = put_h) -> None:
+                c.delete([h.key])
+
+            def get_into(k: bytes = get_h.key, dst: np.ndarray = dst) -> None:
+                c.get_into(k, dst)
+
+            cases: dict[str, Case] = {"memcpy": memcpy(src, dst), "put": (put, undo),
+                                      "get_into": get_into}
+            t = interleaved(cases, reps, progress, f"shm {size_label(size)}")
+            if not np.array_equal(dst, src):
+                raise RuntimeError("shared-memory get_into delivered other bytes")
+            limit = _gbs(size, t["memcpy"])
+            for case in ("put", "get_into"):
+                out.append(Record(f"server.shm.{case}.{size_label(size)}", _gbs(size, t[case]),
+                                  "GB/s", limit, limit_name=MEMCPY,
+                                  notes="Unix socket; 2 RPCs per put, 1 per get"))
+            c.delete([get_h.key])
     return out
 
 
-# -- 2. remote streaming vs raw grpcio ---------------------------------------------------------------
-
-def bench_stream(url: str, raw_port: int, sizes: list[int], reps: int) -> list[dict[str, Any]]:
-    import grpc
-
+# -- 2. remote streaming vs raw grpcio ---------------------------------------------------------
+def bench_stream(s: Servers, sizes: list[int], reps: int, progress: Progress) -> list[Record]:
     import kvstore
-    from kvstore.client import chunk_header
-    from kvstore.keys import ROOT, Namespace
 
-    opts = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=opts)
-    sink = channel.stream_unary(f"/{RAW_SERVICE}/Sink")
-    source = channel.unary_stream(f"/{RAW_SERVICE}/Source")
+    channel = s.raw_channel()
+    sink = channel.stream_unary(f"/{RAW}/Sink")
+    source = channel.unary_stream(f"/{RAW}/Source")
     out = []
-    with kvstore.Client(url, shm=False, timeout=60) as c:
+    with kvstore.Client(s.tcp, shm=False, timeout=60) as c:
         for size in sizes:
-            ns = Namespace(model="bench", dtype="bfloat16", layout=f"grpc-{size}")
-            src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            src = random_bytes(size, size)
             data = src.tobytes()
             pieces = [data[o : o + PIECE] for o in range(0, size, PIECE)]
-            raw_put = median_time(lambda pieces=pieces: sink(iter(pieces), timeout=60), reps)
-            raw_get = median_time(lambda size=size: b"".join(
-                source(str(size).encode(), timeout=60)), reps)
-            headers = iter([chunk_header(ns, ROOT, np.arange(256) + 256 * i, src, "bfloat16",
-                                         (256, size // 512)) for i in range(reps + 1)])
-            keys: list[bytes] = []
-
-            def put(c: Any = c, src: np.ndarray = src, headers: Any = headers,
-                    keys: list[bytes] = keys) -> None:
-                h = next(headers)
-                assert c.put(h, src).ok
-                keys.append(h.key)
-
-            t_put = median_time(put, reps)
+            put_h, get_h = _headers("grpc", src, 2)
+            assert c.put(get_h, src).ok
             got: list[Any] = []
-            t_get = median_time(lambda c=c, k=keys[-1], got=got: got.append(c.get(k)), reps)
-            assert got[-1][1] == data, "streamed get returned other bytes"
-            gbs = size / 1e9
-            tag = f"{size // MiB}MiB"
-            out.append(record(f"grpc_put_{tag}", gbs / t_put, "GB/s", gbs / raw_put))
-            out.append(record(f"grpc_get_{tag}", gbs / t_get, "GB/s", gbs / raw_get))
-            c.clear(ns)
+
+            def put(h: Any = put_h, src: np.ndarray = src) -> None:
+                assert c.put(h, src).ok
+
+            def undo(h: Any = put_h) -> None:
+                c.delete([h.key])
+
+            def get(k: bytes = get_h.key, got: list[Any] = got) -> None:
+                got.append(c.get(k))
+
+            def raw_put(p: list[bytes] = pieces) -> None:
+                sink(iter(p), timeout=60)
+
+            def raw_get(n: int = size) -> None:
+                b"".join(source(str(n).encode(), timeout=60))
+
+            cases: dict[str, Case] = {"raw_put": raw_put, "raw_get": raw_get,
+                                      "put": (put, undo), "get": get}
+            t = interleaved(cases, reps, progress, f"grpc {size_label(size)}")
+            if got[-1] is None or got[-1][1] != data:
+                raise RuntimeError("streamed get delivered other bytes")
+            got.clear()
+            for case in ("put", "get"):
+                limit = _gbs(size, t[f"raw_{case}"])
+                out.append(Record(f"server.grpc.{case}.{size_label(size)}",
+                                  _gbs(size, t[case]), "GB/s", limit, limit_name=RAW_STREAM,
+                                  notes="loopback TCP"))
+            c.delete([get_h.key])
     channel.close()
     return out
 
 
-# -- 3. lookup latency -------------------------------------------------------------------------------
-
-def bench_lookup(urls: dict[str, str], raw_port: int, n_tokens: int, extra_chunks: int,
-                 reps: int) -> list[dict[str, Any]]:
-    import grpc
-
+# -- 3. lookup latency -------------------------------------------------------------------------
+def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Progress
+                 ) -> list[Record]:
     import kvstore
     from kvstore.client import chunk_header
     from kvstore.keys import ROOT, Namespace
 
     ns = Namespace(model="bench", dtype="bfloat16", layout="lookup")
     prompt = np.random.default_rng(1).integers(0, 150_000, n_tokens).astype(np.uint32)
-    data = np.zeros(256 * 16, dtype=np.uint8)  # 16 bytes per token: lookup cost is not bytes
-    with kvstore.Client(urls["tcp"], shm=False, timeout=60) as c:
+    data = np.zeros(256 * 16, dtype=np.uint8)  # 16 bytes per token: lookup never reads bytes
+    with kvstore.Client(s.unix, timeout=60) as c:
         ct = c.info().chunk_tokens
         parent = ROOT
-        for s in range(0, n_tokens, ct):
-            part = prompt[s : s + ct]
+        for start in range(0, n_tokens, ct):
+            part = prompt[start : start + ct]
             h = chunk_header(ns, parent, part, data[: len(part) * 16], "bfloat16",
                              (len(part), 8))
             assert c.put(h, data[: len(part) * 16]).ok
             parent = h.key
         other = Namespace(model="bench", dtype="bfloat16", layout="lookup-other")
-        for i in range(extra_chunks):
-            h = chunk_header(other, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8))
-            c.put(h, data)
+        for i in progress(range(others), desc="lookup: filling the store", total=others):
+            c.put(chunk_header(other, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8)),
+                  data)
         chunks = c.stats().chunks
 
     token_bytes = prompt.astype("<u4").tobytes()
-    channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}",
-                                    options=[("grpc.max_send_message_length", -1)])
-    echo = channel.unary_unary(f"/{RAW_SERVICE}/Echo")
-    raw = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        echo(token_bytes, timeout=10)
-        raw.append(time.perf_counter() - t0)
-    channel.close()
-    raw_p50 = float(np.percentile(raw, 50)) * 1e3
-    raw_p99 = float(np.percentile(raw, 99)) * 1e3
+    channel = s.raw_channel()
+    echo = channel.unary_unary(f"/{RAW}/Echo")
+    clients = {"unix": kvstore.Client(s.unix), "tcp": kvstore.Client(s.tcp)}
+    matched: list[int] = []
+    try:
+        def raw() -> None:
+            echo(token_bytes, timeout=10)
+
+        def look(c: kvstore.Client) -> None:
+            matched.append(c.lookup(ns, prompt).matched_tokens)
+
+        cases: dict[str, Case] = {"raw": raw}
+        for plane, client in clients.items():
+            cases[plane] = functools.partial(look, client)
+        t = interleaved(cases, reps, progress, "lookup 128k", warmup=3)
+    finally:
+        for c in clients.values():
+            c.close()
+        channel.close()
+    if set(matched) != {n_tokens}:
+        raise RuntimeError(f"lookup matched {set(matched)} tokens, expected {n_tokens}")
     out = []
-    for plane, url in urls.items():
-        with kvstore.Client(url, timeout=10) as c:
-            c.lookup(ns, prompt)
-            lat = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                r = c.lookup(ns, prompt)
-                lat.append(time.perf_counter() - t0)
-            assert r.matched_tokens == n_tokens, r
-        p50, p99 = (float(np.percentile(lat, q)) * 1e3 for q in (50, 99))
-        tag = f"{n_tokens // 1024}k_tokens_{chunks}_chunks_{plane}"
-        out.append(record(f"lookup_p50_{tag}", p50, "ms", raw_p50))
-        out.append(record(f"lookup_p99_{tag}", p99, "ms", raw_p99))
+    label = f"{n_tokens // 1024}k"
+    for q in (50, 99):
+        limit = percentile(t["raw"], q) * 1e3
+        for plane in clients:
+            out.append(Record(f"server.lookup.{label}.p{q}.{plane}",
+                              percentile(t[plane], q) * 1e3, "ms", limit, limit_name=RAW_UNARY,
+                              notes=f"{n_tokens // ct} chunks matched of {chunks} stored"))
     return out
 
 
+def run(quick: bool, progress: Progress) -> list[Record]:
+    sizes = [1 * MiB, 32 * MiB] if quick else [1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+    reps = 5 if quick else 15
+    with Servers("256MiB") as s:
+        records = bench_shm(s, sizes, reps, progress)
+        records += bench_stream(s, sizes, reps, progress)
+        records += bench_lookup(s, 128 * 1024, 1000 if quick else 5000,
+                                40 if quick else 200, progress)
+    return records
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "server_bench.json"),
-                   help="where to write the JSON records")
-    args = p.parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    ap.add_argument("--json", metavar="FILE", default="server_bench.json",
+                    help="write the records as a JSON list (default: %(default)s)")
+    ap.add_argument("--markdown", metavar="FILE", help="also write a Markdown table")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
     if args.raw_server:
         raw_server(args.raw_server)
         return 0
-
-    sizes = [1 * MiB, 32 * MiB] if args.quick else [1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
-    reps = 5 if args.quick else 9
-    tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
-    port, raw_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    # No L2: a write-through to LMDB would compete for this machine's two cores.
-    server = start([sys.executable, "-m", "kvstore.server.main", "--listen",
-                    f"127.0.0.1:{port}", "--unix-socket", str(tmp / "kv.sock"), "--data-dir",
-                    str(tmp / "data"), "--memory-capacity", "512MiB", "--no-disk",
-                    "--log-level", "warning"], env)
-    raw = start([sys.executable, __file__, "--raw-server", str(raw_port)], env)
-    records: list[dict[str, Any]] = []
-    try:
-        assert raw.stdout is not None and raw.stdout.readline().strip() == b"ready"
-        urls = {"unix": f"unix://{tmp / 'kv.sock'}", "tcp": f"grpc://127.0.0.1:{port}"}
-        wait_health(urls["unix"], server)
-        records += bench_shm(urls["unix"], sizes, reps)
-        records += bench_stream(urls["tcp"], raw_port, sizes, reps)
-        records += bench_lookup(urls, raw_port, 128 * 1024, 1000 if args.quick else 4000,
-                                50 if args.quick else 200)
-    finally:
-        for proc in (server, raw):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    print(f"{'name':44s} {'value':>10s} {'limit':>10s} {'unit':5s} {'ratio':>6s}")
+    records = run(args.quick, make_progress(not args.no_progress))
     for r in records:
-        print(f"{r['name']:44s} {r['value']:10.3f} {r['limit']:10.3f} {r['unit']:5s} "
-              f"{r['ratio']:6.2f}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
-    print(f"wrote {out}")
+        r.suite = "server"
+    mode = "quick" if args.quick else "full"
+    text = markdown(records, machine_info(), f"kvstore-server benchmarks ({mode})")
+    print(text)
+    write_json(records, args.json)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
     return 0
 
 

@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kvstore.connectors.vllm_blocks import BlockLayout
+from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.connectors.vllm_runtime import Backend, engine_namespace
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,9 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvstore.connectors.vllm_blocks import BlockLayout
-from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_runtime import Backend, engine_namespace
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
 
@@ -121,7 +121,9 @@ def _request_salt(request: Any) -> str:
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.cfg = ConnectorConfig.parse(tc.kv_connector_extra_config)
@@ -131,12 +133,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.consumer = tc.kv_role in ("kv_consumer", "kv_both") and self.cfg.load
         self.backend = Backend(self.cfg, engine_id=str(tc.engine_id), role=self.role_name)
         self.chunk_tokens = self.backend.chunk_tokens(self.block_size)
-        self.base_ns = engine_namespace(vllm_config, kv_cache_config, self.cfg.salt,
-                                        worker=role == KVConnectorRole.WORKER)
+        self.base_ns = engine_namespace(
+            vllm_config, kv_cache_config, self.cfg.salt, worker=role == KVConnectorRole.WORKER
+        )
         self.stats = KVStoreStats()
         if getattr(tc, "kv_load_failure_policy", "recompute") == "fail" and self.consumer:
-            log.warning("kvstore: kv_load_failure_policy is 'fail': a failed load aborts the "
-                        "request; set it to 'recompute' so vLLM recomputes instead")
+            log.warning(
+                "kvstore: kv_load_failure_policy is 'fail': a failed load aborts the "
+                "request; set it to 'recompute' so vLLM recomputes instead"
+            )
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, tuple[int, int]] = {}
@@ -145,8 +150,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
 
     # ------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         if not self.consumer or not tokens:
             return 0, False
@@ -155,8 +161,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if limit <= num_computed_tokens:
             return 0, False
         ns = self.base_ns.for_request(_request_salt(request))
-        result = self.backend.lookup(ns, tokens[:limit], min_tokens=self.cfg.min_tokens,
-                                     granularity=self.block_size)
+        result = self.backend.lookup(
+            ns, tokens[:limit], min_tokens=self.cfg.min_tokens, granularity=self.block_size
+        )
         matched = min(result.matched_tokens if result else 0, limit)
         if matched <= num_computed_tokens:
             return 0, False
@@ -170,10 +177,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             r = self._reqs[request.request_id] = _Req(tokens, _request_salt(request))
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens > 0 and hit is not None:
-            start, end = hit
+            start = hit[0]
             r.load = (start, start + num_external_tokens)
             # Exact chunks that were loaded need no save; a partial one does (new key).
-            r.saved = max(r.saved, (start + num_external_tokens) // self.chunk_tokens * self.chunk_tokens)
+            r.saved = max(
+                r.saved, (start + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
+            )
             self.stats.add(lookup_hits=1, hit_tokens=num_external_tokens)
         elif self.consumer:
             self.stats.add(lookup_misses=1)
@@ -206,8 +215,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs = self.block_size
         if r.load is not None:
             start, end = r.load
-            meta.loads.append(LoadSpec(rid, r.tokens[:end], r.salt, start, end,
-                                       r.block_ids[start // bs : end // bs]))
+            meta.loads.append(
+                LoadSpec(
+                    rid, r.tokens[:end], r.salt, start, end, r.block_ids[start // bs : end // bs]
+                )
+            )
             r.load = None
         if not self.producer:
             return
@@ -217,12 +229,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         if done == len(r.tokens):
             upto = done // bs * bs
         if upto > r.saved and len(r.block_ids) * bs >= upto:
-            meta.saves.append(SaveSpec(rid, r.tokens[:upto], r.salt, r.saved,
-                                       r.block_ids[: upto // bs]))
+            meta.saves.append(
+                SaveSpec(rid, r.tokens[:upto], r.salt, r.saved, r.block_ids[: upto // bs])
+            )
             r.saved = upto
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         return False, None  # saves finish inside their step: the blocks may be freed now
@@ -234,7 +248,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return out
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
@@ -243,8 +259,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = BlockLayout(kv_caches)
-        log.info("kvstore: %d layers, %d blocks of %d bytes, namespace %s", self._layout.layers,
-                 self._layout.num_blocks, self._layout.block_bytes, self.base_ns.describe())
+        log.info(
+            "kvstore: %d layers, %d blocks of %d bytes, namespace %s",
+            self._layout.layers,
+            self._layout.num_blocks,
+            self._layout.block_bytes,
+            self.base_ns.describe(),
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -290,8 +311,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # saved in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
@@ -328,9 +350,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             buf = torch.empty(layout.layers * n * layout.block_bytes, dtype=torch.uint8)
             layout.gather(spec.block_ids[s // bs : e // bs], buf)
             header = make_header(
-                key=keys[i], parent=keys[i - 1] if i else ROOT, fingerprint=fp,
-                token_bytes=raw[s * 4 : e * 4], dtype=str(layout.dtype).removeprefix("torch."),
-                shape=layout.payload_shape(n), payload=buf.numpy(),
+                key=keys[i],
+                parent=keys[i - 1] if i else ROOT,
+                fingerprint=fp,
+                token_bytes=raw[s * 4 : e * 4],
+                dtype=str(layout.dtype).removeprefix("torch."),
+                shape=layout.payload_shape(n),
+                payload=memoryview(buf.numpy().data),
             )
             if self.backend.put(header, buf.numpy()):
                 saved += e - s

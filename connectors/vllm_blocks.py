@@ -60,10 +60,14 @@ class BlockLayout:
                     f"strides {t.stride()}); this KV layout is not supported"
                 )
             storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            self.views.append(torch.as_strided(
-                storage, (t.shape[0], bb), (t.stride(0) * t.element_size(), 1),
-                t.storage_offset() * t.element_size(),
-            ))
+            self.views.append(
+                torch.as_strided(
+                    storage,
+                    (t.shape[0], bb),
+                    (t.stride(0) * t.element_size(), 1),
+                    t.storage_offset() * t.element_size(),
+                )
+            )
 
     @property
     def layers(self) -> int:
@@ -71,8 +75,10 @@ class BlockLayout:
 
     def describe(self) -> str:
         """The part of the namespace that the bytes depend on."""
-        return (f"{self.layers}x{self.num_blocks and self.block_bytes}B/"
-                f"{str(self.dtype).removeprefix('torch.')}/{self.device.type}")
+        return (
+            f"{self.layers}x{self.num_blocks and self.block_bytes}B/"
+            f"{str(self.dtype).removeprefix('torch.')}/{self.device.type}"
+        )
 
     def payload_shape(self, n_blocks: int) -> tuple[int, int, int]:
         """The chunk payload's shape in elements of the KV dtype."""
@@ -92,7 +98,7 @@ class BlockLayout:
             torch.cuda.current_stream(self.device).synchronize()
 
     def scatter(self, src: torch.Tensor, stored_blocks: int, block_ids: Sequence[int]) -> None:
-        """Copy the first ``len(block_ids)`` blocks of a payload of ``stored_blocks`` into the cache."""
+        """Copy the first ``len(block_ids)`` blocks of a payload into the cache."""
         n = len(block_ids)
         if n > stored_blocks:
             raise InvalidArgument(f"asked for {n} blocks of a chunk holding {stored_blocks}")

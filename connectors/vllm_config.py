@@ -15,11 +15,17 @@ from kvstore.errors import ConfigError
 class ConnectorConfig:
     """``kv_connector_extra_config`` keys. Unknown keys and bad values fail at engine start."""
 
-    url: str = ""  # kvstore-server URL (unix:///path, grpc://host:port, grpcs://...); "" = a private server for this engine
-    chunk_tokens: int = 0  # tokens per chunk; 0 = the server's; must be a multiple of the block size
+    # kvstore-server URL (unix:///path, grpc://host:port, grpcs://...); "" = a private
+    # server for this engine
+    url: str = ""
+    chunk_tokens: int = (
+        0  # tokens per chunk; 0 = the server's; must be a multiple of the block size
+    )
     min_tokens: int = 0  # hits shorter than this are ignored (not worth a round trip)
     timeout_ms: int = 2000  # deadline of every call to the server (lookups, loads, saves)
-    lookup_timeout_ms: int = 200  # deadline of the scheduler's lookup: it must never stall scheduling
+    lookup_timeout_ms: int = (
+        200  # deadline of the scheduler's lookup: it must never stall scheduling
+    )
     auth_token: str = ""  # bearer token, when the server requires one
     salt: str = ""  # tenant / cache salt folded into every key (requests' cache_salt adds to it)
     shm: str = "auto"  # shared-memory data plane: auto (when on the same host), on, off

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.connectors.vllm_config import ConnectorConfig
+
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.lookup import LookupResult
@@ -46,7 +47,8 @@ class EngineNamespace:
 
     def describe(self) -> str:
         b = self.base
-        return f"{b.model} {b.dtype} {b.layout} {b.device} tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}"
+        return (f"{b.model} {b.dtype} {b.layout} {b.device} "
+                f"tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}")
 
 
 def _ranks(worker: bool) -> tuple[int, int, int, int]:
@@ -62,8 +64,9 @@ def _ranks(worker: bool) -> tuple[int, int, int, int]:
         return 0, 0, 0, 0
 
 
-def engine_namespace(vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
-                     ) -> EngineNamespace:
+def engine_namespace(
+    vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
+) -> EngineNamespace:
     """Everything that changes the KV bytes, derived identically in both processes.
 
     The layout comes from ``kv_cache_config`` (both halves get the same one) and
@@ -86,12 +89,20 @@ def engine_namespace(vllm_config: Any, kv_cache_config: Any, salt: str, *, worke
     layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)
-    return EngineNamespace(Namespace(
-        model=str(mc.model), revision=str(getattr(mc, "revision", None) or ""), dtype=dtype,
-        layout="/".join(layout), device=str(current_platform.device_type),
-        tp_rank=tp_rank, tp_size=tp_size or pc.tensor_parallel_size,
-        pp_rank=pp_rank, pp_size=pp_size or pc.pipeline_parallel_size, salt=salt,
-    ))
+    return EngineNamespace(
+        Namespace(
+            model=str(mc.model),
+            revision=str(getattr(mc, "revision", None) or ""),
+            dtype=dtype,
+            layout="/".join(layout),
+            device=str(current_platform.device_type),
+            tp_rank=tp_rank,
+            tp_size=tp_size or pc.tensor_parallel_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size or pc.pipeline_parallel_size,
+            salt=salt,
+        )
+    )
 
 
 class Backend:
@@ -116,15 +127,23 @@ class Backend:
         from kvstore.client import Client
 
         try:
-            client = Client(self.url, token=self.cfg.auth_token or None,
-                            timeout=self.cfg.timeout_ms / 1000, shm=self.cfg.shm_flag)
+            client = Client(
+                self.url,
+                token=self.cfg.auth_token or None,
+                timeout=self.cfg.timeout_ms / 1000,
+                shm=self.cfg.shm_flag,
+            )
             self._info = client.info(timeout=self.cfg.timeout_ms / 1000)
         except Exception as e:
             self.failed("connect", e)
             return None
         if self._client is None and time.monotonic() >= self._down_until:
-            log.info("kvstore %s: connected to %s (shared memory: %s)", self.role, self.url,
-                     getattr(client, "shm_active", False))
+            log.info(
+                "kvstore %s: connected to %s (shared memory: %s)",
+                self.role,
+                self.url,
+                getattr(client, "shm_active", False),
+            )
         self._client = client
         return client
 
@@ -134,9 +153,15 @@ class Backend:
         self._down_until = now + self.cfg.retry_after_ms / 1000
         if now - self._last_warning > 5:
             self._last_warning = now
-            log.warning("kvstore %s: %s via %s failed (%s: %s); computing instead, retrying in "
-                        "%d ms", self.role, what, self.url, type(error).__name__, error,
-                        self.cfg.retry_after_ms)
+            log.warning(
+                "kvstore %s: %s via %s failed (%s: %s); computing instead, retrying in %d ms",
+                self.role,
+                what,
+                self.url,
+                type(error).__name__,
+                error,
+                self.cfg.retry_after_ms,
+            )
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
@@ -147,24 +172,36 @@ class Backend:
         served = int(getattr(self._info, "chunk_tokens", 0) or 0) if client else 0
         chunk = self.cfg.chunk_tokens or served or DEFAULT_CHUNK_TOKENS
         if served and chunk != served:
-            raise ConfigError(f"kv_connector_extra_config.chunk_tokens={chunk} but the server at "
-                              f"{self.url} chunks by {served}; drop the setting or match it")
+            raise ConfigError(
+                f"kv_connector_extra_config.chunk_tokens={chunk} but the server at "
+                f"{self.url} chunks by {served}; drop the setting or match it"
+            )
         if chunk % block_size:
-            raise ConfigError(f"chunk_tokens={chunk} is not a multiple of the block size "
-                              f"{block_size}; start kvstore-server with --chunk-tokens "
-                              f"{block_size * max(1, chunk // block_size)}")
+            raise ConfigError(
+                f"chunk_tokens={chunk} is not a multiple of the block size "
+                f"{block_size}; start kvstore-server with --chunk-tokens "
+                f"{block_size * max(1, chunk // block_size)}"
+            )
         return chunk
 
     # -- calls (each degrades to a miss) -----------------------------------------
-    def lookup(self, ns: Namespace, tokens: Sequence[int], *, min_tokens: int = 0,
-               granularity: int = 0, worker: bool = False) -> LookupResult | None:
+    def lookup(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        *,
+        min_tokens: int = 0,
+        granularity: int = 0,
+        worker: bool = False,
+    ) -> LookupResult | None:
         client = self._connect()
         if client is None:
             return None
         timeout = (self.cfg.timeout_ms if worker else self.cfg.lookup_timeout_ms) / 1000
         try:
-            return client.lookup(ns, tokens, min_tokens=min_tokens, granularity=granularity,
-                                 timeout=timeout)  # type: ignore[no-any-return]
+            return client.lookup(
+                ns, tokens, min_tokens=min_tokens, granularity=granularity, timeout=timeout
+            )
         except Exception as e:
             self.failed("lookup", e)
             return None
@@ -174,7 +211,7 @@ class Backend:
         if client is None:
             return None
         try:
-            return client.get_into(key, out.numpy())  # type: ignore[no-any-return]
+            return client.get_into(key, out.numpy())
         except Exception as e:
             self.failed("load", e)
             return None
@@ -214,8 +251,9 @@ class Backend:
         Scheduler and workers run in different processes; whichever comes first
         starts the server under a file lock, the others find its socket.
         """
-        run = os.path.join(tempfile.gettempdir(), f"kvstore-{os.getuid()}",
-                           f"engine-{engine_id[:16]}")
+        run = os.path.join(
+            tempfile.gettempdir(), f"kvstore-{os.getuid()}", f"engine-{engine_id[:16]}"
+        )
         os.makedirs(run, exist_ok=True)
         sock = os.path.join(run, "kvstore.sock")
         url = f"unix://{sock}"
@@ -224,18 +262,33 @@ class Backend:
             if _healthy(url):
                 return url
             data = self.cfg.data_dir or os.path.join(run, "data")
-            cmd = [sys.executable, "-m", "kvstore.server.main", "--listen", "",
-                   "--unix-socket", sock, "--data-dir", data,
-                   "--memory-capacity", self.cfg.memory_capacity,
-                   "--disk-capacity", self.cfg.disk_capacity, "--log-level", "warning"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvstore.server.main",
+                "--listen",
+                "",
+                "--unix-socket",
+                sock,
+                "--data-dir",
+                data,
+                "--memory-capacity",
+                self.cfg.memory_capacity,
+                "--disk-capacity",
+                self.cfg.disk_capacity,
+                "--log-level",
+                "warning",
+            ]
             if self.cfg.chunk_tokens:
                 cmd += ["--chunk-tokens", str(self.cfg.chunk_tokens)]
-            self._server = subprocess.Popen(cmd, preexec_fn=_die_with_parent)  # noqa: PLW1509
+            self._server = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
             atexit.register(self._stop_server)
             deadline = time.monotonic() + 30
             while not _healthy(url):
                 if self._server.poll() is not None or time.monotonic() > deadline:
-                    raise KVStoreError(f"the private kvstore-server did not start ({' '.join(cmd)})")
+                    raise KVStoreError(
+                        f"the private kvstore-server did not start ({' '.join(cmd)})"
+                    )
                 time.sleep(0.1)
         log.info("kvstore: started a private kvstore-server at %s (data in %s)", url, data)
         return url

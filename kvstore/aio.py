@@ -18,14 +18,25 @@ import asyncio
 import builtins
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from kvstore.client import Lease, NamespaceLike, Tokens, _Base, chunk_header
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.client import (
+    GET_METHOD,
+    LEASE_MARGIN,
+    PUT_METHOD,
+    Lease,
+    NamespaceLike,
+    Tokens,
+    _Assembler,
+    _Base,
+    chunk_header,
+)
+from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -60,7 +71,13 @@ class AsyncClient(_Base):
         self._channel = (grpc.aio.secure_channel(ep.target, self._credentials(), self._options)
                          if ep.tls else grpc.aio.insecure_channel(ep.target, self._options))
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put_raw = self._channel.stream_unary(
+            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString)
+        self._get_raw = self._channel.unary_stream(
+            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None)
         self._lock: asyncio.Lock | None = None
+        self._pending: set[asyncio.Task[None]] = set()  # Releases sent without waiting
         self._stop: asyncio.Event | None = None
         self._session: asyncio.Task[None] | None = None
 
@@ -163,7 +180,7 @@ class AsyncClient(_Base):
                 c = await self._call("Commit", self._stub.Commit,
                                      pb.CommitRequest(reservation_id=r.reservation_id), timeout)
                 return status_from_pb(c.status)
-        r = await self._call("Put", self._stub.Put, self._put_requests(header, src), timeout)
+        r = await self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
         return status_from_pb(r.status)
 
     async def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
@@ -177,19 +194,30 @@ class AsyncClient(_Base):
         arena = await self._shm()
         if arena is None:
             return "stream"
+        t0 = time.monotonic()
         a = await self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
         if not a.found:
             return "stream" if a.use_get else None
         header = parse_header(a.header, expect_key=key)
-        # The release callback is unused: AsyncClient releases with _release below.
+        # The release callback is unused: AsyncClient releases with _done_with below.
         return Lease(header, a.lease_id, self._check_extents(a.extents), a.payload_offset,
-                     arena, lambda lid: True)
+                     arena, lambda lid: True, t0 + a.expires_ms / 1000 * LEASE_MARGIN)
 
-    async def _release(self, lease: Lease, timeout: float | None) -> bool:
+    async def _done_with(self, lease: Lease, timeout: float | None) -> bool:
+        """Release a lease; False if what was read may be wrong (see Client._done_with)."""
         lease.released = True
-        r = await self._call("Release", self._stub.Release,
-                             pb.ReleaseRequest(lease_ids=[lease.id]), timeout)
-        return r.released == 1
+        request = pb.ReleaseRequest(lease_ids=[lease.id])
+        if time.monotonic() >= lease.valid_until:
+            r = await self._call("Release", self._stub.Release, request, timeout)
+            return bool(r.released == 1)
+        task = asyncio.get_running_loop().create_task(self._release_quietly(request))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return True
+
+    async def _release_quietly(self, request: pb.ReleaseRequest) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            await self._stub.Release(request, timeout=self.timeout, metadata=self._metadata)
 
     async def get(self, key: bytes, *, timeout: float | None = None
                   ) -> tuple[RecordHeader, bytes] | None:
@@ -198,7 +226,7 @@ class AsyncClient(_Base):
             try:
                 data = got.read()
             finally:
-                ok = await self._release(got, timeout)
+                ok = await self._done_with(got, timeout)
             if ok:
                 return got.header, data
             got = "stream"
@@ -214,7 +242,7 @@ class AsyncClient(_Base):
             try:
                 got.read_into(dst)
             finally:
-                ok = await self._release(got, timeout)
+                ok = await self._done_with(got, timeout)
             if ok:
                 return got.header
             got = "stream"
@@ -225,31 +253,15 @@ class AsyncClient(_Base):
 
     async def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
                           ) -> tuple[RecordHeader, bytes] | None:
-        header: RecordHeader | None = None
-        pieces: list[bytes] = []
+        got = _Assembler(key, out)
         try:
-            async for msg in self._stub.Get(pb.GetRequest(key=key),
-                                            timeout=self._deadline(timeout),
-                                            metadata=self._metadata):
-                if header is None:
-                    header = parse_header(msg.header, expect_key=key)
-                    if out is not None and out.size < header.raw_size:
-                        raise InvalidArgument(f"output buffer holds {out.size} bytes, the "
-                                              f"payload is {header.raw_size}")
-                else:
-                    pieces.append(msg.data)
+            async for raw in self._get_raw(pb.GetRequest(key=key),
+                                           timeout=self._deadline(timeout),
+                                           metadata=self._metadata):
+                got.add(raw)
         except grpc.RpcError as e:
             raise self._error(e, "Get") from e
-        if header is None:
-            return None
-        self._check_stream(header, pieces)
-        if out is None:
-            return header, b"".join(pieces)
-        pos = 0
-        for p in pieces:
-            out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
-            pos += len(p)
-        return header, b""
+        return got.finish()
 
     # -- lookup and management --------------------------------------------------------------
     async def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
@@ -303,6 +315,9 @@ class AsyncClient(_Base):
         if self._closed:
             return
         self._closed = True
+        self._prefault_stop.set()
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=1.0)
         if self._stop is not None:
             self._stop.set()
         if self._session is not None:

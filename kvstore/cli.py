@@ -237,7 +237,10 @@ def _lookup_tokens(args: argparse.Namespace) -> list[int]:
         except OSError as e:
             raise CLIError(f"--tokens-file: {e}") from e
     if args.tokens and args.tokens != ["-"]:
-        return fmt.read_token_ids(" ".join(args.tokens), "token ids")
+        try:
+            return fmt.read_token_ids(" ".join(args.tokens), "TOKEN_ID")
+        except CLIError as e:
+            args.parser.error(str(e))
     if sys.stdin.isatty() and args.tokens != ["-"]:
         args.parser.error("give token ids as arguments, --tokens-file, --text or on stdin")
     return fmt.read_token_ids(sys.stdin.read(), "standard input")
@@ -338,6 +341,8 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
     if not hexfp and ns is None:
         args.parser.error("give the namespace: --namespace-fp HEX, or --model and its fields")
     tokens = _lookup_tokens(args)
+    if not tokens:
+        raise CLIError("no token ids to look up (the input was empty)")
     with _client(args) as c:
         info = c.info()
         fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp or "")

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -60,12 +61,14 @@ from kvstore.wire import (
     boot_id,
     chunk_from_pb,
     error_from_rpc,
+    frame,
     info_from_pb,
     lookup_from_pb,
     namespace_from_pb,
     namespace_to_pb,
     stats_from_pb,
     status_from_pb,
+    unframe,
 )
 
 log = logging.getLogger("kvstore.client")
@@ -145,9 +148,12 @@ class Lease:
 
     def __init__(self, header: RecordHeader, lease_id: int, extents: list[tuple[int, int]],
                  payload_offset: int, arena: ArenaView,
-                 release: Callable[[int], bool]) -> None:
+                 release: Callable[[int], bool], valid_until: float = 0.0) -> None:
         self.header = header
         self.id = lease_id
+        # Monotonic time before which the lease surely holds: measured from before the
+        # Acquire was sent, with a margin, so no answer from the server is needed.
+        self.valid_until = valid_until
         self._extents, self._offset, self._arena = extents, payload_offset, arena
         self._release = release
         self.released = False
@@ -186,6 +192,80 @@ class Lease:
         self.release()
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def prefault(arena: ArenaView, stop: threading.Event, step: int = 32 << 20) -> None:
+    """Map every page of the arena into this process ahead of use (run on a daemon thread).
+
+    The first write to a page of a fresh mapping costs a page fault, several
+    times the copy itself; MADV_POPULATE_WRITE takes them all up front. ctypes
+    drops the GIL around the call, so the client's own work goes on meanwhile.
+    Where the kernel lacks it, pages are faulted on first use as before.
+    """
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        base = arena.array.ctypes.data
+    except (OSError, AttributeError, KVStoreError):
+        return
+    for off in range(0, arena.size, step):
+        if stop.is_set() or arena.closed:
+            return
+        if madvise(base + off, min(step, arena.size - off), _MADV_POPULATE_WRITE) != 0:
+            return
+
+
+LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side
+PUT_METHOD = f"/{SERVICE_NAME}/Put"
+GET_METHOD = f"/{SERVICE_NAME}/Get"
+
+
+class _Assembler:
+    """Takes apart the frames of a Get stream: the header, then the payload pieces."""
+
+    def __init__(self, key: bytes, out: np.ndarray | None) -> None:
+        self.key, self.out = key, out
+        self.header: RecordHeader | None = None
+        self.pieces: builtins.list[memoryview] = []
+        self.pos = 0
+        self.hash = xxhash.xxh3_64()
+
+    def add(self, raw: bytes) -> None:
+        field, data = unframe(raw, pb.GetResponse)
+        if self.header is None:
+            if field != 1:
+                raise ServerError("the Get stream did not start with a record header")
+            self.header = parse_header(data, expect_key=self.key)
+            if self.out is not None and self.out.size < self.header.raw_size:
+                raise InvalidArgument(f"output buffer holds {self.out.size} bytes, the payload "
+                                      f"is {self.header.raw_size}")
+            return
+        n = data.nbytes
+        if field != 2 or self.pos + n > self.header.raw_size:
+            raise CorruptRecord(f"the Get stream of {self.key.hex()[:16]} runs past its payload")
+        self.hash.update(data)
+        if self.out is not None:
+            self.out[self.pos : self.pos + n] = np.frombuffer(data, np.uint8)
+        else:
+            self.pieces.append(data)
+        self.pos += n
+
+    def finish(self) -> tuple[RecordHeader, bytes] | None:
+        """The header and payload (b"" when it went into ``out``), or None on a miss."""
+        h = self.header
+        if h is None:
+            return None
+        if self.pos != h.raw_size:
+            raise CorruptRecord(f"the Get stream ended after {self.pos} payload bytes, "
+                                f"expected {h.raw_size}")
+        if self.hash.intdigest() != h.payload_checksum:
+            raise CorruptRecord("payload from the Get stream fails its checksum")
+        return h, (b"".join(self.pieces) if self.out is None else b"")
+
+
 class _Base:
     """What the blocking and the asyncio client share: settings, arena checks, messages."""
 
@@ -210,6 +290,7 @@ class _Base:
         self._arena: ArenaView | None = None
         self._shm_checked = False  # Info looked at and the arena opened (or refused)
         self._closed = False
+        self._prefault_stop = threading.Event()
 
     def _credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self._ca)
@@ -235,7 +316,10 @@ class _Base:
                 if st.st_ino != info.shm_inode:
                     why = f"{info.shm_path} here is not the server's arena (inode differs)"
                 else:
-                    return ArenaView.open(info.shm_path, info.shm_size, writable=True)
+                    arena = ArenaView.open(info.shm_path, info.shm_size, writable=True)
+                    threading.Thread(target=prefault, args=(arena, self._prefault_stop),
+                                     name="kvstore-prefault", daemon=True).start()
+                    return arena
             except (OSError, KVStoreError) as e:
                 why = f"cannot map {info.shm_path}: {e}"
         if self._shm_pref:
@@ -263,23 +347,13 @@ class _Base:
                                   f"max_chunk_bytes={info.max_chunk_bytes}")
         return src
 
-    def _put_requests(self, header: RecordHeader, src: np.ndarray) -> Iterator[pb.PutRequest]:
-        yield pb.PutRequest(header=header.pack())
+    def _put_frames(self, header: RecordHeader, src: np.ndarray) -> Iterator[bytes]:
+        """Put messages as raw frames (kvstore.wire.frame): one copy of each piece."""
+        yield frame(1, header.pack())
         piece = self._info.piece_bytes if self._info else 1 << 20
-        mv = memoryview(src.data)
+        mv = src.data
         for off in range(0, len(mv), piece):
-            yield pb.PutRequest(data=bytes(mv[off : off + piece]))
-
-    def _check_stream(self, header: RecordHeader | None, pieces: list[bytes]) -> None:
-        got = sum(len(p) for p in pieces)
-        if header is None or got != header.raw_size:
-            raise CorruptRecord(f"Get stream ended after {got} payload bytes, expected "
-                                f"{header.raw_size if header else '?'}")
-        h = xxhash.xxh3_64()
-        for p in pieces:
-            h.update(p)
-        if h.intdigest() != header.payload_checksum:
-            raise CorruptRecord("payload from the Get stream fails its checksum")
+            yield frame(2, mv[off : off + piece])
 
     @staticmethod
     def _lookup_request(ns: NamespaceLike, tokens: Tokens, min_tokens: int, granularity: int,
@@ -337,7 +411,13 @@ class Client(_Base):
         self._channel = (grpc.secure_channel(ep.target, self._credentials(), self._options)
                          if ep.tls else grpc.insecure_channel(ep.target, self._options))
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put_raw = self._channel.stream_unary(
+            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString)
+        self._get_raw = self._channel.unary_stream(
+            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None)
         self._lock = threading.Lock()
+        self._pending: set[grpc.Future] = set()  # Releases sent without waiting
         self._stop = threading.Event()
         self._session: threading.Thread | None = None
 
@@ -451,7 +531,7 @@ class Client(_Base):
 
     def _put_stream(self, header: RecordHeader, src: np.ndarray, timeout: float | None
                     ) -> PutStatus:
-        r = self._call("Put", self._stub.Put, self._put_requests(header, src), timeout)
+        r = self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
         return status_from_pb(r.status)
 
     def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
@@ -490,13 +570,33 @@ class Client(_Base):
     def _acquire_or_stream(self, key: bytes, timeout: float | None) -> Lease | str | None:
         if self._shm() is None:
             return "stream"
+        t0 = time.monotonic()
         a = self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
         if not a.found:
             return "stream" if a.use_get else None
         assert self._arena is not None
         header = parse_header(a.header, expect_key=key)
         return Lease(header, a.lease_id, self._check_extents(a.extents), a.payload_offset,
-                     self._arena, lambda lid: self._release(lid, timeout))
+                     self._arena, lambda lid: self._release(lid, timeout),
+                     t0 + a.expires_ms / 1000 * LEASE_MARGIN)
+
+    def _done_with(self, lease: Lease) -> bool:
+        """Release a lease read by get/get_into; False if what was read may be wrong.
+
+        While the lease surely still holds, the Release is sent without waiting for
+        its answer: a get costs one round trip, not two.
+        """
+        if time.monotonic() >= lease.valid_until:
+            return lease.release()
+        lease.released = True
+        try:
+            fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease.id]),
+                                            timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError:
+            return True  # the lease expires, or goes with the Session, on its own
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return True
 
     def _verified(self, header: RecordHeader, data: Any) -> None:
         if self.verify and xxhash.xxh3_64_intdigest(data) != header.payload_checksum:
@@ -508,9 +608,10 @@ class Client(_Base):
         """The chunk's header and raw payload, or None on a miss."""
         got = self._acquire_or_stream(key, timeout)
         if isinstance(got, Lease):
-            with got:
+            try:
                 data = got.read()
-                ok = got.release()
+            finally:
+                ok = self._done_with(got)
             if ok:
                 self._verified(got.header, data)
                 return got.header, data
@@ -525,9 +626,10 @@ class Client(_Base):
         dst = as_u8(out, writable=True)
         got = self._acquire_or_stream(key, timeout)
         if isinstance(got, Lease):
-            with got:
+            try:
                 got.read_into(dst)
-                ok = got.release()
+            finally:
+                ok = self._done_with(got)
             if ok:
                 self._verified(got.header, dst[: got.header.raw_size].data)
                 return got.header
@@ -539,30 +641,14 @@ class Client(_Base):
 
     def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
                     ) -> tuple[RecordHeader, bytes] | None:
-        header: RecordHeader | None = None
-        pieces: list[bytes] = []
+        got = _Assembler(key, out)
         try:
-            for msg in self._stub.Get(pb.GetRequest(key=key), timeout=self._deadline(timeout),
-                                      metadata=self._metadata):
-                if header is None:
-                    header = parse_header(msg.header, expect_key=key)
-                    if out is not None and out.size < header.raw_size:
-                        raise InvalidArgument(f"output buffer holds {out.size} bytes, the "
-                                              f"payload is {header.raw_size}")
-                else:
-                    pieces.append(msg.data)
+            for raw in self._get_raw(pb.GetRequest(key=key), timeout=self._deadline(timeout),
+                                     metadata=self._metadata):
+                got.add(raw)
         except grpc.RpcError as e:
             raise self._error(e, "Get") from e
-        if header is None:
-            return None
-        self._check_stream(header, pieces)
-        if out is None:
-            return header, b"".join(pieces)
-        pos = 0
-        for p in pieces:
-            out[pos : pos + len(p)] = np.frombuffer(p, np.uint8)
-            pos += len(p)
-        return header, b""
+        return got.finish()
 
     # -- lookup and management --------------------------------------------------------------
     def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
@@ -618,6 +704,10 @@ class Client(_Base):
             return
         self._closed = True
         self._stop.set()
+        self._prefault_stop.set()
+        for fut in list(self._pending):
+            with contextlib.suppress(Exception):
+                fut.result(timeout=1.0)
         if self._session is not None:
             self._session.join(timeout=2.0)
         self._channel.close()

@@ -22,8 +22,22 @@ from typing import Any, TypeVar
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2, "mib": MiB,
-          "g": GiB, "gb": 1000**3, "gib": GiB, "t": TiB, "tb": 1000**4, "tib": TiB}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kb": 1000,
+    "kib": KiB,
+    "m": MiB,
+    "mb": 1000**2,
+    "mib": MiB,
+    "g": GiB,
+    "gb": 1000**3,
+    "gib": GiB,
+    "t": TiB,
+    "tb": 1000**4,
+    "tib": TiB,
+}
 
 WRITE_POLICIES = ("write-through", "write-back")
 DURABILITY = ("process", "fsync")
@@ -51,7 +65,9 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def default_data_dir() -> str:
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
     return os.path.join(base, "kvstore")
 
 
@@ -63,14 +79,20 @@ class MemoryConfig:
     page_bytes: int = 64 * KiB  # allocation unit; a power of two >= 4 KiB
     path: str = ""  # the arena file; "" = a fresh file under /dev/shm named after the process
     lease_ms: int = 30_000  # a reservation or read lease not released by then is reclaimed
-    verify_reads: bool = True  # checksum every read (catches arena corruption; costs ~1/3 of a copy)
+    verify_reads: bool = (
+        True  # checksum every read (catches arena corruption; costs ~1/3 of a copy)
+    )
 
     def __post_init__(self) -> None:
-        _require(self.page_bytes >= 4 * KiB and self.page_bytes & (self.page_bytes - 1) == 0,
-                 f"memory.page_bytes={self.page_bytes}: must be a power of two >= 4096")
-        _require(self.capacity_bytes >= self.page_bytes,
-                 f"memory.capacity_bytes={self.capacity_bytes}: must hold at least one page "
-                 f"({self.page_bytes} bytes)")
+        _require(
+            self.page_bytes >= 4 * KiB and self.page_bytes & (self.page_bytes - 1) == 0,
+            f"memory.page_bytes={self.page_bytes}: must be a power of two >= 4096",
+        )
+        _require(
+            self.capacity_bytes >= self.page_bytes,
+            f"memory.capacity_bytes={self.capacity_bytes}: must hold at least one page "
+            f"({self.page_bytes} bytes)",
+        )
         _require(self.lease_ms > 0, f"memory.lease_ms={self.lease_ms}: must be > 0")
 
 
@@ -86,12 +108,16 @@ class DiskConfig:
     durability: str = "process"  # process: survives kill -9; fsync: also power loss (slower)
 
     def __post_init__(self) -> None:
-        _require(self.capacity_bytes >= 1 * MiB,
-                 f"disk.capacity_bytes={self.capacity_bytes}: must be at least 1 MiB")
+        _require(
+            self.capacity_bytes >= 1 * MiB,
+            f"disk.capacity_bytes={self.capacity_bytes}: must be at least 1 MiB",
+        )
         _require(self.codec in CODECS, f"disk.codec={self.codec!r}: allowed {', '.join(CODECS)}")
         _require(1 <= self.level <= 19, f"disk.level={self.level}: allowed 1-19")
-        _require(self.durability in DURABILITY,
-                 f"disk.durability={self.durability!r}: allowed {', '.join(DURABILITY)}")
+        _require(
+            self.durability in DURABILITY,
+            f"disk.durability={self.durability!r}: allowed {', '.join(DURABILITY)}",
+        )
 
     def resolved_path(self, data_dir: str) -> str:
         return self.path or os.path.join(data_dir, "lmdb")
@@ -101,8 +127,12 @@ class DiskConfig:
 class RemoteConfig:
     """L3: Redis or Valkey, standalone or cluster."""
 
-    url: str = ""  # redis://, rediss://, valkey://, valkeys://; "?cluster=1" for cluster mode; "" = off
-    capacity_bytes: int = 0  # 0: no kvstore-side limit (set maxmemory-policy allkeys-lru on the server)
+    url: str = (
+        ""  # redis://, rediss://, valkey://, valkeys://; "?cluster=1" for cluster mode; "" = off
+    )
+    capacity_bytes: int = (
+        0  # 0: no kvstore-side limit (set maxmemory-policy allkeys-lru on the server)
+    )
     codec: str = "zstd_shuffle"  # payload codec on the wire and in the remote store
     level: int = 1  # zstd level
     prefix: str = "kvs"  # key prefix, so several deployments can share one Redis
@@ -115,17 +145,23 @@ class RemoteConfig:
 
     def __post_init__(self) -> None:
         if self.url:
-            _require(re.match(r"^(redis|rediss|valkey|valkeys)://", self.url) is not None,
-                     f"remote.url={self.url!r}: must start with redis://, rediss://, valkey:// "
-                     "or valkeys://")
+            _require(
+                re.match(r"^(redis|rediss|valkey|valkeys)://", self.url) is not None,
+                f"remote.url={self.url!r}: must start with redis://, rediss://, valkey:// "
+                "or valkeys://",
+            )
         _require(self.capacity_bytes >= 0, "remote.capacity_bytes must be >= 0")
         _require(self.codec in CODECS, f"remote.codec={self.codec!r}: allowed {', '.join(CODECS)}")
         _require(1 <= self.level <= 19, f"remote.level={self.level}: allowed 1-19")
-        _require(bool(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", self.prefix)),
-                 f"remote.prefix={self.prefix!r}: 1-64 of [A-Za-z0-9_.:-]")
+        _require(
+            bool(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", self.prefix)),
+            f"remote.prefix={self.prefix!r}: 1-64 of [A-Za-z0-9_.:-]",
+        )
         for name in ("timeout_ms", "connect_timeout_ms", "cooldown_ms"):
             _require(getattr(self, name) > 0, f"remote.{name} must be > 0")
-        _require(self.retries >= 0 and self.backoff_ms >= 0, "remote.retries and backoff_ms must be >= 0")
+        _require(
+            self.retries >= 0 and self.backoff_ms >= 0, "remote.retries and backoff_ms must be >= 0"
+        )
         _require(self.failure_threshold >= 1, "remote.failure_threshold must be >= 1")
 
 
@@ -135,8 +171,10 @@ class StoreConfig:
 
     data_dir: str = field(default_factory=default_data_dir)  # where L2 and the lock file live
     chunk_tokens: int = 256  # tokens per chunk (the last chunk of a prompt may be shorter)
-    granularity: int = 16  # partial-match unit in tokens; divides chunk_tokens (the engine's block size or a divisor)
-    write_policy: str = "write-through"  # write-through: every put goes down asynchronously; write-back: only on eviction
+    # partial-match unit in tokens; divides chunk_tokens (the engine's block size or a divisor)
+    granularity: int = 16
+    # write-through: every put goes down asynchronously; write-back: only on eviction
+    write_policy: str = "write-through"
     write_queue_bytes: int = 256 * MiB  # bytes waiting to be written down; puts wait beyond this
     max_chunk_bytes: int = 256 * MiB  # largest record accepted
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -145,11 +183,15 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         _require(self.chunk_tokens > 0, f"chunk_tokens={self.chunk_tokens}: must be > 0")
-        _require(self.granularity > 0 and self.chunk_tokens % self.granularity == 0,
-                 f"granularity={self.granularity}: must be > 0 and divide "
-                 f"chunk_tokens={self.chunk_tokens}")
-        _require(self.write_policy in WRITE_POLICIES,
-                 f"write_policy={self.write_policy!r}: allowed {', '.join(WRITE_POLICIES)}")
+        _require(
+            self.granularity > 0 and self.chunk_tokens % self.granularity == 0,
+            f"granularity={self.granularity}: must be > 0 and divide "
+            f"chunk_tokens={self.chunk_tokens}",
+        )
+        _require(
+            self.write_policy in WRITE_POLICIES,
+            f"write_policy={self.write_policy!r}: allowed {', '.join(WRITE_POLICIES)}",
+        )
         _require(self.write_queue_bytes >= 0, "write_queue_bytes must be >= 0")
         _require(self.max_chunk_bytes > 0, "max_chunk_bytes must be > 0")
 

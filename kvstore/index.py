@@ -65,8 +65,15 @@ class Index:
     def get(self, key: ChunkKey) -> Entry | None:
         return self.entries.get(key)
 
-    def add(self, header: RecordHeader, level: int, *, pinned: bool = False,
-            last_access_ms: int = 0, hits: int = 0) -> Entry:
+    def add(
+        self,
+        header: RecordHeader,
+        level: int,
+        *,
+        pinned: bool = False,
+        last_access_ms: int = 0,
+        hits: int = 0,
+    ) -> Entry:
         """Record that tier ``level`` holds the chunk described by ``header``."""
         key = header.key
         entry = self.entries.get(key)

@@ -110,7 +110,9 @@ def bytes_to_tokens(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<u4")
 
 
-def chunk_key(parent: ChunkKey, fingerprint: Fingerprint, token_bytes: bytes | memoryview) -> ChunkKey:
+def chunk_key(
+    parent: ChunkKey, fingerprint: Fingerprint, token_bytes: bytes | memoryview
+) -> ChunkKey:
     """The key of one chunk given its parent's key and its tokens as u32le bytes."""
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=_CHUNK_PERSON)
     h.update(parent)

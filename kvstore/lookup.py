@@ -120,7 +120,9 @@ def lookup(
         if entry is None:
             stop_key = key
             break
-        matches.append(ChunkMatch(key, s, e - s, entry.n_tokens, tier_levels(entry.tiers)[0], False))
+        matches.append(
+            ChunkMatch(key, s, e - s, entry.n_tokens, tier_levels(entry.tiers)[0], False)
+        )
         parent = key
 
     if remote is not None and len(matches) < len(spans):
@@ -165,7 +167,10 @@ def lookup(
 
 
 def _best_sibling(
-    index: Index, parent: ChunkKey, fingerprint: Fingerprint, query: memoryview,
+    index: Index,
+    parent: ChunkKey,
+    fingerprint: Fingerprint,
+    query: memoryview,
     remote: RemoteView | None,
 ) -> tuple[ChunkKey, int, int, int] | None:
     """The stored child of ``parent`` sharing the most whole units with ``query``."""

@@ -123,9 +123,20 @@ class RecordHeader:
     def pack(self) -> bytes:
         shape = list(self.shape) + [0] * (MAX_DIMS - len(self.shape))
         fixed = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, int(self.codec), DTYPES[self.dtype][0], self.n_tokens,
-            len(self.shape), self.key, self.parent, self.fingerprint, *shape,
-            self.raw_size, self.stored_size, self.payload_checksum, self.created_ms,
+            MAGIC,
+            FORMAT_VERSION,
+            int(self.codec),
+            DTYPES[self.dtype][0],
+            self.n_tokens,
+            len(self.shape),
+            self.key,
+            self.parent,
+            self.fingerprint,
+            *shape,
+            self.raw_size,
+            self.stored_size,
+            self.payload_checksum,
+            self.created_ms,
         )
         check = xxhash.xxh3_64_intdigest(fixed + self.token_bytes)
         out = bytearray(self.header_size)
@@ -172,13 +183,19 @@ def make_header(
         raise InvalidArgument("give the payload, or its stored size and checksum")
     if codec == Codec.RAW and stored_size != raw_size:
         raise InvalidArgument(
-            f"payload is {stored_size} bytes but dtype {dtype} x shape {shape_t} "
-            f"needs {raw_size}"
+            f"payload is {stored_size} bytes but dtype {dtype} x shape {shape_t} needs {raw_size}"
         )
     return RecordHeader(
-        key=key, parent=parent, fingerprint=fingerprint, token_bytes=bytes(token_bytes),
-        dtype=dtype, shape=shape_t, codec=Codec(codec), raw_size=raw_size,
-        stored_size=stored_size, payload_checksum=payload_checksum,
+        key=key,
+        parent=parent,
+        fingerprint=fingerprint,
+        token_bytes=bytes(token_bytes),
+        dtype=dtype,
+        shape=shape_t,
+        codec=Codec(codec),
+        raw_size=raw_size,
+        stored_size=stored_size,
+        payload_checksum=payload_checksum,
         created_ms=int(time.time() * 1000) if created_ms is None else created_ms,
     )
 
@@ -212,10 +229,17 @@ def parse_header(buf: bytes | memoryview, *, expect_key: bytes | None = None) ->
         raise CorruptRecord("record is stored under a key that is not its own")
     try:
         return RecordHeader(
-            key=ChunkKey(key), parent=ChunkKey(parent), fingerprint=Fingerprint(fp),
-            token_bytes=bytes(view[FIXED_BYTES:end]), dtype=_DTYPE_BY_CODE[dtype_code],
-            shape=tuple(shape[:ndim]), codec=Codec(codec), raw_size=raw_size,
-            stored_size=stored_size, payload_checksum=payload_checksum, created_ms=created_ms,
+            key=ChunkKey(key),
+            parent=ChunkKey(parent),
+            fingerprint=Fingerprint(fp),
+            token_bytes=bytes(view[FIXED_BYTES:end]),
+            dtype=_DTYPE_BY_CODE[dtype_code],
+            shape=tuple(shape[:ndim]),
+            codec=Codec(codec),
+            raw_size=raw_size,
+            stored_size=stored_size,
+            payload_checksum=payload_checksum,
+            created_ms=created_ms,
         )
     except (KeyError, ValueError) as e:
         raise CorruptRecord(f"header field out of range: {e}") from e
@@ -243,7 +267,9 @@ def _shuffle(data: bytes | memoryview, itemsize: int) -> bytes:
     if itemsize == 1:
         return bytes(data)
     arr = np.frombuffer(data, dtype=np.uint8)
-    out = np.empty(arr.size, dtype=np.uint8)  # assigning into a buffer is ~30x faster than .T.tobytes()
+    out = np.empty(
+        arr.size, dtype=np.uint8
+    )  # assigning into a buffer is ~30x faster than .T.tobytes()
     out.reshape(itemsize, -1)[:] = arr.reshape(-1, itemsize).T
     return out.tobytes()
 
@@ -257,7 +283,9 @@ def _unshuffle(data: bytes, itemsize: int) -> bytes:
     return out.tobytes()
 
 
-def encode_payload(raw: bytes | memoryview, codec: Codec, itemsize: int, level: int = 1) -> bytes | memoryview:
+def encode_payload(
+    raw: bytes | memoryview, codec: Codec, itemsize: int, level: int = 1
+) -> bytes | memoryview:
     if codec == Codec.RAW:
         return raw
     data = _shuffle(raw, itemsize) if codec == Codec.ZSTD_SHUFFLE else raw
@@ -297,8 +325,13 @@ def encode(
 ) -> bytes:
     """A complete record from a raw payload."""
     raw_header = make_header(
-        key=key, parent=parent, fingerprint=fingerprint, token_bytes=token_bytes,
-        dtype=dtype, shape=shape, payload=payload,
+        key=key,
+        parent=parent,
+        fingerprint=fingerprint,
+        token_bytes=token_bytes,
+        dtype=dtype,
+        shape=shape,
+        payload=payload,
     )
     if codec == Codec.RAW:
         return build(raw_header, payload)
@@ -314,9 +347,15 @@ def transcode_parts(
     raw = decode_payload(header, stored)
     out = encode_payload(raw, codec, DTYPES[header.dtype][1], level)
     new = make_header(
-        key=header.key, parent=header.parent, fingerprint=header.fingerprint,
-        token_bytes=header.token_bytes, dtype=header.dtype, shape=header.shape,
-        payload=out, codec=codec, created_ms=header.created_ms,
+        key=header.key,
+        parent=header.parent,
+        fingerprint=header.fingerprint,
+        token_bytes=header.token_bytes,
+        dtype=header.dtype,
+        shape=header.shape,
+        payload=out,
+        codec=codec,
+        created_ms=header.created_ms,
     )
     return build(new, out)
 

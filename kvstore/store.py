@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,8 +106,15 @@ class TieredStore:
         self._reservations: dict[int, RecordHeader] = {}
         self._inflight: dict[ChunkKey, int] = {}  # keys between tier put and index update
         self._evicted_inflight: dict[ChunkKey, bool] = {}
-        self._counters = {"lookups": 0, "lookup_tokens": 0, "matched_tokens": 0, "gets": 0,
-                          "hits": 0, "puts": 0, "rejected_puts": 0}
+        self._counters = {
+            "lookups": 0,
+            "lookup_tokens": 0,
+            "matched_tokens": 0,
+            "gets": 0,
+            "hits": 0,
+            "puts": 0,
+            "rejected_puts": 0,
+        }
         for tier in self.tiers:
             tier.on_evict = self._evict_callback(tier)
             tier.on_corrupt = self._corrupt_callback(tier)
@@ -121,8 +128,13 @@ class TieredStore:
             return
         n = 0
         for info in self.disk.scan():
-            self.index.add(info.header, self.disk.level, pinned=info.pinned,
-                           last_access_ms=info.last_access_ms, hits=info.hits)
+            self.index.add(
+                info.header,
+                self.disk.level,
+                pinned=info.pinned,
+                last_access_ms=info.last_access_ms,
+                hits=info.hits,
+            )
             self._layouts.setdefault(info.header.fingerprint, _layout(info.header))
             n += 1
         if n:
@@ -150,9 +162,7 @@ class TieredStore:
         dtype, raw, ntok = _layout(header)
         if known is not None:
             if known[0] != dtype:
-                raise InvalidArgument(
-                    f"namespace holds dtype {known[0]}; this chunk is {dtype}"
-                )
+                raise InvalidArgument(f"namespace holds dtype {known[0]}; this chunk is {dtype}")
             if known[1] * ntok != raw * known[2]:
                 raise InvalidArgument(
                     f"namespace holds {known[1] // known[2]} bytes per token; this chunk has "
@@ -187,12 +197,20 @@ class TieredStore:
         """Convenience: build the record of one chunk and put it."""
         token_bytes = tokens_to_bytes(tokens)
         key = chunk_key(parent, fingerprint, token_bytes)
-        header = make_header(key=key, parent=parent, fingerprint=fingerprint,
-                             token_bytes=token_bytes, dtype=dtype, shape=shape, payload=payload)
+        header = make_header(
+            key=key,
+            parent=parent,
+            fingerprint=fingerprint,
+            token_bytes=token_bytes,
+            dtype=dtype,
+            shape=shape,
+            payload=payload,
+        )
         return key, self.put(header, payload)
 
-    def _put_below(self, header: RecordHeader, payload: bytes | memoryview,
-                   status: PutStatus) -> PutStatus:
+    def _put_below(
+        self, header: RecordHeader, payload: bytes | memoryview, status: PutStatus
+    ) -> PutStatus:
         """L1 cannot take it (all pinned/leased, or too large): write straight down."""
         for tier in self._lower(1):
             st = tier.put(header, payload)
@@ -339,7 +357,9 @@ class TieredStore:
             n = self._inflight.pop(key, 1) - 1
             if n > 0:
                 self._inflight[key] = n
-            return self._evicted_inflight.pop(key, False) if n <= 0 else key in self._evicted_inflight
+            return (
+                self._evicted_inflight.pop(key, False) if n <= 0 else key in self._evicted_inflight
+            )
 
     def _touch(self, key: ChunkKey) -> None:
         entry = self.index.get(key)
@@ -375,9 +395,16 @@ class TieredStore:
     ) -> LookupResult:
         """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup)."""
         self._check_open()
-        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None  # type: ignore[assignment]
-        result = lookup(self.index, fingerprint, tokens, chunk_tokens=self.config.chunk_tokens,
-                        granularity=granularity, min_tokens=min_tokens, remote=remote)
+        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
+        result = lookup(
+            self.index,
+            fingerprint,
+            tokens,
+            chunk_tokens=self.config.chunk_tokens,
+            granularity=granularity,
+            min_tokens=min_tokens,
+            remote=remote,
+        )
         with self._lock:
             self._counters["lookups"] += 1
             self._counters["lookup_tokens"] += result.total_tokens
@@ -439,9 +466,19 @@ class TieredStore:
 
     def scan(self, fingerprint: Fingerprint | None = None) -> Iterator[ChunkView]:
         for key, e in self.index.items(fingerprint):
-            yield ChunkView(key, e.fingerprint, e.parent, e.n_tokens, e.raw_size, e.dtype,
-                            tuple(tier_levels(e.tiers)), e.pinned, e.created_ms,
-                            e.last_access_ms, e.hits)
+            yield ChunkView(
+                key,
+                e.fingerprint,
+                e.parent,
+                e.n_tokens,
+                e.raw_size,
+                e.dtype,
+                tuple(tier_levels(e.tiers)),
+                e.pinned,
+                e.created_ms,
+                e.last_access_ms,
+                e.hits,
+            )
 
     def namespaces(self) -> dict[Fingerprint, int]:
         with self._lock:
@@ -450,11 +487,16 @@ class TieredStore:
     def stats(self) -> StoreStats:
         jobs, nbytes = self._writer.pending
         with self._lock:
-            c = dict(self._counters)
+            c: dict[str, Any] = dict(self._counters)
             chunks, spaces = len(self.index), len(self.index.by_ns)
         return StoreStats(
-            chunks=chunks, namespaces=spaces, tiers=[t.stats() for t in self.tiers],
-            pending_writes=jobs, pending_bytes=nbytes, write_failures=self._writer.failures, **c,
+            chunks=chunks,
+            namespaces=spaces,
+            tiers=[t.stats() for t in self.tiers],
+            pending_writes=jobs,
+            pending_bytes=nbytes,
+            write_failures=self._writer.failures,
+            **c,
         )
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -498,7 +540,7 @@ class TieredStore:
         with self._lock:
             self._counters[name] += n
 
-    def _evict_callback(self, tier: Tier):  # type: ignore[no-untyped-def]
+    def _evict_callback(self, tier: Tier) -> Callable[[ChunkKey, RecordHeader, bytes], None]:
         def on_evict(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
             with self._lock:
                 entry = self.index.get(key)
@@ -521,7 +563,7 @@ class TieredStore:
 
         return on_evict
 
-    def _corrupt_callback(self, tier: Tier):  # type: ignore[no-untyped-def]
+    def _corrupt_callback(self, tier: Tier) -> Callable[[ChunkKey], None]:
         def on_corrupt(key: ChunkKey) -> None:
             with self._lock:
                 self.index.drop_tier(key, tier.level, "corrupt")
@@ -553,7 +595,9 @@ class TieredStore:
             if not alive:
                 tier.delete(job.key)  # lost a race with delete: undo
             elif not status.ok:
-                log.warning("write-down of %s to %s: %s", job.key.hex()[:16], tier.name, status.value)
+                log.warning(
+                    "write-down of %s to %s: %s", job.key.hex()[:16], tier.name, status.value
+                )
 
 
 def _layout(header: RecordHeader) -> tuple[str, int, int]:

@@ -121,21 +121,20 @@ def namespace_from_pb(msg: pb.Namespace) -> Namespace:
 # -- lookup ----------------------------------------------------------------------------
 
 def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
-    return pb.LookupResponse(
-        matched_tokens=result.matched_tokens,
-        total_tokens=result.total_tokens,
-        chunks=[pb.ChunkMatch(key=m.key, start=m.start, tokens=m.tokens,
-                              stored_tokens=m.stored_tokens, tier=m.tier, partial=m.partial)
-                for m in result.chunks],
-        stop=result.stop,
-        stop_chunk=result.stop_chunk,
-        tokens_by_tier=result.by_tier,
+    msg = pb.LookupResponse(
+        matched_tokens=result.matched_tokens, total_tokens=result.total_tokens,
+        stop=result.stop, stop_chunk=result.stop_chunk, tokens_by_tier=result.by_tier,
         other_namespaces=[
             pb.NamespaceMatch(fingerprint=o.fingerprint, matched_tokens=o.matched_tokens,
                               namespace=namespace_to_pb(o.namespace) if o.namespace else None)
             for o in result.other_namespaces
         ],
     )
+    add = msg.chunks.add  # 3x faster than building ChunkMatch messages and a list
+    for m in result.chunks:
+        add(key=m.key, start=m.start, tokens=m.tokens, stored_tokens=m.stored_tokens,
+            tier=m.tier, partial=m.partial)
+    return msg
 
 
 def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
@@ -285,3 +284,54 @@ def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreEr
         return cls(f"{what}: kvstore server at {target} is unavailable: {details}")
     name = code.name if isinstance(code, grpc.StatusCode) else str(code)
     return cls(f"{what}: {details} ({name})")
+
+
+# -- payload frames ----------------------------------------------------------------------
+# PutRequest and GetResponse pieces are messages with one length-delimited field
+# (1 header, 2 data). Both ends build and take them apart by hand: the payload is
+# then copied once into the frame and read in place out of it, instead of going
+# through a protobuf message (two more copies of every byte). Anything that is not
+# exactly one such field falls back to the protobuf parser.
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def frame(field: int, *parts: bytes | memoryview) -> bytes:
+    """The serialized message holding ``b"".join(parts)`` in length-delimited ``field``."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    return b"".join((bytes((field << 3 | 2,)), _varint(n), *parts))
+
+
+def unframe(buf: bytes, cls: type[pb.PutRequest] | type[pb.GetResponse]
+            ) -> tuple[int, memoryview]:
+    """(field number, value) of one PutRequest/GetResponse frame; the value is not copied.
+
+    Field 0 means no field was set. Raises InvalidArgument for an unreadable message.
+    """
+    mv = memoryview(buf)
+    if not mv:
+        return 0, mv
+    tag, pos, n, shift = mv[0], 1, 0, 0
+    while pos < len(mv) and shift < 35:
+        b = mv[pos]
+        n |= (b & 0x7F) << shift
+        pos += 1
+        shift += 7
+        if not b & 0x80:
+            break
+    if tag in (0x0A, 0x12) and pos + n == len(mv) and not mv[pos - 1] & 0x80:
+        return tag >> 3, mv[pos:]
+    try:  # not the one-field shape this module writes: let protobuf decide
+        msg = cls.FromString(bytes(mv))
+    except Exception as e:  # protobuf raises its own DecodeError
+        raise errors.InvalidArgument(f"unreadable {cls.__name__} message: {e}") from e
+    which = msg.WhichOneof("part")
+    if which is None:
+        return 0, memoryview(b"")
+    return (1 if which == "header" else 2), memoryview(getattr(msg, which))

@@ -134,4 +134,6 @@ class WriteDown:
             self.done += 1
         except Exception:  # a failed write-down must not kill the thread
             self.failures += 1
-            log.exception("write-down of chunk %s to tier(s) %s failed", job.key.hex()[:16], job.targets)
+            log.exception(
+                "write-down of chunk %s to tier(s) %s failed", job.key.hex()[:16], job.targets
+            )

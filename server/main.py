@@ -191,10 +191,10 @@ def _start(cfg: ServerConfig, service: Any, token: str,
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from kvstore.v1 import kvstore_pb2_grpc
     from kvstore.wire import SERVICE_NAME
 
     from .auth import TokenAuth
+    from .streams import add_to_server
 
     interceptors = [TokenAuth(token)] if token else []
     pool = futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions,
@@ -205,7 +205,7 @@ def _start(cfg: ServerConfig, service: Any, token: str,
         ("grpc.so_reuseport", 0),  # else a second server could bind the same port silently
     ]
     server = grpc.server(pool, interceptors=interceptors, options=options)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    add_to_server(service, server)
     health_servicer = health.HealthServicer(
         experimental_non_blocking=True,
         experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2),

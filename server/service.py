@@ -6,11 +6,9 @@ message saying what was wrong (``kvstore.wire.status_of``); an unexpected
 exception is logged with its traceback and returned as INTERNAL. No request can
 take the server down.
 
-Leases and reservations of the shared-memory data plane are tracked here per
-owner (the ``x-kvstore-session`` metadata of the call), so a client can only
-commit, abort or release what it was handed, a Session stream can renew its
-owner's holds, and everything an owner holds is dropped when its last Session
-stream ends (the client closed or died).
+Leases and reservations of the shared-memory data plane belong to an owner (the
+``x-kvstore-session`` metadata of the call) and are tracked in ``holds``; the
+Put/Get streams live in ``streams``.
 """
 
 from __future__ import annotations
@@ -21,22 +19,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from math import prod
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-import xxhash
 
 from kvstore import __version__
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
-    KVStoreError,
-    NotFound,
     ResourceExhausted,
-    StoreClosed,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint, Namespace
 from kvstore.lookup import NamespaceMatch, lookup
@@ -58,7 +51,9 @@ from kvstore.wire import (
 )
 
 from .config import ServerConfig
+from .holds import Holds
 from .metrics import Metrics
+from .streams import pieces, receive_put, send_get
 
 log = logging.getLogger("kvstore.server")
 
@@ -75,14 +70,6 @@ class _Status(Exception):
 
 # Calls that finish work a client already began; still served while draining.
 _FINISHING = frozenset({"Commit", "Abort", "Release"})
-
-
-@dataclass
-class _Hold:
-    owner: str
-    kind: str  # "lease" or "reservation"
-    expires: float  # monotonic; pushed forward by each Session ping
-    nbytes: int = 0  # payload bytes (for the metrics of a commit)
 
 
 def _rpc(fn: F) -> F:
@@ -140,8 +127,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._idle = threading.Condition(self._lock)
         self._closing = False
         self._active = 0  # calls in flight, Session streams excepted
-        self._holds: dict[int, _Hold] = {}
-        self._sessions: Counter[str] = Counter()  # owner -> live Session streams
+        self.holds = Holds(store, store.config.memory.lease_ms / 1000.0)
         self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
         self._lease_s = store.config.memory.lease_ms / 1000.0
@@ -209,6 +195,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self._idle.wait(left)
         return True
 
+    def sweep(self) -> int:
+        """Reclaim expired leases and reservations (called periodically)."""
+        return self.holds.sweep()
+
     def request_counts(self) -> dict[str, int]:
         with self._lock:
             out: Counter[str] = Counter()
@@ -270,82 +260,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if self.metrics is not None:
             self.metrics.moved(direction, plane, nbytes)
 
-    # -- holds (leases and reservations) -----------------------------------------------------------
-    def _track(self, hid: int, owner: str, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self._holds[hid] = _Hold(owner, kind, time.monotonic() + self._lease_s, nbytes)
-
-    def _claim(self, hid: int, owner: str, kind: str) -> _Hold:
-        """Stop tracking a hold the caller owns; NotFound if it does not own it."""
-        with self._lock:
-            hold = self._holds.get(hid)
-            if hold is None or hold.owner != owner or hold.kind != kind:
-                raise NotFound(f"unknown {kind} {hid} (expired, already used, or handed to "
-                               "another session)")
-            del self._holds[hid]
-            return hold
-
-    def _drop(self, hids: list[tuple[int, str]]) -> None:
-        for hid, kind in hids:
-            try:
-                if kind == "reservation":
-                    self.store.abort(hid)
-                else:
-                    self.store.release(hid)
-            except KVStoreError:
-                pass  # expired or the store is closing: nothing left to give back
-
-    def sweep(self) -> int:
-        """Reclaim expired holds in the tier and forget the ones tracked here."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [(h, v.kind) for h, v in self._holds.items() if v.expires < now - 1.0]
-            for hid, _ in gone:
-                del self._holds[hid]
-        self._drop(gone)
-        try:
-            return self.store.memory.sweep()
-        except StoreClosed:
-            return 0
-
-    def _renew(self, owner: str) -> None:
-        with self._lock:
-            mine = [h for h, v in self._holds.items() if v.owner == owner]
-        lost = []
-        for hid in mine:
-            try:
-                alive = self.store.memory.renew(hid)
-            except StoreClosed:
-                return
-            with self._lock:
-                hold = self._holds.get(hid)
-                if hold is None:
-                    continue
-                if alive:
-                    hold.expires = time.monotonic() + self._lease_s
-                else:
-                    lost.append((hid, hold.kind))
-                    del self._holds[hid]
-        self._drop(lost)
-
-    def _end_session(self, owner: str) -> None:
-        with self._lock:
-            self._sessions[owner] -= 1
-            if self._sessions[owner] > 0:
-                return
-            del self._sessions[owner]
-            mine = [(h, v.kind) for h, v in self._holds.items() if v.owner == owner]
-            for hid, _ in mine:
-                del self._holds[hid]
-        self._drop(mine)
-        try:
-            n = self.store.memory.release_owner(owner)
-        except StoreClosed:
-            return
-        if mine or n:
-            log.info("session %s ended: dropped %d leases/reservations", owner[:16],
-                     max(len(mine), n))
-
     # -- info and lookup ---------------------------------------------------------------------------
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
@@ -391,47 +305,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- remote data plane -------------------------------------------------------------------------
     @_rpc
-    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext
+    def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
             ) -> pb.PutResponse:
-        first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "header":
+        parts = pieces(request_iterator)
+        field, first = next(parts, (0, memoryview(b"")))
+        if field != 1:
             raise InvalidArgument("the first message of a Put stream must carry the header")
-        header = self._header(first.header)
-        buf = bytearray(header.stored_size)
-        pos = 0
-        for msg in request_iterator:
-            if msg.WhichOneof("part") != "data":
-                raise InvalidArgument("only the first message of a Put stream carries a header")
-            n = len(msg.data)
-            if pos + n > len(buf):
-                raise InvalidArgument(f"payload runs past the {header.stored_size} bytes its "
-                                      "header declares")
-            buf[pos : pos + n] = msg.data
-            pos += n
-        if pos != len(buf):
-            raise InvalidArgument(f"payload is {pos} bytes, its header declares "
-                                  f"{header.stored_size}")
-        if xxhash.xxh3_64_intdigest(buf) != header.payload_checksum:
-            raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way")
-        status = self.store.put(header, memoryview(buf))
+        header = self._header(bytes(first))
+        status = receive_put(self.store, header, parts, self._lease_s)
         if status == PutStatus.STORED:
-            self._moved("in", "grpc", pos)
+            self._moved("in", "grpc", header.stored_size)
         return pb.PutResponse(status=status_to_pb(status), key=header.key)
 
     @_rpc
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext
-            ) -> Iterator[pb.GetResponse]:
-        key = self._key(request.key)
-        blob = self.store.get(key)
-        if blob is None:
-            return
-        view = memoryview(blob)
-        hs = parse_header(view).header_size
-        yield pb.GetResponse(header=bytes(view[:hs]))
-        piece = self.config.piece_bytes
-        for off in range(hs, len(view), piece):
-            yield pb.GetResponse(data=bytes(view[off : off + piece]))
-        self._moved("out", "grpc", len(view) - hs)
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        sent = 0
+        for msg in send_get(self.store, self._key(request.key), self.config.piece_bytes,
+                            self._lease_s):
+            sent += len(msg)
+            yield msg
+        if sent:
+            self._moved("out", "grpc", sent)
 
     # -- shared-memory data plane ------------------------------------------------------------------
     @_rpc
@@ -443,7 +337,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         res = self.store.reserve(header, owner=owner)
         if isinstance(res, PutStatus):
             return pb.ReserveResponse(status=status_to_pb(res))
-        self._track(res.id, owner, "reservation", header.stored_size)
+        self.holds.track(res.id, owner, "reservation", header.stored_size)
         return pb.ReserveResponse(
             status=pb.STORED, reservation_id=res.id,
             extents=[pb.Extent(offset=o, length=n) for o, n in res.extents],
@@ -453,7 +347,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
-        hold = self._claim(request.reservation_id, self._owner(context), "reservation")
+        hold = self.holds.claim(request.reservation_id, self._owner(context), "reservation")
         status = self.store.commit(request.reservation_id)
         if status == PutStatus.STORED:
             self._moved("in", "shm", hold.nbytes)
@@ -461,7 +355,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self._claim(request.reservation_id, self._owner(context), "reservation")
+        self.holds.claim(request.reservation_id, self._owner(context), "reservation")
         self.store.abort(request.reservation_id)
         return pb.AbortResponse()
 
@@ -475,7 +369,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
             return pb.AcquireResponse(found=False, use_get=key in self.store.index)
-        self._track(lease.id, owner, "lease", lease.header.stored_size)
+        self.holds.track(lease.id, owner, "lease", lease.header.stored_size)
         self._moved("out", "shm", lease.header.stored_size)
         return pb.AcquireResponse(
             found=True, lease_id=lease.id, header=lease.header.pack(),
@@ -488,14 +382,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 ) -> pb.ReleaseResponse:
         owner = self._owner(context)
         ids = list(dict.fromkeys(request.lease_ids))
-        with self._lock:
-            unknown = [i for i in ids if (h := self._holds.get(i)) is None
-                       or h.owner != owner or h.kind != "lease"]
-            if unknown:
-                raise NotFound(f"unknown lease(s) {unknown[:8]} (expired, already released, or "
-                               "handed to another session)")
-            for i in ids:
-                del self._holds[i]
+        self.holds.claim_leases(ids, owner)
         # False from the tier: the lease expired, so what the client read may be garbage.
         return pb.ReleaseResponse(released=sum(self.store.release(i) for i in ids))
 
@@ -508,20 +395,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         owner = first.owner or self._owner(context)
         if not owner:
             raise InvalidArgument("the first SessionPing must name the owner (session id)")
-        with self._lock:
-            if len(self._sessions) >= self.config.max_sessions and owner not in self._sessions:
-                raise ResourceExhausted(f"too many sessions (max_sessions="
-                                        f"{self.config.max_sessions}); leases still expire "
-                                        "on their own")
-            self._sessions[owner] += 1
+        self.holds.open_session(owner, self.config.max_sessions)
         try:
-            self._renew(owner)
+            self.holds.renew(owner)
             yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
             for _ in request_iterator:
-                self._renew(owner)
+                self.holds.renew(owner)
                 yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
         finally:
-            self._end_session(owner)
+            self.holds.end_session(owner)
 
     # -- management --------------------------------------------------------------------------------
     @_rpc

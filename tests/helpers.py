@@ -26,22 +26,35 @@ def make_chunk(
     """A raw bfloat16 record of shape (n_tokens, bytes_per_token // 2)."""
     tb = tokens_to_bytes(list(tokens))
     n = len(tb) // 4
-    payload = payload_bytes(n * bytes_per_token, seed if seed is not None else int(tokens[0]) * 7919 + n)
+    payload = payload_bytes(
+        n * bytes_per_token, seed if seed is not None else int(tokens[0]) * 7919 + n
+    )
     header = make_header(
-        key=chunk_key(parent, fp, tb), parent=parent, fingerprint=fp, token_bytes=tb,
-        dtype="bfloat16", shape=(n, bytes_per_token // 2), payload=payload,
+        key=chunk_key(parent, fp, tb),
+        parent=parent,
+        fingerprint=fp,
+        token_bytes=tb,
+        dtype="bfloat16",
+        shape=(n, bytes_per_token // 2),
+        payload=payload,
     )
     return header, payload
 
 
-def make_chain(tokens: list[int], chunk_tokens: int, *, fp: Fingerprint = FP,
-               bytes_per_token: int = 64) -> list[tuple[RecordHeader, bytes]]:
+def make_chain(
+    tokens: list[int], chunk_tokens: int, *, fp: Fingerprint = FP, bytes_per_token: int = 64
+) -> list[tuple[RecordHeader, bytes]]:
     """Records for every chunk of a prompt (the last may be short)."""
     out = []
     parent = ROOT
     for s in range(0, len(tokens), chunk_tokens):
-        h, p = make_chunk(tokens[s : s + chunk_tokens], parent=parent, fp=fp,
-                          bytes_per_token=bytes_per_token, seed=s + len(tokens))
+        h, p = make_chunk(
+            tokens[s : s + chunk_tokens],
+            parent=parent,
+            fp=fp,
+            bytes_per_token=bytes_per_token,
+            seed=s + len(tokens),
+        )
         out.append((h, p))
         parent = h.key
     return out

@@ -30,10 +30,19 @@ Run = tuple[list[dict[str, Any]], str]
 
 # One of each kind of store case, so a renamed or dropped case is noticed.
 EXPECTED = {
-    "l1.tier.put.1MiB", "l1.store.put.8MiB", "l1.tier.get_into.8MiB", "l1.store.get_into.1MiB",
-    "l2.get_into.1MiB", "l2.get_into.vs_lmdb.8MiB", "lookup.128k.p50", "lookup.128k.p99",
-    "hash.chunk_keys.128k.p50", "lookup.p50.prompt=1k", "lookup.128k.p50.keys=100,000",
-    "codec.zstd_shuffle.l1.compression", "codec.zstd.l3.decode",
+    "l1.tier.put.1MiB",
+    "l1.store.put.8MiB",
+    "l1.tier.get_into.8MiB",
+    "l1.store.get_into.1MiB",
+    "l2.get_into.1MiB",
+    "l2.get_into.vs_lmdb.8MiB",
+    "lookup.128k.p50",
+    "lookup.128k.p99",
+    "hash.chunk_keys.128k.p50",
+    "lookup.p50.prompt=1k",
+    "lookup.128k.p50.keys=100,000",
+    "codec.zstd_shuffle.l1.compression",
+    "codec.zstd.l3.decode",
 }
 
 
@@ -42,9 +51,22 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("bench")
     js, md = out / "out.json", out / "out.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--only", "store", "--quick", "--json", str(js),
-         "--markdown", str(md)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--only",
+            "store",
+            "--quick",
+            "--json",
+            str(js),
+            "--markdown",
+            str(md),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, f"quick store run failed:\n{proc.stderr[-4000:]}"
     return json.loads(js.read_text()), md.read_text()
@@ -69,7 +91,8 @@ def test_quick_store_run_writes_records_of_the_documented_shape(quick_run: Run) 
         else:
             assert r["limit"] > 0, r
             assert r["ratio"] == pytest.approx(r["value"] / r["limit"], rel=1e-9), (
-                f"{r['name']}: ratio must be value / limit")
+                f"{r['name']}: ratio must be value / limit"
+            )
 
 
 def test_quick_store_run_writes_markdown_with_the_machine(quick_run: Run) -> None:
@@ -82,9 +105,14 @@ def test_quick_store_run_writes_markdown_with_the_machine(quick_run: Run) -> Non
 
 def test_interleaved_takes_turns_and_undoes_untimed() -> None:
     calls: list[str] = []
-    t = interleaved({"a": lambda: calls.append("a"),
-                     "b": (lambda: calls.append("b"), lambda: calls.append("undo"))},
-                    reps=5, warmup=2)
+    t = interleaved(
+        {
+            "a": lambda: calls.append("a"),
+            "b": (lambda: calls.append("b"), lambda: calls.append("undo")),
+        },
+        reps=5,
+        warmup=2,
+    )
     assert {k: len(v) for k, v in t.items()} == {"a": 5, "b": 5}, "warmup must not be recorded"
     assert calls.count("a") == 7 and calls.count("b") == 7, calls
     after_b = [calls[i + 1] for i, c in enumerate(calls) if c == "b"]
@@ -95,8 +123,7 @@ def test_record_ratio_and_markdown(tmp_path: Path) -> None:
     assert Record("x", 2.0, "GB/s", 4.0).ratio == 0.5
     assert Record("y", 2.0, "x").ratio is None
     path = tmp_path / "r.md"
-    write_markdown([Record("x", 2.0, "GB/s", 4.0, suite="s", notes="a | b")], path,
-                   machine_info())
+    write_markdown([Record("x", 2.0, "GB/s", 4.0, suite="s", notes="a | b")], path, machine_info())
     text = path.read_text()
     assert "| s | x | 2 | GB/s | 4 | 0.5 |" in text, text
     assert "a | b" in text and "cores " in text, text

@@ -30,7 +30,9 @@ VECTORS = [
 
 
 def test_documented_vectors() -> None:
-    assert NS.fingerprint.hex() == "160d13ba8acea681d88954dd6d86f588", "fingerprint changed: docs/keys.md is stale"
+    assert NS.fingerprint.hex() == "160d13ba8acea681d88954dd6d86f588", (
+        "fingerprint changed: docs/keys.md is stale"
+    )
     assert Namespace(model="m").fingerprint.hex() == "586dd7cc9d407f0c06e5398ef428ab0e"
     keys = chunk_keys(NS.fingerprint, list(range(10)), 4)
     assert [k.hex() for k in keys] == VECTORS, "chunk key scheme changed: docs/keys.md is stale"
@@ -40,37 +42,47 @@ def test_documented_vectors() -> None:
 def test_independent_derivation() -> None:
     """Recompute the keys from the written spec with struct and hashlib only."""
     canonical = (
-        '{"device":"cpu","dtype":"bfloat16","extra":[],"layout":"L4-H2-D64-B16-LBHNC",'
-        '"lora":"","model":"tiny-llama","pp_rank":0,"pp_size":1,"revision":"","salt":"",'
-        '"tp_rank":0,"tp_size":1}'
-    ).encode()
+        b'{"device":"cpu","dtype":"bfloat16","extra":[],"layout":"L4-H2-D64-B16-LBHNC",'
+        b'"lora":"","model":"tiny-llama","pp_rank":0,"pp_size":1,"revision":"","salt":"",'
+        b'"tp_rank":0,"tp_size":1}'
+    )
     fp = hashlib.blake2b(canonical, digest_size=16, person=b"kvstore-ns-v1").digest()
     assert fp == NS.fingerprint
     parent = bytes(32)
     for i, (start, end) in enumerate([(0, 4), (4, 8), (8, 10)]):
         body = struct.pack(f"<{end - start}I", *range(start, end))
-        parent = hashlib.blake2b(parent + fp + body, digest_size=32, person=b"kvstore-chunk-v1").digest()
+        parent = hashlib.blake2b(
+            parent + fp + body, digest_size=32, person=b"kvstore-chunk-v1"
+        ).digest()
         assert parent.hex() == VECTORS[i]
 
 
 def test_same_keys_in_another_process_with_other_hash_seed() -> None:
     code = (
         "from kvstore.keys import Namespace, chunk_keys;"
-        "ns=Namespace(model='tiny-llama', dtype='bfloat16', layout='L4-H2-D64-B16-LBHNC', device='cpu');"
+        "ns=Namespace(model='tiny-llama', dtype='bfloat16', "
+        "layout='L4-H2-D64-B16-LBHNC', device='cpu');"
         "print(chunk_keys(ns.fingerprint, list(range(10)), 4)[-1].hex())"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == VECTORS[-1]
 
 
 def test_namespace_fields_all_change_the_fingerprint() -> None:
     base = Namespace(model="m")
     variants = [
-        Namespace(model="m2"), Namespace(model="m", revision="r"), Namespace(model="m", dtype="float16"),
-        Namespace(model="m", layout="x"), Namespace(model="m", device="cuda"),
-        Namespace(model="m", tp_rank=1, tp_size=2), Namespace(model="m", pp_rank=1, pp_size=2),
-        Namespace(model="m", lora="a"), Namespace(model="m", salt="tenant-b"),
+        Namespace(model="m2"),
+        Namespace(model="m", revision="r"),
+        Namespace(model="m", dtype="float16"),
+        Namespace(model="m", layout="x"),
+        Namespace(model="m", device="cuda"),
+        Namespace(model="m", tp_rank=1, tp_size=2),
+        Namespace(model="m", pp_rank=1, pp_size=2),
+        Namespace(model="m", lora="a"),
+        Namespace(model="m", salt="tenant-b"),
         Namespace(model="m", extra=(("k", "v"),)),
     ]
     fps = {v.fingerprint for v in variants} | {base.fingerprint}

@@ -69,7 +69,9 @@ def test_min_tokens_and_granularity() -> None:
     assert run(idx, p[:10], min_tokens=16).matched_tokens == 0
     assert run(idx, p[:10], min_tokens=16).stop == "below_min_tokens"
     assert run(idx, p[:10], min_tokens=10).matched_tokens == 10
-    assert run(idx, p, granularity=5).matched_tokens == 20, "rounded down to the engine's block size"
+    assert run(idx, p, granularity=5).matched_tokens == 20, (
+        "rounded down to the engine's block size"
+    )
 
 
 def test_prefix_spanning_tiers() -> None:

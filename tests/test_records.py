@@ -25,7 +25,11 @@ def test_round_trip(codec: Codec) -> None:
     h = verify(blob, expect_key=header.key)
     assert h.codec == codec
     assert (h.key, h.parent, h.fingerprint, h.token_bytes) == (
-        header.key, header.parent, header.fingerprint, header.token_bytes)
+        header.key,
+        header.parent,
+        header.fingerprint,
+        header.token_bytes,
+    )
     assert h.shape == header.shape and h.dtype == "bfloat16" and h.raw_size == len(payload)
     assert bytes(decode_payload(h, memoryview(blob)[h.header_size :])) == payload
     assert list(h.tokens) == list(range(100, 164))
@@ -40,8 +44,15 @@ def test_shuffle_compresses_bf16_better_than_plain_zstd() -> None:
     from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 
     tb = tokens_to_bytes(range(256))
-    h = make_header(key=chunk_key(ROOT, FP, tb), parent=ROOT, fingerprint=FP, token_bytes=tb,
-                    dtype="bfloat16", shape=(256, 8, 128), payload=raw)
+    h = make_header(
+        key=chunk_key(ROOT, FP, tb),
+        parent=ROOT,
+        fingerprint=FP,
+        token_bytes=tb,
+        dtype="bfloat16",
+        shape=(256, 8, 128),
+        payload=raw,
+    )
     z = len(transcode(build(h, raw), Codec.ZSTD))
     zs = len(transcode(build(h, raw), Codec.ZSTD_SHUFFLE))
     assert zs < z, f"byte-shuffle should help on bf16: zstd {z} vs zstd_shuffle {zs}"
@@ -52,8 +63,19 @@ def test_every_flipped_bit_region_is_caught(codec: Codec) -> None:
     header, payload = make_chunk(range(64))
     blob = bytearray(transcode(build(header, payload), codec))
     rng = np.random.default_rng(1)
-    for pos in [0, 5, 20, 60, 100, 150, 190, header.header_size - 70,
-                header.header_size + 3, len(blob) - 1, *rng.integers(0, len(blob), 20)]:
+    for pos in [
+        0,
+        5,
+        20,
+        60,
+        100,
+        150,
+        190,
+        header.header_size - 70,
+        header.header_size + 3,
+        len(blob) - 1,
+        *rng.integers(0, len(blob), 20),
+    ]:
         damaged = bytearray(blob)
         damaged[int(pos)] ^= 0x10
         with pytest.raises(CorruptRecord):
@@ -79,7 +101,9 @@ def test_truncated_and_wrong_key() -> None:
 
 def test_bad_fields_rejected_at_construction() -> None:
     header, payload = make_chunk(range(8))
-    common = dict(key=header.key, parent=header.parent, fingerprint=FP, token_bytes=header.token_bytes)
+    common = dict(
+        key=header.key, parent=header.parent, fingerprint=FP, token_bytes=header.token_bytes
+    )
     with pytest.raises(InvalidArgument, match="needs"):
         make_header(**common, dtype="bfloat16", shape=(8, 33), payload=payload)
     with pytest.raises(InvalidArgument, match="unsupported dtype"):
@@ -87,7 +111,14 @@ def test_bad_fields_rejected_at_construction() -> None:
     with pytest.raises(InvalidArgument, match="positive"):
         make_header(**common, dtype="bfloat16", shape=(0,), payload=b"")
     with pytest.raises(InvalidArgument):
-        make_header(key=header.key, parent=header.parent, fingerprint=FP, token_bytes=b"",
-                    dtype="bfloat16", shape=(8, 32), payload=payload)
+        make_header(
+            key=header.key,
+            parent=header.parent,
+            fingerprint=FP,
+            token_bytes=b"",
+            dtype="bfloat16",
+            shape=(8, 32),
+            payload=payload,
+        )
     with pytest.raises(InvalidArgument, match="allowed"):
         Codec.parse("lz4")

@@ -1,4 +1,4 @@
-"""TieredStore over real tiers: shared memory + LMDB (the Redis/Valkey tier in test_store_remote.py)."""
+"""TieredStore over real tiers: shared memory + LMDB (Redis/Valkey: test_store_remote.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,22 @@ KiB, MiB = 1 << 10, 1 << 20
 C = 16  # chunk tokens in these tests
 
 
-def config(tmp: Path, *, memory: int = 4 * MiB, disk: int = 64 * MiB, policy: str = "write-through",
-           **kw: object) -> StoreConfig:
+def config(
+    tmp: Path,
+    *,
+    memory: int = 4 * MiB,
+    disk: int = 64 * MiB,
+    policy: str = "write-through",
+    **kw: object,
+) -> StoreConfig:
     return StoreConfig(
-        data_dir=str(tmp), chunk_tokens=C, granularity=4, write_policy=policy,
+        data_dir=str(tmp),
+        chunk_tokens=C,
+        granularity=4,
+        write_policy=policy,
         memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
-        disk=DiskConfig(capacity_bytes=disk), **kw,  # type: ignore[arg-type]
+        disk=DiskConfig(capacity_bytes=disk),
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -62,7 +72,8 @@ def test_write_through_reaches_disk(store: TieredStore) -> None:
     chain = put_chain(store, list(range(64)))
     assert store.flush(10), "write-down did not finish"
     assert all(t == (1, 2) for t in store.contains([h.key for h, _ in chain])), store.contains(
-        [h.key for h, _ in chain])
+        [h.key for h, _ in chain]
+    )
     assert store.stats().tiers[1].chunks == len(chain)
 
 
@@ -97,16 +108,30 @@ def test_namespace_layout_enforced(store: TieredStore) -> None:
     with pytest.raises(InvalidArgument, match="bytes per token"):
         store.put(h, p)
     tb = h.token_bytes
-    bad = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=tb, dtype="float16",
-                      shape=(16, 32), payload=p[: 16 * 64])
+    bad = make_header(
+        key=h.key,
+        parent=ROOT,
+        fingerprint=FP,
+        token_bytes=tb,
+        dtype="float16",
+        shape=(16, 32),
+        payload=p[: 16 * 64],
+    )
     with pytest.raises(InvalidArgument, match="dtype"):
         store.put(bad, p[: 16 * 64])
 
 
 def test_bad_records_rejected(store: TieredStore) -> None:
     h, p = make_chunk(range(16))
-    forged = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=h.token_bytes[:-4] + b"\0\0\0\0",
-                         dtype="bfloat16", shape=h.shape, payload=p)
+    forged = make_header(
+        key=h.key,
+        parent=ROOT,
+        fingerprint=FP,
+        token_bytes=h.token_bytes[:-4] + b"\0\0\0\0",
+        dtype="bfloat16",
+        shape=h.shape,
+        payload=p,
+    )
     with pytest.raises(InvalidArgument, match="does not match"):
         store.put(forged, p)
     long, lp = make_chunk(range(C * 2))
@@ -178,6 +203,7 @@ def test_corrupt_disk_record_is_counted_miss(tmp_path: Path) -> None:
 def test_concurrent_puts_and_reads_are_byte_exact(tmp_path: Path) -> None:
     errors: list[str] = []
     with TieredStore(config(tmp_path, memory=256 * KiB)) as s:
+
         def work(seed: int) -> None:
             rng = np.random.default_rng(seed)
             base = seed * 10_000
@@ -191,6 +217,7 @@ def test_concurrent_puts_and_reads_are_byte_exact(tmp_path: Path) -> None:
                 blob = s.get(hk.key)
                 if blob is not None and bytes(blob[parse_header(blob).header_size :]) != pk:
                     errors.append(f"wrong bytes for {seed}/{k}")
+
         threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
         for t in threads:
             t.start()

@@ -1,4 +1,4 @@
-"""TieredStore with a real Redis/Valkey L3: sharing across stores, spanning tiers, a remote that fails."""
+"""TieredStore with a real Redis/Valkey L3: sharing, tiers spanned, a remote that fails."""
 
 from __future__ import annotations
 
@@ -24,15 +24,33 @@ def server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         yield s
 
 
-def make_store(tmp: Path, url: str, *, memory: int = 4 * MiB, prefix: str = "kvs",
-               policy: str = "write-through") -> TieredStore:
-    return TieredStore(StoreConfig(
-        data_dir=str(tmp), chunk_tokens=C, granularity=4, write_policy=policy,
-        memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
-        disk=DiskConfig(capacity_bytes=64 * MiB),
-        remote=RemoteConfig(url=url, prefix=prefix, timeout_ms=300, connect_timeout_ms=300,
-                            cooldown_ms=200, failure_threshold=1, retries=0),
-    ))
+def make_store(
+    tmp: Path,
+    url: str,
+    *,
+    memory: int = 4 * MiB,
+    prefix: str = "kvs",
+    policy: str = "write-through",
+) -> TieredStore:
+    return TieredStore(
+        StoreConfig(
+            data_dir=str(tmp),
+            chunk_tokens=C,
+            granularity=4,
+            write_policy=policy,
+            memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
+            disk=DiskConfig(capacity_bytes=64 * MiB),
+            remote=RemoteConfig(
+                url=url,
+                prefix=prefix,
+                timeout_ms=300,
+                connect_timeout_ms=300,
+                cooldown_ms=200,
+                failure_threshold=1,
+                retries=0,
+            ),
+        )
+    )
 
 
 def test_two_hosts_share_through_the_remote(server: RedisServer, tmp_path: Path) -> None:
@@ -45,7 +63,9 @@ def test_two_hosts_share_through_the_remote(server: RedisServer, tmp_path: Path)
         assert a.flush(10)
     with make_store(tmp_path / "b", server.url, prefix=prefix) as b:
         r = b.lookup(FP, toks)
-        assert r.matched_tokens == 64 and r.by_tier == {3: 64}, "host B must see host A's chunks in L3"
+        assert r.matched_tokens == 64 and r.by_tier == {3: 64}, (
+            "host B must see host A's chunks in L3"
+        )
         blob = b.get(chain[2][0].key)
         assert blob is not None and bytes(blob[parse_header(blob).header_size :]) == chain[2][1]
         assert 1 in b.contains([chain[2][0].key])[0], "a remote hit is promoted into memory"

@@ -26,10 +26,19 @@ def _results(outs: list[Any]) -> list[dict[str, Any]]:
     results = []
     for out in outs:
         comp = out.outputs[0]
-        steps = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items()),
-                        key=lambda p: (-p[1], p[0])) for step in comp.logprobs or []]
-        results.append({"token_ids": [int(t) for t in comp.token_ids], "logprobs": steps,
-                        "num_cached_tokens": int(out.num_cached_tokens or 0)})
+        steps = [
+            sorted(
+                ((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda p: (-p[1], p[0])
+            )
+            for step in comp.logprobs or []
+        ]
+        results.append(
+            {
+                "token_ids": [int(t) for t in comp.token_ids],
+                "logprobs": steps,
+                "num_cached_tokens": int(out.num_cached_tokens or 0),
+            }
+        )
     return results
 
 
@@ -44,15 +53,23 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict[str, Any] = dict(model=spec["model"], skip_tokenizer_init=True, dtype="float32",
-                                  max_model_len=4096, enforce_eager=True, seed=0,
-                                  gpu_memory_utilization=0.3, enable_prefix_caching=False)
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        enable_prefix_caching=False,
+    )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     kwargs.update(spec.get("llm", {}))
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=5,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=5, ignore_eos=True
+    )
     out: dict[str, Any] = {"phases": []}
     sync = Path(args.sync_dir) if args.sync_dir else None
     for i, prompts in enumerate(spec["phases"]):
@@ -64,8 +81,9 @@ def main() -> int:
                     raise TimeoutError(f"nobody said go-{i}")
                 time.sleep(0.1)
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                            use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
         out["phases"].append({"results": _results(outs), "seconds": time.perf_counter() - t0})
         Path(args.out).write_text(json.dumps(out))
     try:

@@ -35,7 +35,7 @@ rng = random.Random(1234)
 
 
 def _rand(n: int) -> list[int]:
-    return [rng.randrange(10, 2000) for _ in range(n)]
+    return [rng.randrange(10, 1000) for _ in range(n)]
 
 
 A = _rand(600)

@@ -43,8 +43,10 @@ def _put(stub: pb_grpc.KVStoreStub, *messages: pb.PutRequest) -> Callable[[], An
 
 
 NS = namespace("bad", 64)
-HEADER = chunk_header_for(NS, tokens(16, 1), 64, seed=1)
+HEADER = chunk_header_for(NS, tokens(16, 1), 64, seed=1)  # stored before the bad requests
 DATA = payload(16 * 64, 1).tobytes()
+# Never stored: the server reads the payload of a new chunk (it answers EXISTS at once).
+FRESH = chunk_header_for(NS, tokens(16, 100), 64, seed=1).pack()
 
 
 def _cases(stub: pb_grpc.KVStoreStub) -> list[tuple[str, Callable[[], Any], grpc.StatusCode, str]]:
@@ -63,22 +65,22 @@ def _cases(stub: pb_grpc.KVStoreStub) -> list[tuple[str, Callable[[], Any], grpc
         ("data first", _put(stub, pb.PutRequest(data=DATA)),
          C.INVALID_ARGUMENT, "first message"),
         ("empty put", _put(stub), C.INVALID_ARGUMENT, "first message"),
-        ("payload too long", _put(stub, pb.PutRequest(header=HEADER.pack()),
+        ("payload too long", _put(stub, pb.PutRequest(header=FRESH),
                                   pb.PutRequest(data=DATA), pb.PutRequest(data=b"x")),
          C.INVALID_ARGUMENT, "runs past"),
-        ("payload too short", _put(stub, pb.PutRequest(header=HEADER.pack()),
+        ("payload too short", _put(stub, pb.PutRequest(header=FRESH),
                                    pb.PutRequest(data=DATA[:-1])),
          C.INVALID_ARGUMENT, "header declares"),
-        ("two headers", _put(stub, pb.PutRequest(header=HEADER.pack()),
-                             pb.PutRequest(header=HEADER.pack())),
+        ("two headers", _put(stub, pb.PutRequest(header=FRESH),
+                             pb.PutRequest(header=FRESH)),
          C.INVALID_ARGUMENT, "only the first"),
-        ("checksum", _put(stub, pb.PutRequest(header=HEADER.pack()),
+        ("checksum", _put(stub, pb.PutRequest(header=FRESH),
                           pb.PutRequest(data=bytes(reversed(DATA)))),
          C.DATA_LOSS, "checksum mismatch"),
         ("over max_chunk_bytes", _put(stub, pb.PutRequest(header=huge.pack())),
          C.RESOURCE_EXHAUSTED, "max_chunk_bytes"),
         ("message over max_message_bytes",
-         _put(stub, pb.PutRequest(header=HEADER.pack()), pb.PutRequest(data=b"\0" * 5 * MiB)),
+         _put(stub, pb.PutRequest(header=FRESH), pb.PutRequest(data=b"\0" * 5 * MiB)),
          C.RESOURCE_EXHAUSTED, ""),
         ("wrong layout", _put(stub, pb.PutRequest(header=wrong_shape.pack()),
                               pb.PutRequest(data=payload(16 * 128, 2).tobytes())),

@@ -57,15 +57,22 @@ def _flip_disk(tier: Tier, key: ChunkKey) -> None:
         txn.put(key, bytes(value))
 
 
-def _remote_harness(name: str, url: str, raw: Callable[[], Any], cleanup: Callable[[], None]) -> Harness:
+def _remote_harness(
+    name: str, url: str, raw: Callable[[], Any], cleanup: Callable[[], None]
+) -> Harness:
     counter = iter(range(10**6))
 
     def make(capacity: int) -> Tier:
         from kvstore.tiers.remote import RemoteTier
 
         # A fresh prefix per tier: tests share the server but never each other's keys.
-        cfg = RemoteConfig(url=url, capacity_bytes=capacity, prefix=f"t{next(counter)}",
-                           codec="raw", timeout_ms=2000)
+        cfg = RemoteConfig(
+            url=url,
+            capacity_bytes=capacity,
+            prefix=f"t{next(counter)}",
+            codec="raw",
+            timeout_ms=2000,
+        )
         return RemoteTier(cfg)
 
     def corrupt(tier: Tier, key: ChunkKey) -> None:
@@ -82,28 +89,41 @@ def _harness(kind: str) -> Harness:
     if kind == "memory":
         from kvstore.tiers.memory import MemoryTier
 
-        return Harness(kind, lambda cap: MemoryTier(MemoryConfig(capacity_bytes=cap, page_bytes=4 * KiB)),
-                       _flip_memory)
+        return Harness(
+            kind,
+            lambda cap: MemoryTier(MemoryConfig(capacity_bytes=cap, page_bytes=4 * KiB)),
+            _flip_memory,
+        )
     if kind == "disk":
         from kvstore.tiers.disk import DiskTier
 
         root = Path(tempfile.mkdtemp(prefix="kvs-contract-"))
         n = iter(range(10**6))
-        return Harness(kind, lambda cap: DiskTier(DiskConfig(capacity_bytes=max(cap, MiB)),
-                                                  str(root / str(next(n)))), _flip_disk)
+        return Harness(
+            kind,
+            lambda cap: DiskTier(
+                DiskConfig(capacity_bytes=max(cap, MiB)), str(root / str(next(n)))
+            ),
+            _flip_disk,
+        )
     if kind in ("redis", "valkey"):
         import redis
 
         server = RedisServer(kind)
-        return _remote_harness(kind, server.url, lambda: redis.Redis(port=server.port), server.close)
+        return _remote_harness(
+            kind, server.url, lambda: redis.Redis(port=server.port), server.close
+        )
     if kind == "valkey-cluster":
         import redis
 
         cluster = ServerCluster(3, "valkey")
         node = cluster.nodes[0]
         return _remote_harness(
-            kind, cluster.url,
-            lambda: redis.RedisCluster(host="127.0.0.1", port=node.port), cluster.close)
+            kind,
+            cluster.url,
+            lambda: redis.RedisCluster(host="127.0.0.1", port=node.port),
+            cluster.close,
+        )
     raise AssertionError(kind)
 
 
@@ -143,7 +163,11 @@ def test_put_get_round_trip(tier: Tier) -> None:
     assert blob is not None, "a stored record must be found"
     h = verify(blob, expect_key=header.key)
     assert (h.parent, h.fingerprint, h.token_bytes, h.shape) == (
-        header.parent, header.fingerprint, header.token_bytes, header.shape)
+        header.parent,
+        header.fingerprint,
+        header.token_bytes,
+        header.shape,
+    )
     out = bytearray(len(payload))
     got = tier.get_into(header.key, memoryview(out))
     assert got is not None and bytes(out) == payload, "get_into must deliver the raw payload"
@@ -253,7 +277,9 @@ def test_pinned_never_evicted_and_full(harness: Harness) -> None:
             if st == PutStatus.STORED:
                 assert tier.pin(h.key) is True
         assert PutStatus.FULL in statuses, "with everything pinned, a put must report FULL"
-        stored = [h.key for (h, _), st in zip(chain, statuses, strict=True) if st == PutStatus.STORED]
+        stored = [
+            h.key for (h, _), st in zip(chain, statuses, strict=True) if st == PutStatus.STORED
+        ]
         assert all(tier.contains(stored)), "a pinned chunk was evicted"
         assert tier.pin(ChunkKey(b"\x09" * 32)) is False
         tier.pin(stored[0], False)
@@ -266,7 +292,9 @@ def test_pinned_never_evicted_and_full(harness: Harness) -> None:
 def test_too_large(harness: Harness) -> None:
     tier = harness.make(capacity_for(harness, 2))
     try:
-        h, p = make_chunk(range(16), bytes_per_token=(2 * MiB if harness.name == "disk" else 64 * KiB) // 16)
+        h, p = make_chunk(
+            range(16), bytes_per_token=(2 * MiB if harness.name == "disk" else 64 * KiB) // 16
+        )
         assert tier.put(h, p) == PutStatus.TOO_LARGE
         assert tier.stats().rejected >= 1
     finally:
@@ -306,7 +334,11 @@ def test_stats_and_close(harness: Harness) -> None:
     assert s.chunks == 1 and s.used_bytes > 0 and s.healthy and s.name == tier.name
     tier.close()
     tier.stats()  # never raises, even closed
-    for call in (lambda: tier.get(h.key), lambda: tier.put(h, p), lambda: tier.contains([h.key]),
-                 lambda: tier.delete(h.key)):
+    for call in (
+        lambda: tier.get(h.key),
+        lambda: tier.put(h, p),
+        lambda: tier.contains([h.key]),
+        lambda: tier.delete(h.key),
+    ):
         with pytest.raises(StoreClosed):
             call()
