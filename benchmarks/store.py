@@ -98,7 +98,7 @@ class Params:
 def run(quick: bool, progress: Progress) -> list[Record]:
     p = Params.make(quick)
     records: list[Record] = []
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvstore-store-bench-") as tmp:
         records += bench_l1(p, progress, tmp)
         records += bench_lmdb(p, progress, tmp)
     records += bench_codecs(p, progress)

@@ -25,21 +25,21 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.client import (
-    GET_METHOD,
-    LEASE_MARGIN,
-    PUT_METHOD,
-    Lease,
-    NamespaceLike,
-    Tokens,
-    _Assembler,
-    _Base,
-    chunk_header,
-)
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
+from kvstore.sdk import (
+    GET_METHOD,
+    LEASE_MARGIN,
+    PUT_METHOD,
+    ClientBase,
+    GetAssembler,
+    Lease,
+    NamespaceLike,
+    Tokens,
+    chunk_header,
+)
 from kvstore.store import ChunkView, StoreStats
 from kvstore.tiers.arena import ArenaView, as_u8
 from kvstore.tiers.base import PutStatus
@@ -59,7 +59,7 @@ from kvstore.wire import (
 log = logging.getLogger("kvstore.client")
 
 
-class AsyncClient(_Base):
+class AsyncClient(ClientBase):
     """An asyncio client of kvstore-server. See ``kvstore.client`` for the semantics."""
 
     def __init__(self, url: str | None = None, *, token: str | None = None,
@@ -97,17 +97,27 @@ class AsyncClient(_Base):
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
+            if self._closed:
+                raise KVStoreError("the client is closed")
             if self._shm_checked and self._session is not None and self._session.done():
+                # The Session ended: see Client._shm.
+                info = await self.info()
+                if self._arena is not None and self._same_arena(info):
+                    self._session = None if self._session_refused else self._new_session()
+                    return self._arena
                 if self._arena is not None:
-                    self._arena.close()  # the Session ended: the server may have restarted
+                    self._arena.close()
                 self._arena, self._session, self._shm_checked = None, None, False
             if not self._shm_checked:
                 self._arena = self._open_arena(await self.info())
                 if self._arena is not None:
                     self._stop = asyncio.Event()
-                    self._session = asyncio.get_running_loop().create_task(self._run_session())
+                    self._session = self._new_session()
                 self._shm_checked = True
             return self._arena
+
+    def _new_session(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._run_session())
 
     async def _run_session(self) -> None:
         assert self._stop is not None
@@ -127,7 +137,7 @@ class AsyncClient(_Base):
                 pass
         except grpc.RpcError as e:
             if not stop.is_set():
-                log.debug("session stream ended: %s", e)
+                self._session_ended(e)
 
     @property
     def shm_active(self) -> bool:
@@ -253,7 +263,7 @@ class AsyncClient(_Base):
 
     async def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
                           ) -> tuple[RecordHeader, bytes] | None:
-        got = _Assembler(key, out)
+        got = GetAssembler(key, out)
         try:
             async for raw in self._get_raw(pb.GetRequest(key=key),
                                            timeout=self._deadline(timeout),

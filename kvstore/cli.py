@@ -34,7 +34,7 @@ from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace
 if TYPE_CHECKING:
     from kvstore.client import Client
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ERROR = 0, 1  # and 2: argparse, for bad arguments
 Doc = dict[str, Any]
 
 
@@ -222,30 +222,6 @@ def _resolve_fp(client: Client, hexfp: str) -> Fingerprint:
     return found[0]
 
 
-def _lookup_tokens(args: argparse.Namespace) -> list[int]:
-    sources = sum(bool(x) for x in (args.tokens, args.tokens_file, args.text))
-    if sources > 1:
-        args.parser.error("give token ids one way: arguments, --tokens-file or --text")
-    if args.text is not None:
-        if not args.tokenizer:
-            args.parser.error("--text needs --tokenizer DIR (a local tokenizer)")
-        return fmt.load_tokenizer(args.tokenizer, args.special_tokens)(args.text)
-    if args.tokens_file:
-        try:
-            with open(args.tokens_file) as f:
-                return fmt.read_token_ids(f.read(), args.tokens_file)
-        except OSError as e:
-            raise CLIError(f"--tokens-file: {e}") from e
-    if args.tokens and args.tokens != ["-"]:
-        try:
-            return fmt.read_token_ids(" ".join(args.tokens), "TOKEN_ID")
-        except CLIError as e:
-            args.parser.error(str(e))
-    if sys.stdin.isatty() and args.tokens != ["-"]:
-        args.parser.error("give token ids as arguments, --tokens-file, --text or on stdin")
-    return fmt.read_token_ids(sys.stdin.read(), "standard input")
-
-
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_stats(args: argparse.Namespace) -> Doc:
@@ -336,35 +312,43 @@ def cmd_ls(args: argparse.Namespace) -> Doc:
             "truncated": truncated, "limit": args.limit}
 
 
+_CUTS = ("granularity", "below_min_tokens")  # stops that cut a stored prefix short
+
+
 def cmd_lookup(args: argparse.Namespace) -> Doc:
     hexfp, ns = _given_namespace(args)
     if not hexfp and ns is None:
         args.parser.error("give the namespace: --namespace-fp HEX, or --model and its fields")
-    tokens = _lookup_tokens(args)
+    tokens = fmt.lookup_tokens(args)
     if not tokens:
         raise CLIError("no token ids to look up (the input was empty)")
     with _client(args) as c:
         info = c.info()
         fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp or "")
-        # The Namespace itself, when given, lets the server name it in `kvstore ls`.
-        r = c.lookup(ns if ns is not None else fp, tokens, min_tokens=args.min_tokens,
-                     granularity=args.granularity, explain=True)
+        target = ns if ns is not None else fp  # a Namespace lets the server name it in `ls`
+        r = c.lookup(target, tokens, min_tokens=args.min_tokens, granularity=args.granularity,
+                     explain=True)
+        # A cut (min_tokens, a coarser granularity) hides where the stored prefix ends and
+        # why: ask once more without one (granularity 1 rounds nothing).
+        cut = bool(args.min_tokens or args.granularity) or r.stop in _CUTS
+        d = c.lookup(target, tokens, granularity=1, explain=True) if cut else r
         named = {n.fingerprint: n.namespace for n in c.namespaces()} if ns is None else {}
     mine = ns if ns is not None else named.get(fp)
-    ct = info.chunk_tokens
-    chunks = []
-    for m in r.chunks:
-        chunks.append({"index": m.start // ct, "key": m.key.hex(), "start": m.start,
-                       "end": m.start + m.tokens, "tokens": m.tokens,
-                       "stored_tokens": m.stored_tokens, "tier": fmt.tier_name(m.tier),
-                       "partial": m.partial})
+    ct, g = info.chunk_tokens, args.granularity or info.granularity
+    chunks = [{"index": m.start // ct, "key": m.key.hex(), "start": m.start,
+               "end": m.start + m.tokens, "tokens": m.tokens, "stored_tokens": m.stored_tokens,
+               "tier": fmt.tier_name(m.tier), "partial": m.partial} for m in d.chunks]
     stop_span = None
-    if r.stop not in ("complete", "granularity", "below_min_tokens") and r.stop_chunk >= 0:
-        start = r.stop_chunk * ct
-        if start < r.total_tokens:
-            stop_span = [start, min(start + ct, r.total_tokens)]
+    if d.stop not in ("complete", *_CUTS) and 0 <= d.stop_chunk * ct < d.total_tokens:
+        start = d.stop_chunk * ct
+        stop_span = [start, min(start + ct, d.total_tokens)]
+    cut_doc = None
+    if r.matched_tokens < d.matched_tokens:
+        why = "below_min_tokens" if r.stop == "below_min_tokens" else "granularity"
+        cut_doc = {"reason": why, "explanation": fmt.explain_stop(
+            why, -1, None, chunks, args.min_tokens, g)}
     others = []
-    for o in r.other_namespaces:
+    for o in d.other_namespaces:
         diff = fmt.namespace_diff(mine, o.namespace) if mine and o.namespace else []
         others.append({"fingerprint": o.fingerprint.hex(), "matched_tokens": o.matched_tokens,
                        "namespace": fmt.namespace_fields(o.namespace), "differs_in": diff})
@@ -372,12 +356,12 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         "url": c.url, "namespace": {"fingerprint": fp.hex(),
                                     "fields": fmt.namespace_fields(mine)},
         "total_tokens": r.total_tokens, "matched_tokens": r.matched_tokens,
-        "chunk_tokens": ct, "granularity": args.granularity or info.granularity,
-        "min_tokens": args.min_tokens,
-        "by_tier": {fmt.tier_name(t): n for t, n in sorted(r.by_tier.items())},
-        "chunks": chunks, "stop": r.stop, "stop_chunk": r.stop_chunk, "stop_span": stop_span,
-        "explanation": fmt.explain_stop(r.stop, r.stop_chunk, stop_span, chunks,
-                                        args.min_tokens, args.granularity or info.granularity),
+        "stored_prefix_tokens": d.matched_tokens, "cut": cut_doc,
+        "chunk_tokens": ct, "granularity": g, "min_tokens": args.min_tokens,
+        "by_tier": {fmt.tier_name(t): n for t, n in sorted(d.by_tier.items())},
+        "chunks": chunks, "stop": d.stop, "stop_chunk": d.stop_chunk, "stop_span": stop_span,
+        "explanation": fmt.explain_stop(d.stop, d.stop_chunk, stop_span, chunks,
+                                        args.min_tokens, g),
         "other_namespaces": others,
     }
 
@@ -451,6 +435,7 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
             payload[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)[: min(8, size)]
             return payload
 
+        plane = "shm" if c.shm_active else "stream"  # maps the arena now, outside the timing
         keys: list[tuple[int, ChunkKey]] = []
         statuses = dict.fromkeys((s.name.lower() for s in PutStatus), 0)
         verified = missing = 0
@@ -478,7 +463,6 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
                 verified += 1
             bar.update()
         bar.close()
-        plane = "shm" if c.shm_active else "stream"
         if not args.keep:
             c.delete([k for _, k in keys])
     doc: Doc = {
@@ -546,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvstore {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kvstore ls | head`: the reader left; not an error
-        sys.stderr.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
         return EXIT_OK
 
 

@@ -269,6 +269,33 @@ def load_tokenizer(path: str, special: bool) -> Callable[[str], list[int]]:
     raise CLIError(f"--tokenizer {path}: no tokenizer.json or tokenizer_config.json there")
 
 
+def lookup_tokens(args: argparse.Namespace) -> list[int]:
+    """The token ids of `kvstore lookup`: arguments, --tokens-file, --text or stdin."""
+    sources = sum(bool(x) for x in (args.tokens, args.tokens_file, args.text))
+    if sources > 1:
+        args.parser.error("give token ids one way: arguments, --tokens-file or --text")
+    if args.tokenizer and args.text is None:
+        args.parser.error("--tokenizer goes with --text \"...\" (the text to tokenize)")
+    if args.text is not None:
+        if not args.tokenizer:
+            args.parser.error("--text needs --tokenizer DIR (a local tokenizer)")
+        return load_tokenizer(args.tokenizer, args.special_tokens)(args.text)
+    if args.tokens_file:
+        try:
+            with open(args.tokens_file) as f:
+                return read_token_ids(f.read(), args.tokens_file)
+        except OSError as e:
+            raise CLIError(f"--tokens-file: {e}") from e
+    if args.tokens and args.tokens != ["-"]:
+        try:
+            return read_token_ids(" ".join(args.tokens), "TOKEN_ID")
+        except CLIError as e:
+            args.parser.error(str(e))
+    if sys.stdin.isatty() and args.tokens != ["-"]:
+        args.parser.error("give token ids as arguments, --tokens-file, --text or on stdin")
+    return read_token_ids(sys.stdin.read(), "standard input")
+
+
 # -- text out: one renderer per command, from the same document --json prints ----------------
 
 class Progress:
@@ -321,9 +348,9 @@ def explain_stop(stop: str, stop_chunk: int, span: list[int] | None,
         "evicted": f"{where} was evicted from every tier",
         "corrupt": f"{where} failed verification and was deleted",
         "deleted": f"{where} was deleted (kvstore delete or clear)",
-        "below_min_tokens": f"a prefix is stored but is shorter than --min-tokens {min_tokens}: "
-                            "reported as 0",
-        "granularity": f"the match was cut to whole units of {granularity} tokens",
+        "below_min_tokens": f"the stored prefix is shorter than --min-tokens {min_tokens}: "
+                            "an engine gets 0",
+        "granularity": f"an engine gets whole units of {granularity} tokens only",
     }.get(stop, f"{where}: {stop}")
 
 
@@ -412,6 +439,7 @@ def _render_lookup(d: dict[str, Any]) -> str:
         ("namespace", f"{ns['fingerprint']}  {named}"),
         ("matched", f"{d['matched_tokens']} of {d['total_tokens']} tokens "
                     f"({percent(d['matched_tokens'], d['total_tokens'])})"
+                    + (f"; stored prefix {d['stored_prefix_tokens']}" if d["cut"] else "")
                     + (f"; by tier: {tiers}" if tiers else "")),
     ])]
     rows = [[c["index"], f"{c['start']}-{c['end'] - 1}", f"{c['tokens']}/{c['stored_tokens']}",
@@ -424,6 +452,8 @@ def _render_lookup(d: dict[str, Any]) -> str:
         lines.append(table(("CHUNK", "TOKENS", "MATCHED", "TIER", "STATUS", "KEY"), rows,
                            right=("CHUNK", "MATCHED")))
     lines.append(f"stop: {d['stop']}: {d['explanation']}")
+    if d["cut"]:
+        lines.append(f"cut: {d['cut']['reason']}: {d['cut']['explanation']}")
     n_chunks = -(-d["total_tokens"] // d["chunk_tokens"]) if d["chunk_tokens"] else 0
     after = (d["stop_chunk"] + 1) if d["stop_span"] else n_chunks
     if d["stop"] != "complete" and after < n_chunks:

@@ -39,6 +39,10 @@ def tier_levels(mask: int) -> list[int]:
     return [lvl for lvl in (1, 2, 3) if mask & (1 << lvl)]
 
 
+# The fastest tier holding a chunk, by tier mask (bits 1..3): lookups ask this per chunk.
+FASTEST = [next((lvl for lvl in (1, 2, 3) if m & (1 << lvl)), 0) for m in range(16)]
+
+
 class Index:
     """Maps keys to entries, parents to children and namespaces to keys.
 

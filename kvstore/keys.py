@@ -110,13 +110,15 @@ def bytes_to_tokens(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<u4")
 
 
+_CHUNK_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_CHUNK_PERSON)
+
+
 def chunk_key(
     parent: ChunkKey, fingerprint: Fingerprint, token_bytes: bytes | memoryview
 ) -> ChunkKey:
     """The key of one chunk given its parent's key and its tokens as u32le bytes."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_CHUNK_PERSON)
-    h.update(parent)
-    h.update(fingerprint)
+    h = _CHUNK_HASHER.copy()  # copying a keyed-up hasher skips parsing its parameters
+    h.update(parent + fingerprint)
     h.update(token_bytes)
     return ChunkKey(h.digest())
 

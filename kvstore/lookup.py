@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.index import Index, tier_levels
+from kvstore.index import FASTEST, Index
 from kvstore.keys import (
     ROOT,
     ChunkKey,
@@ -50,9 +50,8 @@ class RemoteView(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class ChunkMatch:
-    """One stored chunk that serves part of the prompt."""
+class ChunkMatch(NamedTuple):
+    """One stored chunk that serves part of the prompt (a tuple: a lookup makes hundreds)."""
 
     key: ChunkKey
     start: int  # offset of the chunk's first token in the prompt
@@ -121,7 +120,7 @@ def lookup(
             stop_key = key
             break
         matches.append(
-            ChunkMatch(key, s, e - s, entry.n_tokens, tier_levels(entry.tiers)[0], False)
+            ChunkMatch(key, s, e - s, entry.n_tokens, FASTEST[entry.tiers & 15], False)
         )
         parent = key
 
@@ -184,7 +183,7 @@ def _best_sibling(
             continue
         units = common_units(qsub, entry.subhashes)
         if units and (best is None or units > best[1]):
-            best = (child, units, entry.n_tokens, tier_levels(entry.tiers)[0])
+            best = (child, units, entry.n_tokens, FASTEST[entry.tiers & 15])
     if remote is not None:
         for child, token_bytes in remote.children(parent, fingerprint).items():
             if child in index.entries:

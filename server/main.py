@@ -286,10 +286,11 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     metrics = Metrics(store)
     try:
         service = KVStoreService(store, cfg, metrics=metrics, auth_required=bool(token))
-        running = _start(cfg, service, token, tls)
         if cfg.metrics_port:
             metrics.start(cfg.metrics_host, cfg.metrics_port)
+        running = _start(cfg, service, token, tls)
     except BaseException:
+        metrics.stop()
         store.close()
         raise
     signal.signal(signal.SIGTERM, on_signal)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from math import prod
 from typing import Any, TypeVar
 
@@ -67,6 +69,8 @@ class _Status(Exception):
         super().__init__(message)
         self.code = code
 
+
+_MAX_NAMES = 100_000  # namespaces remembered by name (Lookup requests that carry one)
 
 # Calls that finish work a client already began; still served while draining.
 _FINISHING = frozenset({"Commit", "Abort", "Release"})
@@ -127,15 +131,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._idle = threading.Condition(self._lock)
         self._closing = False
         self._active = 0  # calls in flight, Session streams excepted
-        self.holds = Holds(store, store.config.memory.lease_ms / 1000.0)
+        self._lease_s = store.config.memory.lease_ms / 1000.0
+        self.holds = Holds(store, self._lease_s)
         self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
-        self._lease_s = store.config.memory.lease_ms / 1000.0
         self._info = self._make_info(auth_required)
 
     def _make_info(self, auth_required: bool) -> pb.InfoResponse:
-        import os
-
         mem, cfg = self.store.memory, self.store.config
         shm = self.config.shm
         return pb.InfoResponse(
@@ -278,13 +280,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise InvalidArgument("namespace does not match fingerprint (its fingerprint is "
                                       f"{ns.fingerprint.hex()}, the request says {fp.hex()})")
             with self._lock:
-                self._names.setdefault(fp, ns)
+                if len(self._names) < _MAX_NAMES:
+                    self._names.setdefault(fp, ns)
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(fp, tokens, min_tokens=request.min_tokens,
                                    granularity=request.granularity or None)
         if request.explain:
-            from dataclasses import replace
-
             result = replace(result, other_namespaces=self._explain(fp, tokens, result))
         return lookup_to_pb(result)
 

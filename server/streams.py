@@ -13,6 +13,7 @@ than the arena), the bytes are staged in memory and go through ``store.put`` /
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 import xxhash
 
-from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError
+from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader, parse_header
 from kvstore.store import TieredStore
@@ -89,16 +90,42 @@ def receive_put(store: TieredStore, header: RecordHeader, parts: Pieces, lease_s
         finally:
             with contextlib.suppress(KVStoreError):
                 store.abort(res.id)  # a no-op after a commit
-    staged = bytearray(header.stored_size)  # L1 cannot take it: store.put writes below
-    view = memoryview(staged)
+    with _staging.take(header.stored_size, 2 * store.config.max_chunk_bytes):
+        staged = bytearray(header.stored_size)  # L1 cannot take it: store.put writes below
+        view = memoryview(staged)
 
-    def write(pos: int, data: memoryview) -> None:
-        view[pos : pos + data.nbytes] = data
+        def write(pos: int, data: memoryview) -> None:
+            view[pos : pos + data.nbytes] = data
 
-    _receive(parts, header, write, lambda: None)
-    if xxhash.xxh3_64_intdigest(staged) != header.payload_checksum:
-        raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way")
-    return store.put(header, view)
+        _receive(parts, header, write, lambda: None)
+        if xxhash.xxh3_64_intdigest(staged) != header.payload_checksum:
+            raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way")
+        return store.put(header, view)
+
+
+class _Staging:
+    """Bytes of Put streams staged in process memory, bounded so many large puts that
+    L1 cannot take (a flood of them, say) cannot exhaust the server's memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.used = 0
+
+    @contextlib.contextmanager
+    def take(self, nbytes: int, limit: int) -> Iterator[None]:
+        with self._lock:
+            if self.used and self.used + nbytes > limit:
+                raise ResourceExhausted(f"the server is staging {self.used} bytes of puts that "
+                                        "L1 cannot take; retry later")
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used -= nbytes
+
+
+_staging = _Staging()
 
 
 def send_get(store: TieredStore, key: ChunkKey, piece: int, lease_s: float

@@ -111,11 +111,13 @@ def test_leases_are_per_session(server: KVServer) -> None:
                              shape_for(16, 4096))
         lease = a.acquire(key)
         assert lease is not None
+        release = pb.ReleaseRequest(lease_ids=[lease.id])
         with pytest.raises(NotFound, match="unknown lease"):
-            b._release(lease.id, None)  # another session's lease
+            b._call("Release", b._stub.Release, release, None)  # another session's lease
         assert lease.release() is True
         with pytest.raises(NotFound, match="unknown lease"):
-            a._release(lease.id, None)  # released twice
+            a._call("Release", a._stub.Release, release, None)  # released twice
+        assert a._release(lease.id, None) is False, "a gone lease means: discard what was read"
         stub = pb_grpc.KVStoreStub(a._channel)
         with pytest.raises(grpc.RpcError) as e:
             stub.Commit(pb.CommitRequest(reservation_id=987654321), metadata=a._metadata)

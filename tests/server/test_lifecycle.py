@@ -70,6 +70,9 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
                         acked.append(key)
                 i += 1
 
+    survivor = kvstore.Client(srv.unix_url, shm=True)  # lives through the restart below
+    assert survivor.shm_active
+    old_arena = survivor.info().shm_path
     threads = [threading.Thread(target=writer, args=(i, url, shm))
                for i, (url, shm) in enumerate([(srv.unix_url, True), (srv.unix_url, True),
                                                (srv.tcp_url, False), (srv.tcp_url, False)])]
@@ -86,13 +89,18 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
     assert len(acked) >= 50, f"only {len(acked)} puts acknowledged before SIGTERM: {errors}"
     assert "Traceback" not in srv.log(), srv.log()
 
-    again = make_server("load-again", data_dir=srv.data_dir).start()
-    with kvstore.Client(again.unix_url) as c:
+    again = make_server("load", data_dir=srv.data_dir).start()  # same socket path
+    with survivor as c:
         found = c.exists(acked)
         lost = [k.hex()[:16] for k, tiers in zip(acked, found, strict=True) if 2 not in tiers]
         assert not lost, f"{len(lost)} of {len(acked)} acknowledged chunks lost: {lost[:5]}"
         got = c.get(acked[-1])
         assert got is not None and len(got[1]) == 64 * 1024
+        # The client found the new server's arena by itself.
+        key, status = c.put_chunk(namespace("after-restart", 64), ROOT, tokens(16),
+                                  payload(1024, 1), "bfloat16", (16, 32))
+        assert status.ok and c.shm_active and c.info().shm_path != old_arena
+        assert c.get(key) is not None
     assert again.stop() == 0, again.log()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -169,3 +169,32 @@ def test_async_client(server: KVServer) -> None:
 
     asyncio.run(run(server.unix_url, True))
     asyncio.run(run(server.tcp_url, False))
+
+
+def test_reflection_and_health_are_on(server: KVServer) -> None:
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(f"unix:{server.socket}") as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= services, services
+
+
+def test_chunk_larger_than_l1_goes_through_disk(make_server: Callable[..., KVServer]) -> None:
+    """L1 cannot take or lend it: puts stage it for L2, gets stream it from there."""
+    srv = make_server("tiny", memory="4MiB").start()
+    for url, shm in ((srv.unix_url, True), (srv.tcp_url, False)):
+        with kvstore.Client(url, shm=shm) as c:
+            ns = namespace(f"big-{shm}", 24 * 1024)
+            data = payload(256 * 24 * 1024, 77 + shm)  # 6 MiB > the 4 MiB arena
+            key, status = c.put_chunk(ns, ROOT, tokens(256, 5000 + shm), data, "bfloat16",
+                                      (256, 12 * 1024))
+            assert status == PutStatus.STORED, f"shm={shm}: {status}"
+            assert c.exists([key]) == [(2,)], "the chunk should live in L2 only"
+            got = c.get(key)
+            assert got is not None and got[1] == data.tobytes(), f"shm={shm}: wrong bytes"
+            out = np.empty_like(data)
+            assert c.get_into(key, out) is not None and np.array_equal(out, data)
+    assert srv.stop() == 0, srv.log()

@@ -1,0 +1,385 @@
+"""What the blocking and the asyncio clients share: URLs, leases, frames, arena checks.
+
+``kvstore.client.Client`` and ``kvstore.aio.AsyncClient`` differ only in how they
+wait; everything else (which URL means what, when shared memory can be used,
+how a Get stream is put back together, how requests are built) lives here.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ServerError
+from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
+from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
+from kvstore.records import Codec, RecordHeader, make_header, parse_header
+from kvstore.tiers.arena import ArenaView, as_u8, spans
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire import (
+    AUTH_HEADER,
+    DEFAULT_PORT,
+    SERVICE_NAME,
+    SESSION_HEADER,
+    NamespaceInfo,
+    ServerInfo,
+    boot_id,
+    error_from_rpc,
+    frame,
+    namespace_from_pb,
+    namespace_to_pb,
+    unframe,
+)
+
+log = logging.getLogger("kvstore.client")
+
+NamespaceLike = Namespace | Fingerprint | bytes
+Tokens = Sequence[int] | np.ndarray
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    target: str  # what grpc dials
+    tls: bool
+
+
+def parse_url(url: str | None = None) -> Endpoint:
+    """grpc://host[:port], grpcs://host[:port], unix:///path, or a bare host:port."""
+    from kvstore.wire import default_socket_path
+
+    url = url or os.environ.get("KVSTORE_URL") or f"unix://{default_socket_path()}"
+    if url.startswith("unix://") or url.startswith("unix:"):
+        path = url[len("unix://"):] if url.startswith("unix://") else url[len("unix:"):]
+        if not path:
+            raise InvalidArgument(f"{url!r}: a unix URL needs a path, e.g. unix:///tmp/kv.sock")
+        return Endpoint(url, f"unix:{path}", False)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "grpc", url
+    if scheme not in ("grpc", "grpcs") or not rest or "/" in rest.rstrip("/"):
+        raise InvalidArgument(f"{url!r}: expected grpc://host:port, grpcs://host:port or "
+                              "unix:///path")
+    rest = rest.rstrip("/")
+    if not rest.rsplit("]", 1)[-1].count(":"):
+        rest = f"{rest}:{DEFAULT_PORT}"
+    return Endpoint(url, rest, scheme == "grpcs")
+
+
+def namespace_fingerprint(ns: NamespaceLike) -> tuple[Fingerprint, Namespace | None]:
+    if isinstance(ns, Namespace):
+        return ns.fingerprint, ns
+    if isinstance(ns, (bytes, bytearray)) and len(ns) == FINGERPRINT_BYTES:
+        return Fingerprint(bytes(ns)), None
+    raise InvalidArgument(f"expected a kvstore.keys.Namespace or a {FINGERPRINT_BYTES}-byte "
+                          f"fingerprint, got {type(ns).__name__}")
+
+
+def chunk_header(ns: NamespaceLike, parent: ChunkKey, tokens: Tokens, payload: Any, dtype: str,
+                 shape: Sequence[int]) -> RecordHeader:
+    """The record header of one chunk (keys.chunk_key over parent, namespace and tokens)."""
+    fp, _ = namespace_fingerprint(ns)
+    tb = _tokens_to_bytes(tokens)
+    return make_header(key=chunk_key(parent, fp, tb), parent=parent, fingerprint=fp,
+                       token_bytes=tb, dtype=dtype, shape=shape, payload=as_u8(payload).data)
+
+
+def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
+    if tls_ca is None or isinstance(tls_ca, bytes):
+        return tls_ca
+    try:
+        with open(os.path.expanduser(tls_ca), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgument(f"tls_ca={tls_ca!r}: cannot read it: {e}") from e
+
+
+class Lease:
+    """A read lease on a chunk in the server's arena: read in place, then release.
+
+    The views stay valid (the pages cannot move or be reused) until ``release``;
+    after that they may show another chunk's bytes.
+    """
+
+    def __init__(self, header: RecordHeader, lease_id: int, extents: list[tuple[int, int]],
+                 payload_offset: int, arena: ArenaView,
+                 release: Callable[[int], bool], valid_until: float = 0.0) -> None:
+        self.header = header
+        self.id = lease_id
+        # Monotonic time before which the lease surely holds: measured from before the
+        # Acquire was sent, with a margin, so no answer from the server is needed.
+        self.valid_until = valid_until
+        self._extents, self._offset, self._arena = extents, payload_offset, arena
+        self._release = release
+        self.released = False
+
+    def views(self) -> list[memoryview]:
+        """The payload as memoryviews into the arena, in order (zero copy)."""
+        arr = self._arena.array
+        return [arr[off : off + n].data for off, _, n in
+                spans(self._extents, self._offset, self.header.raw_size)]
+
+    def read_into(self, out: Any) -> None:
+        if self.released:
+            raise InvalidArgument("lease already released")
+        dst = as_u8(out, writable=True)
+        if dst.size < self.header.raw_size:
+            raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
+                                  f"{self.header.raw_size}")
+        self._arena.read_into(self._extents, self._offset, dst[: self.header.raw_size])
+
+    def read(self) -> bytes:
+        if self.released:
+            raise InvalidArgument("lease already released")
+        return self._arena.read(self._extents, self._offset, self.header.raw_size)
+
+    def release(self) -> bool:
+        """End the lease; False if it had expired (then discard what was read)."""
+        if self.released:
+            return True
+        self.released = True
+        return self._release(self.id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def prefault(arena: ArenaView, stop: threading.Event, step: int = 32 << 20) -> None:
+    """Map every page of the arena into this process ahead of use (run on a daemon thread).
+
+    The first write to a page of a fresh mapping costs a page fault, several
+    times the copy itself; MADV_POPULATE_WRITE takes them all up front. ctypes
+    drops the GIL around the call, so the client's own work goes on meanwhile.
+    Where the kernel lacks it, pages are faulted on first use as before.
+    """
+    import ctypes
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        base = arena.array.ctypes.data
+    except (OSError, AttributeError, KVStoreError):
+        return
+    for off in range(0, arena.size, step):
+        if stop.is_set() or arena.closed:
+            return
+        if madvise(base + off, min(step, arena.size - off), _MADV_POPULATE_WRITE) != 0:
+            return
+
+
+LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side
+PUT_METHOD = f"/{SERVICE_NAME}/Put"
+GET_METHOD = f"/{SERVICE_NAME}/Get"
+
+
+class GetAssembler:
+    """Takes apart the frames of a Get stream: the header, then the payload pieces."""
+
+    def __init__(self, key: bytes, out: np.ndarray | None) -> None:
+        self.key, self.out = key, out
+        self.header: RecordHeader | None = None
+        self.pieces: builtins.list[memoryview] = []
+        self.pos = 0
+        self.hash = xxhash.xxh3_64()
+
+    def add(self, raw: bytes) -> None:
+        field, data = unframe(raw, pb.GetResponse)
+        if self.header is None:
+            if field != 1:
+                raise ServerError("the Get stream did not start with a record header")
+            self.header = parse_header(data, expect_key=self.key)
+            if self.out is not None and self.out.size < self.header.raw_size:
+                raise InvalidArgument(f"output buffer holds {self.out.size} bytes, the payload "
+                                      f"is {self.header.raw_size}")
+            return
+        n = data.nbytes
+        if field != 2 or self.pos + n > self.header.raw_size:
+            raise CorruptRecord(f"the Get stream of {self.key.hex()[:16]} runs past its payload")
+        self.hash.update(data)
+        if self.out is not None:
+            self.out[self.pos : self.pos + n] = np.frombuffer(data, np.uint8)
+        else:
+            self.pieces.append(data)
+        self.pos += n
+
+    def finish(self) -> tuple[RecordHeader, bytes] | None:
+        """The header and payload (b"" when it went into ``out``), or None on a miss."""
+        h = self.header
+        if h is None:
+            return None
+        if self.pos != h.raw_size:
+            raise CorruptRecord(f"the Get stream ended after {self.pos} payload bytes, "
+                                f"expected {h.raw_size}")
+        if self.hash.intdigest() != h.payload_checksum:
+            raise CorruptRecord("payload from the Get stream fails its checksum")
+        return h, (b"".join(self.pieces) if self.out is None else b"")
+
+
+class ClientBase:
+    """What the blocking and the asyncio client share: settings, arena checks, messages."""
+
+    def __init__(self, url: str | None, *, token: str | None, tls_ca: str | bytes | None,
+                 tls_server_name: str | None, timeout: float, shm: bool | None,
+                 verify: bool) -> None:
+        self.endpoint = parse_url(url)
+        self.url = self.endpoint.url
+        self.timeout = timeout
+        self.verify = verify
+        self.session_id = uuid.uuid4().hex
+        token = token if token is not None else os.environ.get("KVSTORE_TOKEN", "")
+        self._metadata: tuple[tuple[str, str], ...] = ((SESSION_HEADER, self.session_id),)
+        if token:
+            self._metadata += ((AUTH_HEADER, f"Bearer {token}"),)
+        self._shm_pref = shm
+        self._ca = read_tls_ca(tls_ca)
+        self._options = list(CHANNEL_OPTIONS)
+        if tls_server_name:
+            self._options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._info: ServerInfo | None = None
+        self._arena: ArenaView | None = None
+        self._shm_checked = False  # Info looked at and the arena opened (or refused)
+        self._arena_id: tuple[str, int, int, str] | None = None
+        self._session_refused = False  # the server has no room for our Session stream
+        self._closed = False
+        self._prefault_stop = threading.Event()
+
+    def _credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self._ca)
+
+    def _deadline(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    def _error(self, e: grpc.RpcError, what: str) -> KVStoreError:
+        return error_from_rpc(e, what, self.url)
+
+    def _open_arena(self, info: ServerInfo) -> ArenaView | None:
+        """The server's arena if this client shares its host and may map it."""
+        if self._shm_pref is False:
+            return None
+        why = ""
+        if not info.shm_path:
+            why = "the server does not offer shared memory"
+        elif not info.boot_id or info.boot_id != boot_id():
+            why = "the server runs on another host (boot ids differ)"
+        else:
+            try:
+                st = os.stat(info.shm_path)
+                if st.st_ino != info.shm_inode:
+                    why = f"{info.shm_path} here is not the server's arena (inode differs)"
+                else:
+                    arena = ArenaView.open(info.shm_path, info.shm_size, writable=True)
+                    self._arena_id = (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)
+                    threading.Thread(target=prefault, args=(arena, self._prefault_stop),
+                                     name="kvstore-prefault", daemon=True).start()
+                    return arena
+            except (OSError, KVStoreError) as e:
+                why = f"cannot map {info.shm_path}: {e}"
+        if self._shm_pref:
+            raise KVStoreError(f"shared memory was requested (shm=True) but cannot be used: {why}")
+        log.debug("shared memory not used: %s", why)
+        return None
+
+    def _same_arena(self, info: ServerInfo) -> bool:
+        return self._arena_id == (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)
+
+    def _session_ended(self, e: grpc.RpcError) -> None:
+        """Note why the Session stream ended; leases then only live out their lease_ms."""
+        if self._closed:
+            return
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._session_refused = True
+            log.warning("kvstore server %s refused a session (%s); leases of this client "
+                        "will expire on their own", self.url, e.details())
+        else:
+            log.debug("session stream ended: %s", e)
+
+    def _check_extents(self, extents: Iterable[pb.Extent]) -> list[tuple[int, int]]:
+        assert self._arena is not None
+        out = [(e.offset, e.length) for e in extents]
+        if any(o + n > self._arena.size for o, n in out):
+            raise ServerError("the server handed out extents beyond its arena (did it restart?)")
+        return out
+
+    def _check_put(self, header: RecordHeader, payload: Any) -> np.ndarray:
+        src = as_u8(payload)
+        if header.codec != Codec.RAW:
+            raise InvalidArgument("put takes raw payloads; the server picks codecs per tier")
+        if src.size != header.stored_size:
+            raise InvalidArgument(f"payload is {src.size} bytes, its header says "
+                                  f"{header.stored_size}")
+        info = self._info
+        if info is not None and header.record_size > info.max_chunk_bytes:
+            raise InvalidArgument(f"record of {header.record_size} bytes exceeds the server's "
+                                  f"max_chunk_bytes={info.max_chunk_bytes}")
+        return src
+
+    def _put_frames(self, header: RecordHeader, src: np.ndarray) -> Iterator[bytes]:
+        """Put messages as raw frames (kvstore.wire.frame): one copy of each piece."""
+        yield frame(1, header.pack())
+        piece = self._info.piece_bytes if self._info else 1 << 20
+        mv = src.data
+        for off in range(0, len(mv), piece):
+            yield frame(2, mv[off : off + piece])
+
+    @staticmethod
+    def _lookup_request(ns: NamespaceLike, tokens: Tokens, min_tokens: int, granularity: int,
+                        explain: bool) -> pb.LookupRequest:
+        fp, named = namespace_fingerprint(ns)
+        return pb.LookupRequest(
+            fingerprint=fp, token_ids=_tokens_to_bytes(tokens), min_tokens=min_tokens,
+            granularity=granularity, explain=explain,
+            namespace=namespace_to_pb(named) if named is not None else None,
+        )
+
+    @staticmethod
+    def _clear_request(namespace: NamespaceLike | None, all: bool) -> pb.ClearRequest:
+        if (namespace is None) == (not all):
+            raise InvalidArgument("clear needs a namespace or all=True (not both)")
+        fp = namespace_fingerprint(namespace)[0] if namespace is not None else b""
+        return pb.ClearRequest(fingerprint=fp, all=all)
+
+    @staticmethod
+    def _list_request(namespace: NamespaceLike | None, tier: int, pinned_only: bool,
+                      page_size: int, token: str) -> pb.ListRequest:
+        fp = namespace_fingerprint(namespace)[0] if namespace is not None else b""
+        return pb.ListRequest(fingerprint=fp, tier=tier, pinned_only=pinned_only,
+                              page_size=page_size, page_token=token)
+
+    @staticmethod
+    def _namespaces(msg: pb.NamespacesResponse) -> list[NamespaceInfo]:
+        out = []
+        for n in msg.namespaces:
+            named = None
+            if n.HasField("namespace"):
+                try:
+                    named = namespace_from_pb(n.namespace)
+                except InvalidArgument:
+                    named = None
+            out.append(NamespaceInfo(Fingerprint(n.fingerprint), n.chunks, n.bytes, named))
+        return out
+
+    def _ping_interval(self) -> float:
+        lease_ms = self._info.lease_ms if self._info else 30_000
+        return max(0.05, min(lease_ms / 3000.0, 5.0))
+
+
