@@ -31,7 +31,6 @@ Choices, and why:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +45,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.logger import init_logger
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
 
-log = logging.getLogger("kvstore.connectors.vllm")
+log = init_logger("kvstore.connectors.vllm")  # vLLM's handlers: our lines land in its log
+
+
+_ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
 
 
 @dataclass
@@ -145,6 +148,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, tuple[int, int]] = {}
+        self._asked: dict[str, tuple[float, int]] = {}  # req_id -> (when, matched tokens)
         # worker side
         self._layout: BlockLayout | None = None
         self._failed: set[int] = set()
@@ -160,11 +164,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         limit = (request.num_tokens - 1) // self.block_size * self.block_size
         if limit <= num_computed_tokens:
             return 0, False
-        ns = self.base_ns.for_request(_request_salt(request))
-        result = self.backend.lookup(
-            ns, tokens[:limit], min_tokens=self.cfg.min_tokens, granularity=self.block_size
-        )
-        matched = min(result.matched_tokens if result else 0, limit)
+        # A request that cannot be scheduled yet is asked again every step: reuse a
+        # fresh answer instead of one RPC per step.
+        now = time.monotonic()
+        cached = self._asked.get(request.request_id)
+        if cached is not None and now - cached[0] < _ASK_TTL_S:
+            matched = cached[1]
+        else:
+            ns = self.base_ns.for_request(_request_salt(request))
+            result = self.backend.lookup(
+                ns, tokens[:limit], min_tokens=self.cfg.min_tokens, granularity=self.block_size
+            )
+            matched = min(result.matched_tokens if result else 0, limit)
+            self._asked[request.request_id] = (now, matched)
         if matched <= num_computed_tokens:
             return 0, False
         self._hits[request.request_id] = (num_computed_tokens, matched)
@@ -176,6 +188,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if r is None:
             r = self._reqs[request.request_id] = _Req(tokens, _request_salt(request))
         hit = self._hits.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         if num_external_tokens > 0 and hit is not None:
             start = hit[0]
             r.load = (start, start + num_external_tokens)
@@ -234,11 +247,23 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             r.saved = upto
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A load failed (vLLM recomputes those blocks): save them again once computed."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        for r in self._reqs.values():
+            bad = [i for i, b in enumerate(r.block_ids) if b in invalid]
+            if bad:
+                first = bad[0] * self.block_size
+                r.saved = min(r.saved, first // self.chunk_tokens * self.chunk_tokens)
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         return False, None  # saves finish inside their step: the blocks may be freed now
 
     def get_kv_connector_stats(self) -> KVStoreStats | None:
@@ -279,7 +304,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception as e:
                 self.backend.failed("load", e)
                 self._failed.update(spec.block_ids)
-        self.stats.add(loaded_tokens=loaded, load_s=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.stats.add(loaded_tokens=loaded, load_s=seconds)
+        wanted = sum(s.end - s.start for s in meta.loads)
+        log.info("kvstore: loaded %d of %d tokens for %d request(s) in %.1f ms", loaded, wanted,
+                 len(meta.loads), seconds * 1e3)
 
     def _load(self, spec: LoadSpec) -> int:
         assert self._layout is not None

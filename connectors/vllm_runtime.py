@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
-import logging
 import os
 import signal
 import subprocess
@@ -19,13 +18,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.connectors.vllm_config import ConnectorConfig
+from vllm.logger import init_logger
 
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader
 
-log = logging.getLogger("kvstore.connectors.vllm")
+log = init_logger("kvstore.connectors.vllm")
 
 DEFAULT_CHUNK_TOKENS = 256
 

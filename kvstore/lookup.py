@@ -150,18 +150,20 @@ def lookup(
             stop = "diverged"
 
     matched = sum(m.tokens for m in matches)
+    # Where matching ended is a fact of the store, decided before the caller's rounding.
+    stop_chunk = -1 if stop == "complete" else sum(1 for m in matches if not m.partial)
     cut = matched // g * g
     if cut < matched:
         matches = _trim(matches, cut)
         if stop == "complete":
             stop = "granularity"
+            stop_chunk = sum(1 for m in matches if not m.partial)
         matched = cut
     if matched and matched < min_tokens:
         return LookupResult(0, n, (), "below_min_tokens", len(matches) - 1)
     by_tier: dict[int, int] = {}
     for m in matches:
         by_tier[m.tier] = by_tier.get(m.tier, 0) + m.tokens
-    stop_chunk = -1 if stop == "complete" else len([m for m in matches if not m.partial])
     return LookupResult(matched, n, tuple(matches), stop, stop_chunk, by_tier)
 
 

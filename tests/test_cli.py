@@ -242,6 +242,10 @@ def test_lookup_hit_across_chunks(server: Server, stored: dict) -> None:
     assert [c["key"] for c in doc["chunks"]] == [k.hex() for k in stored["a"]]
     assert doc["by_tier"] == {"memory": 64} and doc["namespace"]["fingerprint"] == \
         NS_A.fingerprint.hex()
+    assert doc["cut"] is None and doc["stored_prefix_tokens"] == 64, doc
+    coarse = as_json(call(server, *args, "--granularity", "24", "--json"))
+    assert (coarse["matched_tokens"], coarse["stored_prefix_tokens"], coarse["stop"],
+            coarse["cut"]["reason"]) == (48, 64, "complete", "granularity"), coarse
 
 
 def test_lookup_diverged_prompt(server: Server, stored: dict) -> None:
@@ -290,9 +294,15 @@ def test_lookup_token_sources_and_min_tokens(server: Server, stored: dict,
         doc = as_json(r)
         # 16 tokens of chunk 0, then the first 4 of the stored chunk 1 (the prompt is shorter).
         assert (doc["total_tokens"], doc["matched_tokens"]) == (20, 20), (r.args, doc)
-    below = as_json(call(server, *ns, "--min-tokens", "32", *map(str, PROMPT[:20])))
-    assert (below["matched_tokens"], below["stop"]) == (0, "below_min_tokens"), below
-    assert "--min-tokens 32" in below["explanation"]
+    below = call(server, *ns[:-1], "--min-tokens", "32", *map(str, PROMPT[:20]))
+    assert "cut: below_min_tokens" in ok(below) and "stored prefix 20" in below.stdout, \
+        below.stdout
+    doc = as_json(call(server, *ns, "--min-tokens", "32", *map(str, PROMPT[:20])))
+    # An engine gets 0; the chunk rows still say where the 20 stored tokens are, and why the
+    # stored prefix ends (the stored chunk 1 goes on where the prompt ends).
+    assert (doc["matched_tokens"], doc["stored_prefix_tokens"], doc["stop"]) == \
+        (0, 20, "diverged"), doc
+    assert doc["cut"]["reason"] == "below_min_tokens" and "32" in doc["cut"]["explanation"]
     assert "empty" in failed(call(server, *ns, "-", stdin=""))
 
 
