@@ -69,9 +69,9 @@ def copy_bandwidth() -> list[dict[str, Any]]:
             pageable = torch.empty(n, dtype=torch.uint8)
             pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
             dst = arena[:n]
-            limit = _bandwidth(lambda: pinned.copy_(src, non_blocking=True), n)
-            for name, fn in [("pageable", lambda: pageable.copy_(src)),
-                             ("arena", lambda: dst.copy_(src, non_blocking=True))]:
+            limit = _bandwidth(lambda p=pinned, s=src: p.copy_(s, non_blocking=True), n)
+            for name, fn in [("pageable", lambda p=pageable, s=src: p.copy_(s)),
+                             ("arena", lambda d=dst, s=src: d.copy_(s, non_blocking=True))]:
                 v = _bandwidth(fn, n)
                 records.append({"name": f"d2h {name} {n >> 20} MiB", "value": v, "unit": "GB/s",
                                 "limit": limit, "ratio": v / limit,

@@ -331,7 +331,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    ap.add_argument("--json", metavar="FILE", default="server_bench.json",
+    ap.add_argument("--json", metavar="FILE",
+                    default=str(ROOT / "benchmarks" / "results" / "server_bench.json"),
                     help="write the records as a JSON list (default: %(default)s)")
     ap.add_argument("--markdown", metavar="FILE", help="also write a Markdown table")
     ap.add_argument("--no-progress", action="store_true")
@@ -345,6 +346,7 @@ def main() -> int:
     mode = "quick" if args.quick else "full"
     text = markdown(records, machine_info(), f"kvstore-server benchmarks ({mode})")
     print(text)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     write_json(records, args.json)
     if args.markdown:
         Path(args.markdown).write_text(text)

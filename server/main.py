@@ -92,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--token", help="bearer token every call must carry (health checks "
                                    "excepted); also KVSTORE_TOKEN")
     g.add_argument("--token-file", metavar="FILE", help="read the token from FILE's first line")
-    g.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve TLS on TCP")
+    g.add_argument("--tls-cert", metavar="PEM",
+                   help="certificate chain: serve TLS on TCP (the Unix socket stays plaintext; "
+                        "its file permissions guard it)")
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     g.add_argument("--insecure", action="store_const", const=True,
                    help="allow a non-loopback --listen address without a token")
