@@ -50,7 +50,8 @@ from vllm.logger import init_logger
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
 
-log = init_logger("kvstore.connectors.vllm")  # vLLM's handlers: our lines land in its log
+# Under "vllm.": vLLM configures only its own logger tree, so our lines land in its log.
+log = init_logger("vllm.kvstore.connector")
 
 
 _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
@@ -117,6 +118,11 @@ class _Req:
 
 def _request_salt(request: Any) -> str:
     parts = [getattr(request, "cache_salt", None) or ""]
+    # Multimodal placeholders are the same tokens for different images: the items'
+    # hashes must be part of the key, or one image's KV would serve another.
+    mm = [str(getattr(f, "identifier", "")) for f in getattr(request, "mm_features", None) or ()]
+    if mm:
+        parts.append("mm:" + ",".join(mm))
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         parts.append(f"lora:{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")

@@ -25,7 +25,7 @@ from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader
 
-log = init_logger("kvstore.connectors.vllm")
+log = init_logger("vllm.kvstore.connector")
 
 DEFAULT_CHUNK_TOKENS = 256
 

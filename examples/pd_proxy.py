@@ -145,7 +145,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         except (OSError, http.client.HTTPException) as e:
             # The status line is out: all that is left is to cut the response short.
-            log.error("relaying from %s broke: %s: %s", self.decode.url, type(e).__name__, e)
+            log.error("relaying the answer of %s stopped: %s: %s", self.decode.url,
+                      type(e).__name__, e)
             self.close_connection = True
         finally:
             conn.close()

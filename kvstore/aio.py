@@ -146,11 +146,13 @@ class AsyncClient(ClientBase):
 
     # -- server --------------------------------------------------------------------------
     async def info(self, *, timeout: float | None = None) -> ServerInfo:
+        """What the server is and offers (versions, chunking, shared memory)."""
         msg = await self._call("Info", self._stub.Info, pb.InfoRequest(), timeout)
         self._info = info_from_pb(msg)
         return self._info
 
     async def health(self, *, timeout: float | None = None) -> bool:
+        """True when the server answers its health check with SERVING (no token needed)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         try:
@@ -162,12 +164,14 @@ class AsyncClient(ClientBase):
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def stats(self, *, timeout: float | None = None) -> StoreStats:
+        """Store and tier counters; ``extra`` holds active_leases and uptime_s."""
         return stats_from_pb(await self._call("Stats", self._stub.Stats, pb.StatsRequest(),
                                               timeout))
 
     # -- writes ----------------------------------------------------------------------------
     async def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None
                   ) -> PutStatus:
+        """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
         if self._info is None:
             await self.info(timeout=timeout)
         src = self._check_put(header, payload)
@@ -196,6 +200,7 @@ class AsyncClient(ClientBase):
     async def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
                         payload: Any, dtype: str, shape: Sequence[int], *,
                         timeout: float | None = None) -> tuple[ChunkKey, PutStatus]:
+        """Build the record of one chunk (key from parent, namespace, tokens) and put it."""
         header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
         return header.key, await self.put(header, payload, timeout=timeout)
 
@@ -231,6 +236,7 @@ class AsyncClient(ClientBase):
 
     async def get(self, key: bytes, *, timeout: float | None = None
                   ) -> tuple[RecordHeader, bytes] | None:
+        """The chunk's header and raw payload, or None on a miss."""
         got = await self._lease(key, timeout)
         if isinstance(got, Lease):
             try:
@@ -246,6 +252,7 @@ class AsyncClient(ClientBase):
 
     async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None
                        ) -> RecordHeader | None:
+        """Copy the chunk's raw payload into ``out`` (any writable buffer); its header or None."""
         dst = as_u8(out, writable=True)
         got = await self._lease(key, timeout)
         if isinstance(got, Lease):
@@ -277,28 +284,33 @@ class AsyncClient(ClientBase):
     async def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
                      granularity: int = 0, explain: bool = False,
                      timeout: float | None = None) -> LookupResult:
+        """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC."""
         req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain)
         return lookup_from_pb(await self._call("Lookup", self._stub.Lookup, req, timeout))
 
     async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None
                      ) -> builtins.list[tuple[int, ...]]:
+        """For each key, the tier levels that hold it (empty: not stored)."""
         r = await self._call("Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)),
                              timeout)
         return [tuple(t.tiers) for t in r.found]
 
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Remove chunks from every tier; how many were stored."""
         r = await self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)),
                              timeout)
         return int(r.deleted)
 
     async def clear(self, namespace: NamespaceLike | None = None, *, all: bool = False,
                     timeout: float | None = None) -> int:
+        """Remove every chunk of one namespace, or everything with ``all=True``."""
         r = await self._call("Clear", self._stub.Clear, self._clear_request(namespace, all),
                              timeout)
         return int(r.removed)
 
     async def pin(self, keys: Sequence[bytes], pinned: bool = True, *,
                   timeout: float | None = None) -> int:
+        """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
         r = await self._call("Pin", self._stub.Pin, pb.PinRequest(keys=list(keys),
                                                                   pinned=pinned), timeout)
         return int(r.changed)
@@ -306,6 +318,7 @@ class AsyncClient(ClientBase):
     async def list(self, namespace: NamespaceLike | None = None, *, tier: int = 0,
                    pinned_only: bool = False, page_size: int = 500,
                    timeout: float | None = None) -> AsyncIterator[ChunkView]:
+        """Every stored chunk (of one namespace, tier), fetched page by page."""
         token = ""
         while True:
             req = self._list_request(namespace, tier, pinned_only, page_size, token)
@@ -317,11 +330,13 @@ class AsyncClient(ClientBase):
                 return
 
     async def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
+        """The namespaces the server holds chunks of, with counts and bytes."""
         return self._namespaces(await self._call("Namespaces", self._stub.Namespaces,
                                                  pb.NamespacesRequest(), timeout))
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:
+        """End the Session (the server drops this client's leases) and the channel."""
         if self._closed:
             return
         self._closed = True

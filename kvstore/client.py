@@ -165,6 +165,7 @@ class Client(ClientBase):
 
     # -- server --------------------------------------------------------------------------
     def info(self, *, timeout: float | None = None) -> ServerInfo:
+        """What the server is and offers (versions, chunking, shared memory)."""
         self._info = info_from_pb(self._call("Info", self._stub.Info, pb.InfoRequest(), timeout))
         return self._info
 
@@ -181,6 +182,7 @@ class Client(ClientBase):
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def stats(self, *, timeout: float | None = None) -> StoreStats:
+        """Store and tier counters; ``extra`` holds active_leases and uptime_s."""
         return stats_from_pb(self._call("Stats", self._stub.Stats, pb.StatsRequest(), timeout))
 
     # -- writes ----------------------------------------------------------------------------
@@ -357,6 +359,7 @@ class Client(ClientBase):
         return [tuple(t.tiers) for t in r.found]
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """Remove chunks from every tier; how many were stored."""
         r = self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout)
         return r.deleted
 
@@ -368,6 +371,7 @@ class Client(ClientBase):
 
     def pin(self, keys: Sequence[bytes], pinned: bool = True, *,
             timeout: float | None = None) -> int:
+        """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
         r = self._call("Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned),
                        timeout)
         return r.changed
@@ -386,6 +390,7 @@ class Client(ClientBase):
                 return
 
     def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
+        """The namespaces the server holds chunks of, with counts and bytes."""
         return self._namespaces(self._call("Namespaces", self._stub.Namespaces,
                                            pb.NamespacesRequest(), timeout))
 
@@ -397,9 +402,10 @@ class Client(ClientBase):
         self._closed = True
         self._stop.set()
         self._prefault_stop.set()
+        deadline = time.monotonic() + 1.0  # let Releases in flight land, briefly
         for fut in list(self._pending):
             with contextlib.suppress(Exception):
-                fut.result(timeout=1.0)
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
         if self._session is not None:
             self._session.join(timeout=2.0)
         self._channel.close()

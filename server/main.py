@@ -259,8 +259,9 @@ def _housekeeping(service: Any, cfg: ServerConfig, stop: threading.Event) -> Non
             counts = service.request_counts()
             delta = {k: v - last_counts.get(k, 0) for k, v in counts.items()
                      if v != last_counts.get(k, 0)}
-            log.info("requests in the last %.0f s: %d", time.monotonic() - last_log,
-                     sum(delta.values()), extra={"requests": delta})
+            if delta:  # an idle server stays quiet
+                log.info("requests in the last %.0f s: %d", time.monotonic() - last_log,
+                         sum(delta.values()), extra={"requests": delta})
             last_log, last_counts = time.monotonic(), counts
 
 

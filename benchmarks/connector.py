@@ -1,0 +1,438 @@
+"""vLLM connector end to end: time to first token, cold and warm, kvstore vs ExampleConnector.
+
+Two engines run side by side, each in its own process (``benchmarks/ttft_driver.py``),
+on the same random Llama, with prefix caching off (a warm prompt can only hit through
+the connector) and the whole prompt prefilled in one step (max_num_batched_tokens =
+max_model_len: vLLM's ExampleConnector saves only the first chunk under chunked
+prefill and then crashes the engine on load, and it also crashes on batched partial
+hits, a known vLLM issue; one request at a time, unchunked, is where it runs):
+
+- kvstore: KVStoreConnector (kv_both) against a kvstore-server this suite starts on
+  a Unix socket, shared-memory data plane on, L1 only (no LMDB write-through
+  competing for the two cores with what is measured).
+- example: vLLM's ExampleConnector (kv_both), safetensors files per layer in a
+  local directory (page cache warm: the files were just written).
+
+For each prompt length (a fresh random prompt each), every engine runs the prompt
+once cold (nothing stored: it computes, and saves) and then ``warm_reps`` times warm
+(loads the stored KV, computes the last block); the two engines take turns prompt by
+prompt, in shuffled order, so noise on this shared machine lands on both alike.
+TTFT is the wall time of one ``llm.generate([prompt], max_tokens=1)``. A warm run
+must return the cold run's first token and report cached tokens, or the suite
+raises: a benchmark that silently measures a miss measures nothing.
+
+The cold figure is the kvstore engine's (it includes the lookup miss and the save);
+the ExampleConnector engine's cold is reported beside it. With matplotlib installed,
+a full run plots the figures into ``benchmarks/plots/connector_ttft.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Progress, Record
+from benchmarks.ttft_driver import MARK_READY, MARK_TTFT
+
+ROOT = Path(__file__).resolve().parent.parent
+PLOT = Path(__file__).resolve().parent / "plots" / "connector_ttft.png"
+BLOCK = 128  # vLLM's CPU block size: a warm prompt loads (n - 1) // 128 * 128 tokens
+ENGINE_START_S = 900.0
+PROMPT_S = 900.0
+WARMUP_SEED = 999
+LOAD_LINE = re.compile(r"kvstore: loaded (\d+) of (\d+) tokens for \d+ request\(s\) in ([\d.]+) ms")
+
+
+@dataclass(frozen=True)
+class Params:
+    lengths: tuple[int, ...]
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    warm_reps: int
+    dtype: str = "bfloat16"
+    vocab: int = 1024
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.lengths) + 2 * BLOCK
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        head_dim = self.hidden // self.heads
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return self.layers * 2 * self.kv_heads * head_dim * itemsize
+
+    def describe(self) -> str:
+        return (
+            f"random Llama, {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+            f"{self.kv_heads} KV heads, {self.dtype}"
+        )
+
+
+FULL = Params((1024, 2048, 4096, 8192, 16384), 8, 1024, 16, 4, warm_reps=5)
+QUICK = Params((1024, 2048), 2, 256, 4, 2, warm_reps=3)
+
+
+# -- processes ---------------------------------------------------------------------------
+class Engine:
+    """One ``ttft_driver`` process: its log goes to a file, its results to a queue."""
+
+    def __init__(self, name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> None:
+        self.name = name
+        spec_path = work / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = work / f"{name}.log"
+        self.lines: list[str] = []  # every log line, for the connector's own timings
+        self.results: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.ttft_driver", "--spec", str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            cwd=ROOT,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(("@@ready", "@@ttft")):
+                    mark, _, payload = line.partition(" ")
+                    self.results.put((mark, json.loads(payload)))
+                else:
+                    self.lines.append(line)
+        self.results.put(("eof", {}))
+
+    def _next(self, want: str, timeout: float) -> dict[str, Any]:
+        try:
+            mark, payload = self.results.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"engine {self.name}: no answer in {timeout:.0f} s") from None
+        if mark != want:
+            raise RuntimeError(f"engine {self.name} exited (rc={self.proc.poll()}):\n{self.tail()}")
+        return payload
+
+    def wait_ready(self) -> None:
+        self._next(MARK_READY, ENGINE_START_S)
+
+    def ask(self, n: int, seed: int) -> dict[str, Any]:
+        """Run prompt (n, seed); the result, with the connector's load lines it logged."""
+        assert self.proc.stdin is not None
+        first = len(self.lines)
+        self.proc.stdin.write(json.dumps({"n": n, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        out = self._next(MARK_TTFT, PROMPT_S)
+        out["log"] = self.lines[first:]
+        return out
+
+    def tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(5)
+
+
+class Server:
+    """kvstore-server on a Unix socket only, L1 only."""
+
+    def __init__(self, work: Path, memory_bytes: int) -> None:
+        self.socket = work / "kv.sock"
+        self.url = f"unix://{self.socket}"
+        self.log_path = work / "server.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server.main", "--listen", "",
+                 "--unix-socket", str(self.socket), "--data-dir", str(work / "data"),
+                 "--memory-capacity", str(memory_bytes), "--no-disk", "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import kvstore
+
+        deadline = time.monotonic() + timeout
+        with kvstore.Client(self.url) as c:
+            while not c.health(timeout=1):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = self.log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"kvstore-server did not start:\n{log}")
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- measurement -------------------------------------------------------------------------
+@dataclass
+class Side:
+    """What one engine measured on one prompt length."""
+
+    cold: dict[str, Any] = field(default_factory=dict)
+    warm: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def warm_s(self) -> float:
+        return statistics.median(w["seconds"] for w in self.warm)
+
+    def check(self, engine: str, n: int) -> None:
+        for w in self.warm:
+            if w["num_cached_tokens"] <= 0:
+                raise AssertionError(
+                    f"{engine}, {n} tokens: the warm run loaded nothing (a miss was measured)"
+                )
+            if w["token"] != self.cold["token"]:
+                raise AssertionError(
+                    f"{engine}, {n} tokens: warm first token {w['token']} != cold "
+                    f"{self.cold['token']}: the loaded KV is not the computed KV"
+                )
+
+    def logprob_gap(self) -> float:
+        return max(abs(w["logprob"] - self.cold["logprob"]) for w in self.warm)
+
+
+def kv_config(url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": url, "shm": "on"},
+    }
+
+
+def example_config(path: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+def engine_env(p: Params) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    # Room for two prompts of the longest length (vLLM wants at least one), in GiB.
+    kv_gib = math.ceil(2 * p.max_model_len * p.kv_bytes_per_token / (1 << 30))
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_gib))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Side]]:
+    from tests.connectors.tinymodel import make_tiny_llama
+
+    model = make_tiny_llama(
+        work / "model",
+        layers=p.layers,
+        hidden=p.hidden,
+        heads=p.heads,
+        kv_heads=p.kv_heads,
+        vocab=p.vocab,
+        max_position_embeddings=p.max_model_len,
+        dtype=p.dtype,
+    )
+    stored_tokens = sum(p.lengths) + 2 * BLOCK
+    server = Server(work, 2 * stored_tokens * p.kv_bytes_per_token + (64 << 20))
+    engines: dict[str, Engine] = {}
+    try:
+        server.wait_ready()
+        base = {"model": str(model), "dtype": p.dtype, "max_model_len": p.max_model_len,
+                "vocab": p.vocab}  # fmt: skip
+        env = engine_env(p)
+        (work / "example").mkdir()
+        # Built side by side: startup is not measured, and it halves the wait.
+        engines["kvstore"] = Engine("kvstore", {**base, "kv_transfer_config": kv_config(
+            server.url)}, work, env)  # fmt: skip
+        engines["example"] = Engine("example", {**base, "kv_transfer_config": example_config(
+            work / "example")}, work, env)  # fmt: skip
+        for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
+            e.wait_ready()
+        # Warm-up: first forward passes, the shared-memory mapping, the data plane.
+        for e in engines.values():
+            for _ in range(2):
+                e.ask(2 * BLOCK, WARMUP_SEED)
+        time.sleep(1.0)  # the client's background prefault of the arena
+        rng = random.Random(0)
+        out: dict[int, dict[str, Side]] = {}
+        for i, n in enumerate(progress(list(p.lengths), desc="prompt lengths")):
+            sides = {name: Side() for name in engines}
+            order = list(engines)
+            rng.shuffle(order)
+            for name in order:
+                sides[name].cold = engines[name].ask(n, i)
+            for _ in range(p.warm_reps):
+                rng.shuffle(order)
+                for name in order:
+                    sides[name].warm.append(engines[name].ask(n, i))
+            for name, side in sides.items():
+                side.check(name, n)
+            out[n] = sides
+        return out
+    finally:
+        for e in engines.values():
+            e.close()
+        server.close()
+
+
+# -- records -----------------------------------------------------------------------------
+def load_ms(side: Side) -> float | None:
+    """Median over the warm runs of the connector's own load time (its log line)."""
+    got = []
+    for w in side.warm:
+        for line in w["log"]:
+            m = LOAD_LINE.search(line)
+            if m:
+                got.append(float(m.group(3)))
+    return statistics.median(got) if got else None
+
+
+def records(p: Params, results: dict[int, dict[str, Side]]) -> list[Record]:
+    out: list[Record] = []
+    for n, sides in results.items():
+        kv, ex = sides["kvstore"], sides["example"]
+        label = f"{n // 1024}k"
+        cold, cold_ex = kv.cold["seconds"], ex.cold["seconds"]
+        same = "same" if kv.cold["token"] == ex.cold["token"] else "DIFFERENT"
+        ms = load_ms(kv)
+        load = f"; connector load {ms:.1f} ms (median)" if ms is not None else ""
+        reps = f"median of {p.warm_reps}"
+        out += [
+            Record(f"connector.ttft.cold.{label}", cold, "s",
+                   notes=f"{n} tokens, nothing stored: prefill + kvstore lookup miss + save; "
+                   f"{same} first token as the ExampleConnector engine"),
+            Record(f"connector.ttft.cold_example.{label}", cold_ex, "s",
+                   notes="the ExampleConnector engine's cold run (prefill + safetensors save)"),
+            Record(f"connector.ttft.warm.{label}", kv.warm_s, "s", cold, None,
+                   "cold TTFT (kvstore engine)", "ratio <= 0.05 (>= 20x)",
+                   f"{reps}; {kv.warm[0]['num_cached_tokens']} tokens loaded over shared "
+                   f"memory{load}; max |logprob warm - cold| {kv.logprob_gap():.1e}"),
+            Record(f"connector.ttft.example.{label}", ex.warm_s, "s", cold_ex, None,
+                   "cold TTFT (ExampleConnector engine)", "",
+                   f"{reps}; ExampleConnector warm, {ex.warm[0]['num_cached_tokens']} tokens "
+                   f"loaded from local safetensors files"),
+            Record(f"connector.ttft.warm_vs_example.{label}", kv.warm_s, "s", ex.warm_s, None,
+                   "ExampleConnector warm TTFT", "ratio <= 1.0 (aim 0.67)",
+                   "kvstore warm / ExampleConnector warm, same prompt, turns interleaved"),
+        ]  # fmt: skip
+    return out
+
+
+def table(results: dict[int, dict[str, Side]]) -> str:
+    """The figures as a Markdown table (for docs/performance.md)."""
+    rows = [
+        "| prompt | cold (kvstore engine) | cold (Example engine) | kvstore warm | "
+        "Example warm | cold / kvstore warm | kvstore / Example warm | kvstore load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, sides in results.items():
+        kv, ex = sides["kvstore"], sides["example"]
+        ms = load_ms(kv)
+        rows.append(
+            f"| {n:,} | {kv.cold['seconds']:.2f} s | {ex.cold['seconds']:.2f} s | "
+            f"{kv.warm_s * 1e3:.0f} ms | {ex.warm_s * 1e3:.0f} ms | "
+            f"{kv.cold['seconds'] / kv.warm_s:.0f}x | {kv.warm_s / ex.warm_s:.2f} | "
+            f"{'' if ms is None else f'{ms:.1f} ms'} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plot(p: Params, results: dict[int, dict[str, Side]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ns = list(results)
+    series = [
+        ("cold (kvstore engine: prefill + save)", [results[n]["kvstore"].cold["seconds"]
+                                                   for n in ns], "o-", "tab:red"),
+        ("cold (ExampleConnector engine)", [results[n]["example"].cold["seconds"]
+                                            for n in ns], "x--", "tab:orange"),
+        ("warm, ExampleConnector (local files)", [results[n]["example"].warm_s
+                                                  for n in ns], "s-", "tab:gray"),
+        ("warm, kvstore (shared memory)", [results[n]["kvstore"].warm_s for n in ns], "D-",
+         "tab:blue"),
+    ]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for label, ys, style, color in series:
+        ax.plot(ns, ys, style, label=label, color=color, linewidth=1.8, markersize=6)
+    for n in ns:
+        kv = results[n]["kvstore"]
+        ax.annotate(f"{kv.cold['seconds'] / kv.warm_s:.0f}x", (n, kv.warm_s),
+                    textcoords="offset points", xytext=(0, -16), ha="center", fontsize=9,
+                    color="tab:blue")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ns, [f"{n // 1024}k" for n in ns])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.set_title(f"vLLM (CPU) TTFT, {p.describe()}\nlabels: cold / kvstore warm", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=9, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def run(quick: bool, progress: Progress) -> list[Record]:
+    p = QUICK if quick else FULL
+    work = Path(tempfile.mkdtemp(prefix="kvstore-ttft-"))
+    try:
+        results = measure(p, progress, work)
+    except BaseException:
+        print(f"[connector] engine logs kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"[connector] {p.describe()}\n" + table(results), file=sys.stderr)
+    out = records(p, results)
+    if not quick and plot(p, results, PLOT):
+        print(f"[connector] plot: {PLOT}", file=sys.stderr)
+    return out

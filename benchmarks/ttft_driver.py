@@ -1,0 +1,105 @@
+"""One vLLM engine that times single prompts on command (used by ``benchmarks/connector.py``).
+
+Building an engine costs about a minute here, so the benchmark keeps one alive per
+configuration and feeds it prompts over stdin; two engines can then take turns,
+prompt by prompt, so noise from other tenants lands on both alike.
+
+    python -m benchmarks.ttft_driver --spec spec.json
+
+spec.json: {"model": DIR, "dtype": "bfloat16", "max_model_len": N, "vocab": V,
+            "kv_transfer_config": {...} | null, "llm": {extra LLM kwargs}}
+stdin:     one JSON command per line: {"n": tokens, "seed": s} times one prompt
+           (``prompt(n, seed)``), {"quit": true} shuts the engine down.
+stdout:    vLLM's log, "@@ready {}" once the engine is built, and one line
+           "@@ttft {json}" per prompt: seconds, token, logprob, num_cached_tokens.
+
+TTFT is the wall time of ``llm.generate([prompt], SamplingParams(max_tokens=1))``:
+scheduling, the connector's lookup and load (or compute and save), the forward
+pass, sampling and the round trip between this process and the engine core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MARK_READY = "@@ready"
+MARK_TTFT = "@@ttft"
+
+
+def prompt(n: int, seed: int, vocab: int = 1024) -> list[int]:
+    """``n`` random token ids; the same (n, seed) gives the same prompt in every process."""
+    rng = random.Random(seed * 1_000_003 + n)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def emit(mark: str, payload: dict[str, Any]) -> None:
+    # One write call: the engine core logs into the same pipe from another process.
+    os.write(sys.stdout.fileno(), f"{mark} {json.dumps(payload)}\n".encode())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", required=True)
+    args = ap.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_len = int(spec["max_model_len"])
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "bfloat16"),
+        max_model_len=max_len,
+        # The whole prompt in one step: ExampleConnector breaks under chunked prefill.
+        max_num_batched_tokens=max_len,
+        max_num_seqs=4,
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        # Off, so a warm prompt can only hit through the connector.
+        enable_prefix_caching=False,
+    )
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    kwargs.update(spec.get("llm", {}))
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1, ignore_eos=True)
+    vocab = int(spec.get("vocab", 1024))
+    emit(MARK_READY, {})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        tokens = TokensPrompt(prompt_token_ids=prompt(int(cmd["n"]), int(cmd["seed"]), vocab))
+        t0 = time.perf_counter()
+        outs = llm.generate([tokens], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        comp = outs[0].outputs[0]
+        token = int(comp.token_ids[0])
+        logprob = float(comp.logprobs[0][token].logprob) if comp.logprobs else 0.0
+        emit(
+            MARK_TTFT,
+            {
+                "seconds": seconds,
+                "token": token,
+                "logprob": logprob,
+                "num_cached_tokens": int(outs[0].num_cached_tokens or 0),
+            },
+        )
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
