@@ -24,6 +24,7 @@ from benchmarks.harness import Record, machine_info, make_progress, markdown, wr
 # name -> module. Order is the order they run in.
 SUITES: dict[str, str] = {
     "store": "benchmarks.store",
+    "server": "benchmarks.server_bench",
     "connector": "benchmarks.connector",
 }
 
