@@ -132,24 +132,24 @@ class NamespaceMatch(_message.Message):
     namespace: Namespace
     def __init__(self, fingerprint: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
 
-class ChunkMatch(_message.Message):
-    __slots__ = ("key", "start", "tokens", "stored_tokens", "tier", "partial")
-    KEY_FIELD_NUMBER: _ClassVar[int]
+class ChunkMatches(_message.Message):
+    __slots__ = ("keys", "start", "tokens", "stored_tokens", "tier", "partial")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
-    key: bytes
-    start: int
-    tokens: int
-    stored_tokens: int
-    tier: int
-    partial: bool
-    def __init__(self, key: _Optional[bytes] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., stored_tokens: _Optional[int] = ..., tier: _Optional[int] = ..., partial: _Optional[bool] = ...) -> None: ...
+    keys: bytes
+    start: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    stored_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tier: _containers.RepeatedScalarFieldContainer[int]
+    partial: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, keys: _Optional[bytes] = ..., start: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[int]] = ..., partial: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched_tokens", "total_tokens", "chunks", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces")
+    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks")
     class TokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,19 +159,19 @@ class LookupResponse(_message.Message):
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     total_tokens: int
-    chunks: _containers.RepeatedCompositeFieldContainer[ChunkMatch]
     stop: str
     stop_chunk: int
     tokens_by_tier: _containers.ScalarMap[int, int]
     other_namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceMatch]
-    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkMatch, _Mapping]]] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ...) -> None: ...
+    chunks: ChunkMatches
+    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
