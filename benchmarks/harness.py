@@ -31,6 +31,7 @@ import numpy as np
 T = TypeVar("T")
 
 GB = 1e9  # throughputs are decimal GB/s, like every memory bandwidth figure
+KiB = 1 << 10
 MiB = 1 << 20
 RECORD_KEYS = ("name", "value", "unit", "limit", "ratio")
 
@@ -195,8 +196,123 @@ def memcpy(src: np.ndarray, dst: np.ndarray) -> Callable[[], None]:
     return copy
 
 
+# -- loopback TCP -----------------------------------------------------------------------
+def tcp_server() -> None:
+    """The far end of ``LoopbackTcp`` (run in its own process): sink and source of bytes.
+
+    A request is 9 bytes: ``W`` or ``R`` and a little-endian u64 length. ``W``: read
+    that many bytes into a reused buffer, answer one byte. ``R``: send that many.
+    """
+    import socket
+    import threading
+
+    def serve(conn: socket.socket) -> None:
+        buf = bytearray(0)
+        data = memoryview(bytearray(0))
+        head = bytearray(9)
+        with conn:
+            while _recv_exact(conn, memoryview(head)):
+                op, n = head[:1], int.from_bytes(head[1:], "little")
+                if op == b"W":
+                    if len(buf) < n:
+                        buf = bytearray(n)
+                    if not _recv_exact(conn, memoryview(buf)[:n]):
+                        return
+                    conn.sendall(b"k")
+                else:
+                    if len(data) < n:
+                        data = memoryview(random_bytes(n, n).tobytes())
+                    conn.sendall(data[:n])
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    print(lsock.getsockname()[1], flush=True)
+    while True:
+        conn, _ = lsock.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _recv_exact(sock: Any, view: memoryview) -> bool:
+    import socket
+
+    got = 0
+    while got < len(view):
+        # MSG_WAITALL: the kernel fills the whole view in one call when it can.
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+class LoopbackTcp:
+    """The network limit: Python sockets over 127.0.0.1, to and from another process.
+
+    ``put(src)`` sends the bytes and waits for a one-byte acknowledgement; ``get_into(dst)``
+    asks for ``len(dst)`` bytes and receives them straight into ``dst`` (``recv_into``, no
+    intermediate object). No framing or parsing beyond 9 bytes per call: what any protocol
+    over loopback TCP can do from Python on this machine.
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        root = Path(__file__).resolve().parent.parent
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from benchmarks.harness import tcp_server; tcp_server()"],
+            stdout=subprocess.PIPE, cwd=root, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.isdigit():
+            self.close()
+            raise RuntimeError("the loopback TCP server did not start")
+        self.sock = socket.create_connection(("127.0.0.1", int(line)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._ack = bytearray(1)
+
+    def put(self, src: Any) -> None:
+        view = memoryview(src).cast("B")
+        self.sock.sendall(b"W" + len(view).to_bytes(8, "little"))
+        self.sock.sendall(view)
+        if not _recv_exact(self.sock, memoryview(self._ack)):
+            raise RuntimeError("the loopback TCP server went away")
+
+    def get_into(self, dst: Any) -> None:
+        view = memoryview(dst).cast("B")
+        self.sock.sendall(b"R" + len(view).to_bytes(8, "little"))
+        if not _recv_exact(self.sock, view):
+            raise RuntimeError("the loopback TCP server went away")
+
+    def close(self) -> None:
+        if getattr(self, "sock", None) is not None:
+            self.sock.close()
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> LoopbackTcp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def size_label(nbytes: int) -> str:
-    return f"{nbytes // MiB}MiB" if nbytes % MiB == 0 else f"{nbytes}B"
+    if nbytes % MiB == 0:
+        return f"{nbytes // MiB}MiB"
+    return f"{nbytes // KiB}KiB" if nbytes % KiB == 0 else f"{nbytes}B"
+
+
+def parse_size_label(label: str) -> int:
+    """The inverse of ``size_label`` (for plots that read record names)."""
+    for suffix, unit in (("MiB", MiB), ("KiB", KiB), ("B", 1)):
+        if label.endswith(suffix):
+            return int(label[: -len(suffix)]) * unit
+    raise ValueError(f"not a size label: {label!r}")
 
 
 # -- machine ----------------------------------------------------------------------
@@ -294,3 +410,124 @@ def write_markdown(
     title: str = "Benchmark results",
 ) -> None:
     Path(path).write_text(markdown(records, machine_info, title))
+
+
+# -- the suite's results document ------------------------------------------------------------
+def _cells(r: Record) -> list[str]:
+    return [r.name, fmt(r.value), r.unit, fmt(r.limit), fmt(r.ratio), r.limit_name, r.target]
+
+
+def results_markdown(
+    records: Sequence[Record],
+    machine: Mapping[str, str],
+    runs: Mapping[str, Mapping[str, Any]],
+    plots: Sequence[str] = (),
+    intro: str = "",
+) -> str:
+    """``benchmarks/RESULTS.md``: the machine, the runs, the plots, one table per suite.
+
+    ``runs`` maps a suite to what is known of its run (mode, date, seconds, skipped);
+    ``plots`` are image paths relative to the document. Notes shared by several
+    records are written once.
+    """
+    lines = ["# Benchmark results", ""]
+    if intro:
+        lines += [intro, ""]
+    lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
+    lines += [
+        "| suite | mode | date | seconds | load at start (1/5/15 min) | records |",
+        "| --- | --- | --- | ---: | --- | ---: |",
+    ]
+    for suite, run in runs.items():
+        n = sum(1 for r in records if r.suite == suite)
+        state = run.get("skipped") or run.get("mode", "")
+        lines.append(
+            f"| {suite} | {state} | {run.get('date', '')} | {fmt(run.get('seconds'))} | "
+            f"{run.get('load', '')} | {n} |"
+        )
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    for suite in runs:
+        mine = [r for r in records if r.suite == suite]
+        if not mine:
+            continue
+        lines += [
+            "",
+            f"## {suite}",
+            "",
+            "| case | value | unit | limit | ratio | limit is | target |",
+            "| --- | ---: | --- | ---: | ---: | --- | --- |",
+        ]
+        for r in mine:
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |")
+        grouped: dict[str, list[str]] = {}
+        for r in mine:
+            if r.notes:
+                grouped.setdefault(r.notes, []).append(r.name)
+        if grouped:
+            lines += ["", "Notes:", ""]
+            for text, names in grouped.items():
+                lines.append("- " + ", ".join(f"`{n}`" for n in names) + f": {text}")
+    return "\n".join(lines) + "\n"
+
+
+def record_from_json(d: Mapping[str, Any]) -> Record:
+    fields = Record.__dataclass_fields__
+    return Record(**{k: v for k, v in d.items() if k in fields})
+
+
+# -- a kvstore-server for a suite -------------------------------------------------------------
+class ServerProcess:
+    """``kvstore-server`` on a Unix socket in ``work``, L1 only, as a subprocess.
+
+    No TCP listener and no LMDB: an L2 write-through would compete for the CPU with
+    what the suites measure. ``url`` is ready once ``start()`` returns.
+    """
+
+    def __init__(self, work: Path, memory_bytes: int) -> None:
+        self.socket = work / "kv.sock"
+        self.url = f"unix://{self.socket}"
+        self.log = work / "server.log"
+        root = Path(__file__).resolve().parent.parent
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstore.server.main", "--listen", "",
+                 "--unix-socket", str(self.socket), "--data-dir", str(work / "data"),
+                 "--memory-capacity", str(memory_bytes), "--no-disk", "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+            )  # fmt: skip
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        """Wait until the server answers its health check; raise with its log if it dies."""
+        import kvstore
+
+        deadline = time.monotonic() + timeout
+        try:
+            with kvstore.Client(self.url) as c:
+                while not c.health(timeout=1):
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        text = self.log.read_text(errors="replace")[-3000:]
+                        raise RuntimeError(f"kvstore-server did not start:\n{text}")
+                    time.sleep(0.1)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

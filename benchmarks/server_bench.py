@@ -8,11 +8,14 @@ for the CPU with what is measured), the clients in this process.
 
 1. Same host, shared memory: ``Client.put`` (Reserve, copy into the arena,
    Commit, which checksums the bytes) and ``Client.get_into`` (Acquire, which
-   verifies them, copy out, Release) of 1-32 MiB chunks, against a
-   single-thread memcpy of the same bytes into a touched buffer.
+   verifies them, copy out, Release) of 64 KiB-64 MiB chunks (quick: 64 KiB,
+   1 and 32 MiB), against a single-thread memcpy of the same bytes into a
+   touched buffer.
 2. Remote streaming over loopback TCP: ``Client(shm=False).put/get`` against raw
    grpcio streaming of the same bytes in the same 1 MiB pieces, to and from a
-   minimal sink/source service in another process (no kvstore code on its path).
+   minimal sink/source service in another process (no kvstore code on its path);
+   and that raw grpcio streaming against plain Python sockets moving the same
+   bytes over loopback TCP (``server.grpc_raw.*``: what gRPC itself costs).
 3. Lookup: p50/p99 of one Lookup RPC for a 128k-token prompt whose 512 chunks
    are stored among thousands of others, against a raw grpcio unary call
    carrying the same 512 KiB of token ids.
@@ -46,6 +49,8 @@ if str(ROOT) not in sys.path:  # run as a script
 from benchmarks.harness import (  # noqa: E402
     GB,
     Case,
+    KiB,
+    LoopbackTcp,
     MiB,
     Progress,
     Record,
@@ -67,6 +72,7 @@ RAW = "bench.Raw"
 MEMCPY = "memcpy (1 thread, touched dst)"
 RAW_STREAM = "raw grpcio stream, 1 MiB pieces"
 RAW_UNARY = "raw grpcio unary call, same request bytes"
+LOOPBACK = "loopback TCP (Python sockets, another process)"
 
 
 # -- the raw grpcio limit: sink, source and echo with identity serializers -----------------
@@ -129,6 +135,14 @@ class Servers:
         ]
 
     def __enter__(self) -> Servers:
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()  # no server outlives a failed start
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         import kvstore
 
         raw = self.procs[1]
@@ -138,10 +152,10 @@ class Servers:
         with kvstore.Client(self.unix) as c:
             while not c.health(timeout=1):
                 if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                    self.procs[0].kill()  # so that reading its output cannot block
                     out = self.procs[0].stdout.read() if self.procs[0].stdout else b""
                     raise RuntimeError(f"kvstore-server did not start: {out.decode()[-2000:]}")
                 time.sleep(0.1)
-        return self
 
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs:
@@ -211,7 +225,8 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
 
 
 # -- 2. remote streaming vs raw grpcio ---------------------------------------------------------
-def bench_stream(s: Servers, sizes: list[int], reps: int, progress: Progress) -> list[Record]:
+def bench_stream(s: Servers, tcp: LoopbackTcp, sizes: list[int], reps: int,
+                 progress: Progress) -> list[Record]:
     import kvstore
 
     channel = s.raw_channel()
@@ -242,8 +257,11 @@ def bench_stream(s: Servers, sizes: list[int], reps: int, progress: Progress) ->
             def raw_get(n: int = size) -> None:
                 b"".join(source(str(n).encode(), timeout=60))
 
+            dst = touched(size)
             cases: dict[str, Case] = {"raw_put": raw_put, "raw_get": raw_get,
-                                      "put": (put, undo), "get": get}
+                                      "put": (put, undo), "get": get,
+                                      "tcp_put": functools.partial(tcp.put, src),
+                                      "tcp_get": functools.partial(tcp.get_into, dst)}
             t = interleaved(cases, reps, progress, f"grpc {size_label(size)}")
             if got[-1] is None or got[-1][1] != data:
                 raise RuntimeError("streamed get delivered other bytes")
@@ -253,6 +271,12 @@ def bench_stream(s: Servers, sizes: list[int], reps: int, progress: Progress) ->
                 out.append(Record(f"server.grpc.{case}.{size_label(size)}",
                                   _gbs(size, t[case]), "GB/s", limit, limit_name=RAW_STREAM,
                                   notes="loopback TCP"))
+            for case in ("put", "get"):
+                out.append(Record(f"server.grpc_raw.{case}.{size_label(size)}",
+                                  _gbs(size, t[f"raw_{case}"]), "GB/s",
+                                  _gbs(size, t[f"tcp_{case}"]), limit_name=LOOPBACK,
+                                  notes="what grpcio itself costs: raw streaming vs plain "
+                                  "sockets moving the same bytes"))
             c.delete([get_h.key])
     channel.close()
     return out
@@ -317,11 +341,15 @@ def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Pr
 
 
 def run(quick: bool, progress: Progress) -> list[Record]:
-    sizes = [1 * MiB, 32 * MiB] if quick else [1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+    if quick:
+        sizes = [64 * KiB, 1 * MiB, 32 * MiB]
+    else:
+        sizes = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB, 64 * MiB]
     reps = 5 if quick else 15
-    with Servers("512MiB") as s:  # a record takes at least one 64 KiB page
+    # A record takes at least one 64 KiB page.
+    with Servers("512MiB") as s, LoopbackTcp() as tcp:
         records = bench_shm(s, sizes, reps, progress)
-        records += bench_stream(s, sizes, reps, progress)
+        records += bench_stream(s, tcp, sizes, reps, progress)
         records += bench_lookup(s, 128 * 1024, 1000 if quick else 5000,
                                 40 if quick else 200, progress)
     return records

@@ -7,6 +7,8 @@
 - L2 (DiskTier, LMDB, raw codec) warm get_into vs memcpy, and vs a raw py-lmdb
   ``txn.get`` (zero-copy buffer) plus a copy of the same payload into the same
   buffer: the LMDB limit, what get_into costs minus verification and bookkeeping.
+  L2 put vs a raw py-lmdb put (sync=False) of the same record bytes.
+- Chunk sizes: 64 KiB to 64 MiB (full), 64 KiB, 1 and 8 MiB (quick).
 - Lookup of a 128k-token prompt in an index of up to 1M keys. The limit is the
   cost of hashing the prompt's chunk keys (``keys.chunk_keys``): a lookup must
   compute every key of the prompt, so it can only add dict probes on top. That
@@ -30,6 +32,7 @@ import numpy as np
 from benchmarks.harness import (
     GB,
     Case,
+    KiB,
     MiB,
     Progress,
     Record,
@@ -74,7 +77,7 @@ class Params:
         lengths = (1024, 8192, 32768, 131072)
         if quick:
             return cls(
-                sizes=(1 * MiB, 8 * MiB),
+                sizes=(64 * KiB, 1 * MiB, 8 * MiB),
                 copy_reps=12,
                 store_sizes=(1_000, 100_000),
                 lookup_reps=30,
@@ -84,9 +87,10 @@ class Params:
                 codec_reps=3,
             )
         return cls(
-            sizes=(1 * MiB, 8 * MiB, 32 * MiB),
+            # 64 KiB to 64 MiB: 1, 8 and 32 MiB are the sizes docs/performance.md cites.
+            sizes=(64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB),
             copy_reps=41,
-            store_sizes=(1_000, 100_000, 1_000_000),
+            store_sizes=(1_000, 10_000, 100_000, 1_000_000),
             lookup_reps=151,
             main_reps=501,
             prompt_lengths=lengths,
@@ -252,11 +256,29 @@ def _lmdb_size(
                 raise AssertionError("raw LMDB lost its record")
             dst[:] = np.frombuffer(view, np.uint8, nbytes, hs)
 
+    # Puts: a second key with the same payload, deleted again (untimed) after each put.
+    put_h, _ = chunk(nbytes, seed + 100, payload)
+    put_key, blob = bytes(put_h.key), put_h.pack() + payload.tobytes()
+
+    def raw_put() -> None:
+        with env.begin(write=True) as txn:
+            txn.put(put_key, blob)
+
+    def raw_undo() -> None:
+        with env.begin(write=True) as txn:
+            txn.delete(put_key)
+
+    def disk_put() -> None:
+        if not disk.put(put_h, payload.data).ok:
+            raise AssertionError("the disk tier refused a chunk it has room for")
+
     t = interleaved(
         {
             "memcpy": memcpy(payload, dst),
             "disk.get_into": lambda: disk.get_into(header.key, out_mv),
             "lmdb.get": raw_get,
+            "disk.put": (disk_put, lambda: disk.delete(put_h.key)),
+            "lmdb.put": (raw_put, raw_undo),
         },
         p.copy_reps,
         progress,
@@ -282,6 +304,25 @@ def _lmdb_size(
             "same buffer (its own env)",
             limit="lmdb.get",
             limit_name="raw py-lmdb get + copy",
+            target="",
+        ),
+        throughput(
+            f"l2.put.{label}",
+            nbytes,
+            t,
+            "disk.put",
+            "DiskTier.put (LMDB, raw codec, durability=process: no fsync): header, xxh3 of "
+            "the payload, one write transaction with the record and its index entry",
+            limit="lmdb.put",
+            limit_name="raw py-lmdb put of the same record bytes",
+            target="",
+        ),
+        throughput(
+            f"l2.lmdb_put.{label}",
+            nbytes,
+            t,
+            "lmdb.put",
+            "raw py-lmdb put (sync=False) of header + payload vs memcpy: what LMDB itself costs",
             target="",
         ),
         throughput(

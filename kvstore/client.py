@@ -38,14 +38,15 @@ import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import CorruptRecord, KVStoreError, NotFound
-from kvstore.keys import ChunkKey
+from kvstore.errors import CorruptRecord, KVStoreError, NotFound, Unauthenticated
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
 from kvstore.sdk import (
     GET_METHOD,
     LEASE_MARGIN,
     PUT_METHOD,
+    TENANT_UNPROVED,
     ClientBase,
     Endpoint,
     GetAssembler,
@@ -227,8 +228,17 @@ class Client(ClientBase):
     def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
                   payload: Any, dtype: str, shape: Sequence[int], *,
                   timeout: float | None = None) -> tuple[ChunkKey, PutStatus]:
-        """Build the record of one chunk (key from parent, namespace, tokens) and put it."""
+        """Build the record of one chunk (key from parent, namespace, tokens) and put it.
+
+        On a server with tenants, a namespace the server does not know as the caller's yet
+        is proved with a Lookup that carries it (docs/security.md), and the put retried."""
         header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
+        try:
+            return header.key, self.put(header, payload, timeout=timeout)
+        except Unauthenticated as e:
+            if not isinstance(namespace, Namespace) or TENANT_UNPROVED not in str(e):
+                raise
+        self.lookup(namespace, [], timeout=timeout)
         return header.key, self.put(header, payload, timeout=timeout)
 
     # -- reads ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -44,12 +44,18 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Refuses calls without the right bearer token (UNAUTHENTICATED, saying why)."""
+    """Refuses calls without a right bearer token (UNAUTHENTICATED, saying why).
 
-    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
-        if not token:
+    ``token`` is the admin token; ``tenant_tokens`` (token -> tenant) are accepted too
+    (server.tenants scopes what each of them sees).
+    """
+
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None, *,
+                 tenant_tokens: Iterable[str] = ()) -> None:
+        tokens = [t for t in (token, *tenant_tokens) if t]
+        if not tokens:
             raise ValueError("TokenAuth needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
         self._on_refused = on_refused
 
     def intercept_service(
@@ -66,7 +72,8 @@ class TokenAuth(grpc.ServerInterceptor):
             if key == AUTH_HEADER:
                 given = value.encode() if isinstance(value, str) else value
                 break
-        if given is not None and hmac.compare_digest(given, self._expected):
+        # Every token is compared (constant time each), so timing does not say which matched.
+        if given is not None and sum(hmac.compare_digest(given, e) for e in self._expected):
             return handler
         why = ("missing bearer token (authorization metadata)" if given is None
                else "wrong bearer token")

@@ -66,6 +66,7 @@ class ServerConfig:
     unix_socket: str = field(default_factory=default_socket_path)  # "" = no Unix socket
     token: str = ""  # bearer token every call must carry (health checks excepted); "" = none
     token_file: str = ""  # file holding the token (first line); instead of `token`
+    tenant_tokens: str = ""  # file of tenant:token lines: each token sees only its tenant's data
     tls_cert: str = ""  # PEM certificate chain: serve TLS on the TCP listener
     tls_key: str = ""  # PEM private key of tls_cert
     insecure: bool = False  # allow a non-loopback listener without a token
@@ -118,7 +119,15 @@ class ServerConfig:
 
     @property
     def has_token(self) -> bool:
-        return bool(self.token or self.token_file)
+        return bool(self.token or self.token_file or self.tenant_tokens)
+
+    def read_tenants(self, admin_token: str) -> dict[str, str]:
+        """token -> tenant from ``tenant_tokens`` ({} without tenants)."""
+        if not self.tenant_tokens:
+            return {}
+        from .tenants import read_tenant_tokens
+
+        return read_tenant_tokens(self.tenant_tokens, admin_token)
 
     def read_token(self) -> str:
         """The bearer token ("" for none); reads token_file."""

@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--token", help="bearer token every call must carry (health checks "
                                    "excepted); also KVSTORE_TOKEN")
     g.add_argument("--token-file", metavar="FILE", help="read the token from FILE's first line")
+    g.add_argument("--tenant-tokens", metavar="FILE",
+                   help="tenants: FILE holds tenant:token lines; a tenant's token sees only the "
+                        "namespaces whose salt is the tenant's name (docs/security.md); "
+                        "--token stays the admin token")
     g.add_argument("--tls-cert", metavar="PEM",
                    help="certificate chain: serve TLS on TCP (the Unix socket stays plaintext; "
                         "its file permissions guard it)")
@@ -188,7 +192,7 @@ def _prepare_socket(path: str) -> None:
 
 
 def _start(cfg: ServerConfig, service: Any, token: str,
-           tls: tuple[bytes, bytes] | None) -> _Running:
+           tls: tuple[bytes, bytes] | None, tenant_tokens: dict[str, str]) -> _Running:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -198,7 +202,8 @@ def _start(cfg: ServerConfig, service: Any, token: str,
     from .auth import TokenAuth
     from .streams import add_to_server
 
-    interceptors = [TokenAuth(token)] if token else []
+    interceptors = ([TokenAuth(token, tenant_tokens=tenant_tokens)]
+                    if token or tenant_tokens else [])
     pool = futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions,
                                       thread_name_prefix="kvstore-rpc")
     options = [
@@ -267,11 +272,13 @@ def _housekeeping(service: Any, cfg: ServerConfig, stop: threading.Event) -> Non
 
 def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     token = cfg.read_token()
+    tenant_tokens = cfg.read_tenants(token)
     tls = cfg.read_tls()
     from kvstore.store import TieredStore
 
     from .metrics import Metrics
     from .service import KVStoreService
+    from .tenants import Tenants
 
     store = TieredStore(store_cfg)  # a second server on this data dir fails here
     stop, housekeeping_stop = threading.Event(), threading.Event()
@@ -288,10 +295,12 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
 
     metrics = Metrics(store)
     try:
-        service = KVStoreService(store, cfg, metrics=metrics, auth_required=bool(token))
+        service = KVStoreService(store, cfg, metrics=metrics,
+                                 auth_required=bool(token or tenant_tokens),
+                                 tenants=Tenants(tenant_tokens))
         if cfg.metrics_port:
             metrics.start(cfg.metrics_host, cfg.metrics_port)
-        running = _start(cfg, service, token, tls)
+        running = _start(cfg, service, token, tls, tenant_tokens)
     except BaseException:
         metrics.stop()
         store.close()

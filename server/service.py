@@ -50,16 +50,23 @@ from kvstore.wire import (
     stats_to_pb,
     status_of,
     status_to_pb,
+    unframe,
 )
 
 from .config import ServerConfig
 from .holds import Holds
 from .metrics import Metrics
-from .streams import pieces, receive_put, send_get
+from .streams import Undecodable, Watchdog, pieces, receive_put, send_get, touching
+from .tenants import Denied, Tenants
 
 log = logging.getLogger("kvstore.server")
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _decoded(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(request.message)
 
 
 class _Status(Exception):
@@ -94,6 +101,7 @@ def _rpc(fn: F) -> F:
             try:
                 t0 = begin(self)
                 entered = True
+                _decoded(request)
                 yield from fn(self, request, context)
             except Exception as e:
                 code, msg = self._failed(name, e, context)
@@ -110,6 +118,7 @@ def _rpc(fn: F) -> F:
         try:
             t0 = begin(self)
             entered = True
+            _decoded(request)
             return fn(self, request, context)
         except Exception as e:
             code, msg = self._failed(name, e, context)
@@ -122,7 +131,8 @@ def _rpc(fn: F) -> F:
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(self, store: TieredStore, config: ServerConfig, *,
-                 metrics: Metrics | None = None, auth_required: bool = False) -> None:
+                 metrics: Metrics | None = None, auth_required: bool = False,
+                 tenants: Tenants | None = None) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
@@ -133,9 +143,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._active = 0  # calls in flight, Session streams excepted
         self._lease_s = store.config.memory.lease_ms / 1000.0
         self.holds = Holds(store, self._lease_s)
+        self.watchdog = Watchdog(self._lease_s)  # streams idle for a whole lease are cancelled
         self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
+        self.tenants = tenants or Tenants()
         self._info = self._make_info(auth_required)
+        self._tenant_info = pb.InfoResponse()  # what tenants see: no shared memory
+        self._tenant_info.CopyFrom(self._info)
+        for name in ("shm_path", "shm_size", "boot_id", "shm_inode"):
+            self._tenant_info.ClearField(name)
 
     def _make_info(self, auth_required: bool) -> pb.InfoResponse:
         mem, cfg = self.store.memory, self.store.config
@@ -176,6 +192,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 ) -> tuple[grpc.StatusCode, str]:
         if isinstance(e, _Status):
             return e.code, str(e)
+        if isinstance(e, Denied):
+            return grpc.StatusCode.PERMISSION_DENIED, f"{name}: {e}"
         if isinstance(e, grpc.RpcError) or not context.is_active():
             return grpc.StatusCode.CANCELLED, f"{name}: the call ended before it completed"
         code, msg = status_of(e)
@@ -198,7 +216,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return True
 
     def sweep(self) -> int:
-        """Reclaim expired leases and reservations (called periodically)."""
+        """Reclaim expired leases and reservations, cancel idle streams (called periodically)."""
+        self.watchdog.sweep()
         return self.holds.sweep()
 
     def request_counts(self) -> dict[str, int]:
@@ -209,12 +228,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return dict(out)
 
     # -- argument parsing --------------------------------------------------------------------------
-    @staticmethod
-    def _owner(context: grpc.ServicerContext) -> str:
+    def _tenant(self, context: grpc.ServicerContext) -> str | None:
+        """The calling tenant (None: the admin token, or no tenants configured)."""
+        return self.tenants.of(context.invocation_metadata()) if self.tenants else None
+
+    def _owner(self, context: grpc.ServicerContext, named: str = "") -> str:
+        """Who holds leases: the session id, under the caller's tenant (ids can be copied)."""
+        owner = named
         for key, value in context.invocation_metadata() or ():
-            if key == SESSION_HEADER:
-                return str(value)[:128]
-        return ""
+            if key == SESSION_HEADER and not owner:
+                owner = str(value)[:128]
+        tenant = self._tenant(context)
+        return f"{tenant}/{owner}" if tenant is not None and owner else owner
+
+    def _visible(self, tenant: str | None, key: ChunkKey) -> bool:
+        """Whether the caller may see this chunk (it is in the index, in a namespace of its)."""
+        if tenant is None:
+            return True
+        entry = self.store.index.get(key)
+        return entry is not None and self.tenants.owns(tenant, entry.fingerprint)
 
     @staticmethod
     def _key(raw: bytes, what: str = "key") -> ChunkKey:
@@ -253,10 +285,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                     f"max_chunk_bytes={limit}")
         return header
 
-    def _shm_enabled(self) -> None:
+    def _shm_enabled(self, context: grpc.ServicerContext) -> None:
         if not self.config.shm:
             raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
                           "the shared-memory data plane is disabled on this server (shm=false)")
+        if self._tenant(context) is not None:
+            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
+                          "the shared-memory data plane is not offered to tenants (whoever maps "
+                          "the arena can read every record): use Put and Get")
 
     def _moved(self, direction: str, plane: str, nbytes: int) -> None:
         if self.metrics is not None:
@@ -265,7 +301,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- info and lookup ---------------------------------------------------------------------------
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        return self._info
+        return self._info if self._tenant(context) is None else self._tenant_info
 
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
@@ -274,11 +310,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(request.token_ids) % 4:
             raise InvalidArgument(f"token_ids is {len(request.token_ids)} bytes; "
                                   "expected u32 little-endian ids (a multiple of 4 bytes)")
+        ns = None
         if request.HasField("namespace"):
             ns = namespace_from_pb(request.namespace)
             if ns.fingerprint != fp:
                 raise InvalidArgument("namespace does not match fingerprint (its fingerprint is "
                                       f"{ns.fingerprint.hex()}, the request says {fp.hex()})")
+        tenant = self._tenant(context)
+        self.tenants.prove(tenant, ns)
+        if ns is not None:
             with self._lock:
                 if len(self._names) < _MAX_NAMES:
                     self._names.setdefault(fp, ns)
@@ -286,15 +326,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         result = self.store.lookup(fp, tokens, min_tokens=request.min_tokens,
                                    granularity=request.granularity or None)
         if request.explain:
-            result = replace(result, other_namespaces=self._explain(fp, tokens, result))
+            result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
         return lookup_to_pb(result)
 
-    def _explain(self, fp: Fingerprint, tokens: np.ndarray, result: Any
+    def _explain(self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None
                  ) -> tuple[NamespaceMatch, ...]:
         out = []
         cfg = self.store.config
         for other in self.store.namespaces():
-            if other == fp:
+            if other == fp or not self.tenants.owns(tenant, other):
                 continue
             r = lookup(self.store.index, other, tokens, chunk_tokens=cfg.chunk_tokens)
             if r.matched_tokens > result.matched_tokens:
@@ -308,12 +348,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
             ) -> pb.PutResponse:
-        parts = pieces(request_iterator)
-        field, first = next(parts, (0, memoryview(b"")))
-        if field != 1:
-            raise InvalidArgument("the first message of a Put stream must carry the header")
-        header = self._header(bytes(first))
-        status = receive_put(self.store, header, parts, self._lease_s)
+        cid, touch = self.watchdog.watch(context)
+        try:
+            parts = pieces(touching(request_iterator, touch))
+            field, first = next(parts, (0, memoryview(b"")))
+            if field != 1:
+                raise InvalidArgument("the first message of a Put stream must carry the header")
+            header = self._header(bytes(first))
+            self.tenants.require(self._tenant(context), header.fingerprint)
+            status = receive_put(self.store, header, parts, self._lease_s)
+        finally:
+            self.watchdog.done(cid)
         if status == PutStatus.STORED:
             self._moved("in", "grpc", header.stored_size)
         return pb.PutResponse(status=status_to_pb(status), key=header.key)
@@ -321,10 +366,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         sent = 0
-        for msg in send_get(self.store, self._key(request.key), self.config.piece_bytes,
-                            self._lease_s):
-            sent += len(msg)
-            yield msg
+        key, tenant = self._key(request.key), self._tenant(context)
+        if tenant is not None and key in self.store.index and not self._visible(tenant, key):
+            return  # another tenant's chunk: a miss
+        cid, touch = self.watchdog.watch(context)
+        frames = send_get(self.store, key, self.config.piece_bytes, self._lease_s)
+        try:
+            for msg in frames:
+                if not sent and tenant is not None:  # a chunk only the remote tier knew
+                    _, header = unframe(msg, pb.GetResponse)
+                    if not self.tenants.owns(tenant, parse_header(header).fingerprint):
+                        return
+                sent += len(msg)
+                yield msg
+                touch()
+        finally:
+            frames.close()  # gives back the lease of an unfinished stream now
+            self.watchdog.done(cid)
         if sent:
             self._moved("out", "grpc", sent)
 
@@ -332,7 +390,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
                 ) -> pb.ReserveResponse:
-        self._shm_enabled()
+        self._shm_enabled(context)
         header = self._header(request.header)
         owner = self._owner(context)
         res = self.store.reserve(header, owner=owner)
@@ -363,7 +421,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext
                 ) -> pb.AcquireResponse:
-        self._shm_enabled()
+        self._shm_enabled(context)
         key = self._key(request.key)
         owner = self._owner(context)
         lease = self.store.acquire(key, owner=owner)
@@ -390,33 +448,43 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Session(self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
                 ) -> Iterator[pb.SessionPong]:
-        first = next(request_iterator, None)
-        if first is None:
-            return
-        owner = first.owner or self._owner(context)
-        if not owner:
-            raise InvalidArgument("the first SessionPing must name the owner (session id)")
-        self.holds.open_session(owner, self.config.max_sessions)
+        cid, touch = self.watchdog.watch(context)  # clients ping every lease/3 at most
         try:
-            self.holds.renew(owner)
-            yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
-            for _ in request_iterator:
+            pings = touching(request_iterator, touch)
+            first = next(pings, None)
+            if first is None:
+                return
+            owner = self._owner(context, first.owner)
+            if not owner:
+                raise InvalidArgument("the first SessionPing must name the owner (session id)")
+            self.holds.open_session(owner, self.config.max_sessions)
+            try:
                 self.holds.renew(owner)
                 yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+                for _ in pings:
+                    self.holds.renew(owner)
+                    yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+            finally:
+                self.holds.end_session(owner)
         finally:
-            self.holds.end_session(owner)
+            self.watchdog.done(cid)
 
     # -- management --------------------------------------------------------------------------------
     @_rpc
     def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext
                ) -> pb.ExistsResponse:
-        found = self.store.contains(self._keys(request.keys))
+        keys, tenant = self._keys(request.keys), self._tenant(context)
+        found = self.store.contains(keys)
+        if tenant is not None:  # only chunks of the caller's namespaces (indexed ones)
+            found = [t if self._visible(tenant, k) else () for k, t in zip(keys, found,
+                                                                            strict=True)]
         return pb.ExistsResponse(found=[pb.TierSet(tiers=list(t)) for t in found])
 
     @_rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext
                ) -> pb.DeleteResponse:
-        keys = self._keys(request.keys)
+        tenant = self._tenant(context)
+        keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.DeleteResponse(deleted=sum(self.store.delete(k) for k in keys))
 
     @_rpc
@@ -424,16 +492,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if request.all == bool(request.fingerprint):
             raise InvalidArgument("give either a namespace fingerprint or all=true (not both)")
         fp = None if request.all else self._fingerprint(request.fingerprint)
+        tenant = self._tenant(context)
+        if tenant is not None and fp is None:
+            raise Denied(f"tenant {tenant!r} may clear its own namespaces, not all")
+        if fp is not None:
+            self.tenants.require(tenant, fp)
         return pb.ClearResponse(removed=self.store.clear(fp))
 
     @_rpc
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
-        keys = self._keys(request.keys)
+        tenant = self._tenant(context)
+        keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.PinResponse(changed=sum(self.store.pin(k, request.pinned) for k in keys))
 
     @_rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self.store.stats()
+        tenant = self._tenant(context)
+        if tenant is not None:  # its own chunks and namespaces; tier figures are server-wide
+            mine = {fp: n for fp, n in self.store.namespaces().items()
+                    if self.tenants.owns(tenant, fp)}
+            stats.chunks, stats.namespaces = sum(mine.values()), len(mine)
         leases = stats.tiers[0].detail.get("active_leases", 0) if stats.tiers else 0
         return stats_to_pb(stats, active_leases=leases if isinstance(leases, int) else 0,
                            uptime_s=int(time.monotonic() - self._started))
@@ -441,6 +520,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         fp = self._fingerprint(request.fingerprint) if request.fingerprint else None
+        tenant = self._tenant(context)
+        if fp is not None:
+            self.tenants.require(tenant, fp)
         size = request.page_size or 100
         if size > 1000:
             raise InvalidArgument(f"page_size={size}: at most 1000")
@@ -456,7 +538,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
         def keep(v: ChunkView) -> bool:
             return (v.key > after and (not request.tier or request.tier in v.tiers)
-                    and (not request.pinned_only or v.pinned))
+                    and (not request.pinned_only or v.pinned)
+                    and self.tenants.owns(tenant, v.fingerprint))
 
         views = sorted((v for v in self.store.scan(fp) if keep(v)), key=lambda v: v.key)
         page = views[:size]
@@ -466,7 +549,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Namespaces(self, request: pb.NamespacesRequest, context: grpc.ServicerContext
                    ) -> pb.NamespacesResponse:
-        counts = self.store.namespaces()
+        tenant = self._tenant(context)
+        counts = {fp: n for fp, n in self.store.namespaces().items()
+                  if self.tenants.owns(tenant, fp)}
         sizes: Counter[bytes] = Counter()
         for v in self.store.scan():
             sizes[v.fingerprint] += v.raw_size

@@ -13,9 +13,10 @@ than the arena), the bytes are staged in memory and go through ``store.put`` /
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import grpc
@@ -30,6 +31,8 @@ from kvstore.tiers.base import PutStatus
 from kvstore.tiers.memory import Reservation
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import frame, unframe
+
+log = logging.getLogger("kvstore.server")
 
 SERVER_OWNER = "kvstore-server"  # owner of the holds the server takes for its own streams
 Pieces = Iterator[tuple[int, memoryview]]
@@ -129,7 +132,7 @@ _staging = _Staging()
 
 
 def send_get(store: TieredStore, key: ChunkKey, piece: int, lease_s: float
-             ) -> Iterator[bytes]:
+             ) -> Generator[bytes, None, None]:
     """GetResponse frames of a chunk (header, then payload pieces); nothing on a miss."""
     lease = store.acquire(key, owner=SERVER_OWNER)
     if lease is not None:
@@ -158,8 +161,82 @@ def send_get(store: TieredStore, key: ChunkKey, piece: int, lease_s: float
         yield frame(2, view[off : off + piece])
 
 
+class Watchdog:
+    """Cancels streams that move nothing for ``idle_s`` (checked by ``sweep``).
+
+    A stream handler holds a worker thread while it waits for the client: a client
+    that opens a Put or Session stream and then sends nothing (hung, stopped, or
+    hostile), or a Get whose reader stopped reading, would hold it forever, and a
+    few dozen such streams would leave no thread for anyone else. Cancelling the
+    call wakes the handler, which then ends like any broken stream.
+    """
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._calls: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._ids = iter(range(1, 1 << 62))
+        self.cancelled = 0
+
+    def watch(self, context: grpc.ServicerContext) -> tuple[int, Callable[[], None]]:
+        with self._lock:
+            cid = next(self._ids)
+            self._calls[cid] = (time.monotonic(), context)
+
+        def touch() -> None:
+            with self._lock:
+                if cid in self._calls:
+                    self._calls[cid] = (time.monotonic(), context)
+
+        return cid, touch
+
+    def done(self, cid: int) -> None:
+        with self._lock:
+            self._calls.pop(cid, None)
+
+    def sweep(self) -> int:
+        limit = time.monotonic() - self.idle_s
+        with self._lock:
+            idle = [(cid, ctx) for cid, (last, ctx) in self._calls.items() if last < limit]
+            for cid, _ in idle:
+                del self._calls[cid]
+        for _, ctx in idle:
+            ctx.cancel()
+        if idle:
+            log.info("cancelled %d streams idle for more than %.1f s", len(idle), self.idle_s)
+        self.cancelled += len(idle)
+        return len(idle)
+
+
+def touching(it: Iterator[Any], touch: Callable[[], None]) -> Iterator[Any]:
+    for item in it:
+        touch()
+        if isinstance(item, Undecodable):
+            raise InvalidArgument(item.message)
+        yield item
+
+
 def _serialize(msg: Any) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+class Undecodable:
+    """A request message protobuf could not parse (bad wire format, invalid UTF-8 in a
+    string). gRPC would answer INTERNAL "Exception deserializing request!" and log a
+    traceback for each; the servicer answers INVALID_ARGUMENT saying why instead."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"unreadable {type_name} message: {error}"
+
+
+def _parser(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # protobuf's DecodeError, or a RuntimeWarning turned error
+            return Undecodable(cls.__name__, e)
+
+    return parse
 
 
 def add_to_server(servicer: Any, server: grpc.Server) -> None:
@@ -173,7 +250,7 @@ def add_to_server(servicer: Any, server: grpc.Server) -> None:
     }
     handlers = {}
     for m in desc.methods:
-        request = getattr(pb, m.input_type.name).FromString
+        request: Callable[[bytes], Any] | None = _parser(getattr(pb, m.input_type.name))
         response = getattr(pb, m.output_type.name).SerializeToString
         if m.name == "Put":
             request = None  # the servicer reads frames: kvstore.wire.unframe

@@ -1,5 +1,8 @@
 """Smoke test of the benchmark suite: it runs, and its records have the documented shape.
 
+The quick run here covers the store and remote suites (~10-20 s); the whole quick run
+(``python -m benchmarks --quick``, ~40 s plus server start-ups) is CI's job, not pytest's.
+
 Nothing here looks at a timing: the machine is shared, figures are for reading.
 """
 
@@ -15,15 +18,24 @@ from typing import Any
 
 import pytest
 
-from benchmarks.__main__ import SUITES, select
+from benchmarks.__main__ import SUITES, VLLM_SUITES, select
 from benchmarks.harness import (
     RECORD_KEYS,
+    KiB,
+    LoopbackTcp,
+    MiB,
     PlainProgress,
     Record,
     interleaved,
     machine_info,
+    parse_size_label,
+    random_bytes,
+    results_markdown,
+    size_label,
+    touched,
     write_markdown,
 )
+from benchmarks.replay import BLOCK, QUICK, conversation, ideal_hits
 
 ROOT = Path(__file__).resolve().parent.parent
 Run = tuple[list[dict[str, Any]], str]
@@ -43,6 +55,10 @@ EXPECTED = {
     "lookup.128k.p50.keys=100,000",
     "codec.zstd_shuffle.l1.compression",
     "codec.zstd.l3.decode",
+    "l2.put.64KiB",
+    "l3.redis.put.64KiB",
+    "l3.valkey.get_into.4MiB",
+    "l3.redis.raw_get.4MiB",
 }
 
 
@@ -56,7 +72,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
             "-m",
             "benchmarks",
             "--only",
-            "store",
+            "store,remote",
             "--quick",
             "--json",
             str(js),
@@ -68,24 +84,25 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, f"quick store run failed:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"quick store+remote run failed:\n{proc.stderr[-4000:]}"
     return json.loads(js.read_text()), md.read_text()
 
 
-def test_quick_store_run_writes_records_of_the_documented_shape(quick_run: Run) -> None:
+def test_quick_run_writes_records_of_the_documented_shape(quick_run: Run) -> None:
     records, _ = quick_run
     assert isinstance(records, list) and records, "--json must write a non-empty list"
     names = [r["name"] for r in records]
     assert len(names) == len(set(names)), f"duplicate record names: {names}"
     missing = EXPECTED - set(names)
-    assert not missing, f"store cases missing from the quick run: {sorted(missing)}"
+    assert not missing, f"cases missing from the quick run: {sorted(missing)}"
     for r in records:
         for key in RECORD_KEYS:
             assert key in r, f"record {r.get('name')} lacks {key!r}"
         assert isinstance(r["name"], str) and isinstance(r["unit"], str) and r["unit"], r
         assert isinstance(r["value"], (int, float)) and math.isfinite(r["value"]), r
         assert r["value"] > 0, f"{r['name']}: a measured figure must be positive, got {r}"
-        assert r["suite"] == "store", f"{r['name']}: suite not recorded"
+        suite = "remote" if r["name"].startswith("l3.") else "store"
+        assert r["suite"] == suite, f"{r['name']}: suite {r['suite']!r}, expected {suite!r}"
         if r["limit"] is None:
             assert r["ratio"] is None, f"{r['name']}: a ratio without a limit"
         else:
@@ -95,7 +112,7 @@ def test_quick_store_run_writes_records_of_the_documented_shape(quick_run: Run) 
             )
 
 
-def test_quick_store_run_writes_markdown_with_the_machine(quick_run: Run) -> None:
+def test_quick_run_writes_markdown_with_the_machine(quick_run: Run) -> None:
     records, md = quick_run
     assert "| suite | case | value | unit | limit | ratio |" in md, md[:500]
     assert "cpu " in md and "python " in md and "date " in md, "machine line missing"
@@ -135,7 +152,91 @@ def test_plain_progress_reports_each_phase() -> None:
     assert "phase: 3 done" in stream.getvalue(), stream.getvalue()
 
 
-def test_only_selects_known_suites() -> None:
-    assert select(None) == list(SUITES) and select("store") == ["store"]
+def test_only_selects_known_suites_and_quick_leaves_out_vllm() -> None:
+    assert select(None) == (list(SUITES), []), "a full run runs every suite"
+    assert select("store") == (["store"], [])
+    names, left_out = select(None, quick=True)
+    assert left_out == list(VLLM_SUITES) and not set(names) & set(VLLM_SUITES), (names, left_out)
+    assert select("replay", quick=True) == (["replay"], []), "--only must run a vLLM suite"
     with pytest.raises(SystemExit, match="unknown suite"):
         select("store,nope")
+
+
+def test_size_labels_round_trip() -> None:
+    for n in (64 * KiB, 256 * KiB, MiB, 64 * MiB, 1000):
+        assert parse_size_label(size_label(n)) == n, size_label(n)
+    assert size_label(64 * KiB) == "64KiB" and size_label(4 * MiB) == "4MiB"
+
+
+def test_loopback_tcp_moves_the_bytes() -> None:
+    n = 3 * MiB + 5
+    src, dst = random_bytes(n, 1), touched(n, 0)
+    with LoopbackTcp() as tcp:
+        tcp.put(src)
+        tcp.get_into(dst)
+        tcp.get_into(dst)  # the second read comes from the server's cached buffer
+    expected = random_bytes(n, n)  # what the server sends: seeded by the size
+    assert (dst == expected).all(), "get_into must fill the whole buffer with the server's bytes"
+
+
+def test_replay_workload_shares_prefixes_as_a_chat_does() -> None:
+    rounds = conversation(QUICK)
+    assert len(rounds) == QUICK.rounds and all(len(r) == QUICK.users for r in rounds)
+    system = rounds[0][0][: QUICK.system_tokens]
+    for row in rounds:
+        for tokens in row:
+            assert tokens[: QUICK.system_tokens] == system, "every prompt starts with the system"
+    for u in range(QUICK.users):
+        prev, cur = rounds[0][u], rounds[1][u]
+        assert cur[: len(prev)] == prev and len(cur) > len(prev), "a history must grow"
+    order = [t for row in rounds for t in row]
+    ideal = ideal_hits(order)
+    assert ideal[0] == 0, "the first prompt has nothing to reuse"
+    assert ideal[1] == QUICK.system_tokens // BLOCK * BLOCK, ideal
+    assert all(h % BLOCK == 0 and h < len(t) for h, t in zip(ideal, order, strict=True)), ideal
+
+
+def test_results_markdown_has_runs_plots_and_one_table_per_suite() -> None:
+    recs = [
+        Record("a.x", 1.0, "GB/s", 2.0, suite="s1", notes="shared"),
+        Record("a.y", 3.0, "GB/s", 2.0, suite="s1", notes="shared"),
+        Record("b", 0.5, "s", suite="s2"),
+    ]
+    runs: dict[str, dict[str, Any]] = {
+        "s1": {"mode": "full", "date": "d", "seconds": 3.0},
+        "s2": {"skipped": "FAILED"},
+    }
+    text = results_markdown(recs, machine_info(), runs, ["plots/t.png"], "intro")
+    assert "## s1" in text and "## s2" in text and "![t](plots/t.png)" in text, text
+    assert "| s2 | FAILED |" in text, "a failed suite must show in the runs table"
+    assert "- `a.x`, `a.y`: shared" in text, "a note shared by records is written once"
+
+
+def test_plots_draw_each_family_from_records(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from benchmarks import plots
+
+    recs: list[Record] = []
+    for n in (64 * KiB, MiB):
+        lab = size_label(n)
+        recs += [Record(f"l1.tier.put.{lab}", 1.0, "GB/s", 2.0),
+                 Record(f"l3.redis.get_into.{lab}", 0.2, "GB/s", 0.4),
+                 Record(f"server.shm.put.{lab}", 1.0, "GB/s", 4.0),
+                 Record(f"server.grpc.get.{lab}", 0.3, "GB/s", 0.5)]  # fmt: skip
+    for c in (1, 2):
+        recs += [Record(f"concurrency.put.clients={c}", 1.0, "GB/s", 5.0),
+                 Record(f"concurrency.get.clients={c}", 2.0, "GB/s", 5.0)]  # fmt: skip
+    recs += [Record("lookup.p50.prompt=1k", 0.05, "ms", 0.03),
+             Record("lookup.128k.p50.keys=1,000", 4.0, "ms", 2.0),
+             Record("replay.ttft.mean.round=1", 0.5, "s", 1.0),
+             Record("replay.hit_rate.with_kvstore", 0.5, "fraction", 0.6)]  # fmt: skip
+    for stat in ("mean", "p90"):
+        recs += [Record(f"replay.ttft.{stat}.with_kvstore", 0.5, "s", 1.0),
+                 Record(f"replay.ttft.{stat}.without_kvstore", 1.0, "s")]  # fmt: skip
+    written = plots.make_all(recs, tmp_path)
+    assert sorted(p.name for p in written) == sorted(plots.FAMILIES), written
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{p} is not a PNG"
+    assert plots.make_all([Record("other", 1.0, "x")], tmp_path / "none") == [], (
+        "a family without records must be skipped"
+    )

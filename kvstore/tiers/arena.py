@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -212,6 +213,54 @@ def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
 def default_arena_path() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"kvstore-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+_DEFAULT_NAME = re.compile(r"kvstore-(\d+)-[0-9a-f]{8}")
+
+
+def remove_stale_arenas(directory: str) -> list[str]:
+    """Unlink default-named arena files whose tier died without closing them (kill -9).
+
+    An arena is only unlinked by the tier that made it, so each crash would leave
+    its whole size behind in /dev/shm (memory, not disk). A file is stale when the
+    process named in it is gone and no tier holds its flock; the pid check keeps a
+    tier that has created its file but not locked it yet from losing it.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _DEFAULT_NAME.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a live tier holds it
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 class ArenaView:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -65,6 +66,7 @@ from kvstore.tiers.arena import (
     Reservation,
     as_u8,
     default_arena_path,
+    remove_stale_arenas,
 )
 from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
 
@@ -115,6 +117,9 @@ class MemoryTier(Tier):
         n_pages = config.capacity_bytes // config.page_bytes
         self.capacity_bytes = n_pages * config.page_bytes
         self.path = config.path or default_arena_path()
+        if not config.path and create:
+            for stale in remove_stale_arenas(os.path.dirname(self.path)):
+                log.info("removed the arena %s of a kvstore process that is gone", stale)
         self._arena = ArenaView.own(self.path, self.capacity_bytes, create=create)
         self._finalizer = weakref.finalize(self, self._arena.close)  # no leak in /dev/shm
         self._clock = clock

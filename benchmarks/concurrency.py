@@ -1,0 +1,233 @@
+"""Aggregate throughput of 1-16 concurrent clients of one kvstore-server.
+
+One kvstore-server (L1 only, shared-memory data plane) and up to 16 client
+*processes* (processes, not threads: threads of one Python process share one
+GIL and would measure it, not the server). Each client has its own
+``kvstore.Client`` on the Unix socket and, per round, does ``OPS`` operations of
+one kind on 4 MiB chunks:
+
+- ``put``: ``Client.put`` of ``OPS`` fresh chunks (Reserve, copy into the arena,
+  Commit: the server checksums the bytes); deleted again, untimed, after the round;
+- ``get``: ``Client.get_into`` of the client's own stored chunk (Acquire: the server
+  verifies it; copy out; Release);
+- ``memcpy``, the limit: numpy copies of the same 4 MiB into a touched buffer, by
+  the same processes at the same time, i.e. what this machine's cores and memory
+  can copy with that much parallelism (on 2 cores it stops growing at 2 clients).
+
+The clients of a round start together (a start time on the shared monotonic
+clock); a round's figure is its bytes over the time from the first client's start
+to the last client's end. The three kinds take turns in a shuffled order within
+every repetition, and the median over repetitions is reported.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import (
+    GB,
+    MiB,
+    Progress,
+    Record,
+    ServerProcess,
+    median,
+    random_bytes,
+    touched,
+)
+
+CHUNK = 4 * MiB
+OPS = 4  # operations per client per round
+KINDS = ("memcpy", "put", "get")
+START_DELAY_S = 0.05
+LIMIT = "memcpy by as many processes in parallel (aggregate)"
+
+
+@dataclass(frozen=True)
+class Params:
+    clients: tuple[int, ...]
+    reps: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Params:
+        return cls((1, 2, 4), 3) if quick else cls((1, 2, 4, 8, 16), 7)
+
+
+# -- the client processes --------------------------------------------------------------
+def worker(conn: Connection, url: str, index: int) -> None:
+    """One client: set up, answer "ready", then run rounds until told to stop."""
+    import numpy as np
+
+    import kvstore
+    from kvstore.client import chunk_header
+    from kvstore.keys import ROOT as ROOT_KEY
+    from kvstore.keys import Namespace
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    src, dst = random_bytes(CHUNK, index), touched(CHUNK)
+    ns = Namespace(model="bench-concurrency", dtype="bfloat16", layout=f"client-{index}")
+    shape = (256, CHUNK // 512)
+    headers = [
+        chunk_header(ns, ROOT_KEY, np.arange(256) + 256 * i, src, "bfloat16", shape)
+        for i in range(OPS + 1)
+    ]
+    get_h, put_hs = headers[0], headers[1:]
+    with kvstore.Client(url, shm=True, timeout=120) as client:
+        if not client.shm_active or not client.put(get_h, src).ok:
+            conn.send(("error", "no shared memory, or the first put failed"))
+            return
+        time.sleep(1.0)  # the client's background prefault of the arena
+        conn.send(("ready", None))
+        while True:
+            cmd = conn.recv()
+            if cmd is None:
+                break
+            kind, start_at = cmd
+            while time.perf_counter() < start_at:
+                time.sleep(0.001)
+            t0 = time.perf_counter()
+            for h in put_hs:
+                if kind == "memcpy":
+                    np.copyto(dst, src)
+                elif kind == "get":
+                    client.get_into(get_h.key, dst)
+                elif not client.put(h, src).ok:
+                    conn.send(("error", f"client {index}: put refused"))
+                    return
+            t1 = time.perf_counter()
+            if kind == "put":
+                client.delete([h.key for h in put_hs])
+            elif kind == "get" and not np.array_equal(dst, src):
+                conn.send(("error", f"client {index}: get_into delivered other bytes"))
+                return
+            conn.send(("done", (t0, t1)))
+
+
+class Clients:
+    """``n`` spawned client processes (spawn: never fork a process that runs gRPC)."""
+
+    def __init__(self, url: str, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker, args=(child, url, i), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def wait_ready(self, progress: Progress) -> None:
+        for conn in progress(self.conns, desc="starting client processes"):
+            if not conn.poll(180):
+                raise RuntimeError("a client process did not start in 180 s")
+            self._expect(conn, "ready")
+
+    @staticmethod
+    def _expect(conn: Connection, what: str) -> Any:
+        try:
+            tag, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError("a client process died") from None
+        if tag != what:
+            raise RuntimeError(f"client process: {payload}")
+        return payload
+
+    def round(self, n: int, kind: str) -> float:
+        """One round of ``kind`` by the first ``n`` clients: aggregate GB/s."""
+        start_at = time.perf_counter() + START_DELAY_S
+        for conn in self.conns[:n]:
+            conn.send((kind, start_at))
+        spans = [self._expect(conn, "done") for conn in self.conns[:n]]
+        elapsed = max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
+        return n * OPS * CHUNK / elapsed / GB
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+# -- the suite -------------------------------------------------------------------------------
+def measure(p: Params, progress: Progress) -> dict[int, dict[str, list[float]]]:
+    most = max(p.clients)
+    # Every client's stored chunk and one round of puts, twice over (64 KiB pages).
+    memory = 2 * most * (OPS + 1) * (CHUNK + 64 * 1024) + 64 * MiB
+    work = Path(tempfile.mkdtemp(prefix="kvstore-concurrency-"))
+    server = ServerProcess(work, memory)
+    clients: Clients | None = None
+    try:
+        server.start()
+        clients = Clients(server.url, most)
+        clients.wait_ready(progress)
+        rng = random.Random(0)
+        out: dict[int, dict[str, list[float]]] = {}
+        for n in p.clients:
+            got: dict[str, list[float]] = {k: [] for k in KINDS}
+            for rep in progress(range(p.reps + 1), desc=f"{n} client(s)", total=p.reps + 1):
+                order = list(KINDS)
+                rng.shuffle(order)
+                for kind in order:
+                    gbs = clients.round(n, kind)
+                    if rep:  # the first repetition warms up
+                        got[kind].append(gbs)
+            out[n] = got
+        return out
+    finally:
+        if clients is not None:
+            clients.close()
+        server.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def records(results: dict[int, dict[str, list[float]]]) -> list[Record]:
+    out: list[Record] = []
+    one = median(results[min(results)]["memcpy"])
+    for n, got in results.items():
+        limit = median(got["memcpy"])
+        for kind, what in (
+            ("put", "Client.put (Reserve, copy, Commit)"),
+            ("get", "Client.get_into (Acquire, copy, Release)"),
+        ):
+            out.append(
+                Record(
+                    f"concurrency.{kind}.clients={n}",
+                    median(got[kind]),
+                    "GB/s",
+                    limit,
+                    limit_name=LIMIT,
+                    notes=f"{n} client process(es), {OPS} x {CHUNK // MiB} MiB each per round, "
+                    f"shared memory over one kvstore-server (L1 only); {what}; aggregate",
+                )
+            )
+        out.append(
+            Record(
+                f"concurrency.memcpy.clients={n}",
+                limit,
+                "GB/s",
+                one,
+                limit_name="memcpy by 1 process",
+                notes="how the limit itself scales with parallel processes on this machine",
+            )
+        )
+    return out  # fmt: skip
+
+
+def run(quick: bool, progress: Progress) -> list[Record]:
+    return records(measure(Params.make(quick), progress))
