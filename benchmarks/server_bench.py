@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -166,6 +167,7 @@ class Servers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def raw_channel(self) -> Any:
         import grpc

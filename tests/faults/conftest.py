@@ -39,6 +39,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
                 rec["passed"] = rec.get("passed", True) and rep.passed
 
 
+def _gone(nodeid: str) -> bool:
+    """Whether the test that recorded a row no longer exists (renamed or removed)."""
+    path, _, name = nodeid.partition("::")
+    try:
+        text = (Path(__file__).resolve().parents[2] / path).read_text()
+    except OSError:
+        return True
+    return f"def {name.split('[')[0]}(" not in text
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _records:
         return
@@ -46,7 +56,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         data = json.loads(RESULTS.read_text())
     except (OSError, ValueError):
         data = {}
-    scenarios = data.get("scenarios", {})
+    ran = {rec["test"].split("[")[0] for rec in _records.values()}
+    scenarios = {k: v for k, v in data.get("scenarios", {}).items()
+                 if v.get("test", "").split("[")[0] not in ran and not _gone(v.get("test", ""))}
     for rec in _records.values():
         scenarios[rec["id"]] = rec
     data["scenarios"] = scenarios

@@ -171,14 +171,16 @@ def _wait_written_down(c: kvstore.Client, keys: list[ChunkKey]) -> bool:
     return False
 
 
-@pytest.mark.skipif(not available("valkey"), reason="valkey-server is not installed")
+@pytest.mark.parametrize("flavor", ["redis", "valkey"])
 def test_flipped_bits_in_remote_values(make_server: Callable[..., KVServer], tmp_path: Path,
-                                       record: Callable[..., Any]) -> None:
-    """Host A writes through to Valkey; values are damaged there; host B (its own L1/L2,
-    the same Valkey) reads them."""
-    import valkey
+                                       record: Callable[..., Any], flavor: str) -> None:
+    """Host A writes through to Redis/Valkey; values are damaged there; host B (its own
+    L1/L2, the same remote) reads them."""
+    if not available(flavor):
+        pytest.skip(f"{flavor}-server is not installed")
+    import redis
 
-    with RedisServer("valkey") as remote:
+    with RedisServer(flavor) as remote:
         config = tmp_path / "remote.toml"
         config.write_text(f'[remote]\nurl = "{remote.url}"\n')
         a = make_server("a", args=[*ARGS, "--config", str(config)]).start()
@@ -188,11 +190,11 @@ def test_flipped_bits_in_remote_values(make_server: Callable[..., KVServer], tmp
             ca_ok = all(3 in t for t in _until_remote(ca, keys))
         assert ca_ok, "chunks never reached the remote"
         rng = np.random.default_rng(9)
-        r = valkey.Valkey(port=remote.port)
+        r = redis.Redis(port=remote.port)  # both speak the same protocol
         damaged: set[ChunkKey] = set()
         for i, key in enumerate(keys[: N // 3]):
             name = f"kvs:c:{key.hex()}"
-            size = int(r.strlen(name))  # type: ignore[arg-type]
+            size = int(r.strlen(name))
             off = _offsets(rng, size)[i % 5]
             byte: bytes = r.getrange(name, off, off)  # type: ignore[assignment]
             r.setrange(name, off, bytes([byte[0] ^ (1 << int(rng.integers(0, 8)))]))
@@ -204,14 +206,14 @@ def test_flipped_bits_in_remote_values(make_server: Callable[..., KVServer], tmp
         gone = [k for k in damaged if r.exists(f"kvs:c:{k.hex()}")]
         r.close()
         wrong, lost = out["wrong"] + out2["wrong"], out["lost"] + out2["lost"]
-        record("Corruption", "bits flipped in Valkey values",
+        record("Corruption", f"bits flipped in {flavor} values",
                f"{len(damaged)} single-bit flips in remote records (header, token ids, "
                "compressed payload); a second server sharing the remote reads every chunk "
                "twice over shm and gRPC",
                faults=len(damaged), requests=out["reads"] + out2["reads"], lost=lost,
                wrong=wrong,
                notes=f"remote tier counted {rem.corrupt} corrupt; {len(gone)} damaged values "
-                     "left in Valkey")
+                     f"left in {flavor}")
         assert wrong == 0 and lost == 0, (out, out2)
         assert rem.corrupt == len(damaged), f"remote corrupt {rem.corrupt} of {len(damaged)}"
         assert not gone, f"damaged remote values must be deleted: {len(gone)} left"

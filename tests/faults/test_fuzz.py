@@ -310,16 +310,37 @@ def test_fuzz_management_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> 
     assert not bad, "\n".join(bad)
 
 
+@st.composite
+def wrong_types(draw: st.DrawFn) -> bytes:
+    """Fields 1-12 with any wire type (varint, fixed64, length-delimited, fixed32): a bytes
+    field as a number, a number as bytes, a message as a fixed32..."""
+    out = b""
+    for _ in range(draw(st.integers(1, 4))):
+        field, wire = draw(st.integers(1, 12)), draw(st.sampled_from([0, 1, 2, 5]))
+        out += bytes([field << 3 | wire])
+        if wire == 0:
+            out += draw(st.sampled_from([b"\x00", b"\x7f", b"\xff" * 9 + b"\x01"]))
+        elif wire == 1:
+            out += draw(st.binary(min_size=8, max_size=8))
+        elif wire == 5:
+            out += draw(st.binary(min_size=4, max_size=4))
+        else:
+            value = draw(st.binary(max_size=40))
+            out += bytes([len(value)]) + value
+    return out
+
+
 METHODS = [(m.name, ("s" if m.client_streaming else "u") + ("s" if m.server_streaming else "u"))
            for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
 
 
 def test_fuzz_raw_bytes_to_every_method(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
-    """Bytes that may not be protobuf at all, or protobuf with the wrong wire types."""
+    """Bytes that may not be protobuf at all, or fields with the wrong wire types."""
 
     @settings(FUZZ, max_examples=10 * EXAMPLES)
-    @given(method=st.sampled_from(METHODS), raw=st.lists(st.binary(max_size=120), min_size=1,
-                                                         max_size=3))
+    @given(method=st.sampled_from(METHODS),
+           raw=st.lists(st.one_of(st.binary(max_size=120), wrong_types()), min_size=1,
+                        max_size=3))
     def fuzz(method: tuple[str, str], raw: list[bytes]) -> None:
         name, kind = method
         if name == "Clear":
