@@ -23,11 +23,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import kvstore  # noqa: E402
-from tests.connectors.tinymodel import make_tiny_llama  # noqa: E402
-from tests.server.conftest import KVServer  # noqa: E402
+import kvstore
+from tests.connectors.tinymodel import make_tiny_llama
+from tests.server.conftest import KVServer
 
 PHASES = Path(__file__).with_name("phases.py")
+Baseline = dict[str, list[dict[str, Any]]]
 TOL = 5e-3  # max |logprob difference|; measured ~3e-5 between loaded and recomputed KV
 ENGINE_TIMEOUT = 900
 
@@ -48,19 +49,38 @@ PHASE_HIT = [A, D, *BATCH]
 
 
 def kv_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"url": url, "retry_after_ms": 500, **extra}}
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": url, "retry_after_ms": 500, **extra},
+    }
 
 
-def run_engine(work: Path, name: str, phases: list[list[list[int]]], kv: dict[str, Any] | None,
-               *, llm: dict[str, Any] | None = None, sync: Path | None = None,
-               between: Any = None) -> list[list[dict[str, Any]]]:
+def run_engine(
+    work: Path,
+    name: str,
+    phases: list[list[list[int]]],
+    kv: dict[str, Any] | None,
+    *,
+    llm: dict[str, Any] | None = None,
+    sync: Path | None = None,
+    between: Any = None,
+) -> list[list[dict[str, Any]]]:
     spec = work / f"{name}.json"
     out = work / f"{name}.out.json"
     log = work / f"{name}.log"
-    spec.write_text(json.dumps({"model": str(work / "model"), "phases": phases,
-                                "kv_transfer_config": kv, "llm": llm or {}}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(work / "model"),
+                "phases": phases,
+                "kv_transfer_config": kv,
+                "llm": llm or {},
+            }
+        )
+    )
     cmd = [sys.executable, str(PHASES), "--spec", str(spec), "--out", str(out)]
     if sync is not None:
         sync.mkdir(exist_ok=True)
@@ -106,7 +126,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(work: Path) -> dict[str, list[dict[str, Any]]]:
+def baseline(work: Path) -> Baseline:
     (store, hit, extra) = run_engine(work, "baseline", [PHASE_STORE, PHASE_HIT, [E]], None)
     return {"store": store, "hit": hit, "E": extra}
 
@@ -123,11 +143,18 @@ def stats(url: str) -> Any:
         return c.stats()
 
 
-def test_prefix_hits_under_chunked_prefill_match_recompute(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
+def test_prefix_hits_under_chunked_prefill_match_recompute(
+    work: Path, baseline: Baseline, server: KVServer
+) -> None:
     """Same prompt twice, a batch of 8 sharing a prefix (hits and misses), a mid-chunk divergence,
     all with chunked prefill (128-token steps) mixing prefill and decode in one batch."""
-    store, hit = run_engine(work, "both", [PHASE_STORE, PHASE_HIT], kv_config(server.unix_url),
-                            llm={"max_num_batched_tokens": 128, "max_num_seqs": 8})
+    store, hit = run_engine(
+        work,
+        "both",
+        [PHASE_STORE, PHASE_HIT],
+        kv_config(server.unix_url),
+        llm={"max_num_batched_tokens": 128, "max_num_seqs": 8},
+    )
     assert_same(store, baseline["store"], "first pass (stores)")
     assert_same(hit, baseline["hit"], "second pass (loads)")
     cached = [r["num_cached_tokens"] for r in hit]
@@ -139,9 +166,13 @@ def test_prefix_hits_under_chunked_prefill_match_recompute(work: Path, baseline:
     assert s.matched_tokens > 0 and s.hits > 0, s
 
 
-def test_pd_consumer_loads_from_disk_after_restart(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
-    """A producer engine stores, the server restarts on its data directory, a consumer engine loads."""
-    (stored,) = run_engine(work, "producer", [PHASE_STORE], kv_config(server.unix_url, "kv_producer"))
+def test_pd_consumer_loads_from_disk_after_restart(
+    work: Path, baseline: Baseline, server: KVServer
+) -> None:
+    """A producer stores; the server restarts on its data directory; a consumer loads."""
+    (stored,) = run_engine(
+        work, "producer", [PHASE_STORE], kv_config(server.unix_url, "kv_producer")
+    )
     assert_same(stored, baseline["store"], "producer")
     assert all(r["num_cached_tokens"] == 0 for r in stored), "a producer never loads"
     server.stop(signal.SIGTERM)
@@ -153,7 +184,9 @@ def test_pd_consumer_loads_from_disk_after_restart(work: Path, baseline: dict, s
     assert disk.hits > 0, "after a restart the hits come from disk"
 
 
-def test_faults_server_killed_corrupt_record_and_return(work: Path, baseline: dict, server: KVServer) -> None:  # type: ignore[type-arg]
+def test_faults_server_killed_corrupt_record_and_return(
+    work: Path, baseline: Baseline, server: KVServer
+) -> None:
     """Phase 1 stores; the server is killed; phase 2 computes everything; a record is corrupted
     and the server comes back; phase 3 reconnects, loads what verifies, recomputes the rest."""
     import lmdb
@@ -174,9 +207,14 @@ def test_faults_server_killed_corrupt_record_and_return(work: Path, baseline: di
             time.sleep(1.0)  # past the connector's retry_after_ms
 
     t0 = time.monotonic()
-    p1, p2, p3 = run_engine(work, "faults", [PHASE_STORE, PHASE_HIT, PHASE_HIT],
-                            kv_config(server.unix_url, timeout_ms=1000), sync=work / "sync-faults",
-                            between=between)
+    p1, p2, p3 = run_engine(
+        work,
+        "faults",
+        [PHASE_STORE, PHASE_HIT, PHASE_HIT],
+        kv_config(server.unix_url, timeout_ms=1000),
+        sync=work / "sync-faults",
+        between=between,
+    )
     assert_same(p1, baseline["store"], "before the fault")
     assert_same(p2, baseline["hit"], "with the server dead")
     assert_same(p3, baseline["hit"], "after a corrupt record and a restart")
@@ -187,15 +225,21 @@ def test_faults_server_killed_corrupt_record_and_return(work: Path, baseline: di
     assert time.monotonic() - t0 < ENGINE_TIMEOUT
 
 
-def test_embedded_default_starts_private_server(work: Path, baseline: dict) -> None:  # type: ignore[type-arg]
+def test_embedded_default_starts_private_server(work: Path, baseline: dict) -> None:
     """Without a url the connector runs a private server for the engine (and stops it)."""
     kv = kv_config("")
-    kv["kv_connector_extra_config"] = {"data_dir": str(work / "private-data"),
-                                       "memory_capacity": "128MiB"}
+    kv["kv_connector_extra_config"] = {
+        "data_dir": str(work / "private-data"),
+        "memory_capacity": "128MiB",
+    }
     p1, p2 = run_engine(work, "private", [[E], [E]], kv)
     assert_same(p1, baseline["E"], "private, first")
     assert_same(p2, baseline["E"], "private, second")
     assert p2[0]["num_cached_tokens"] == 640, "the second pass must hit the private server"
-    out = subprocess.run(["pgrep", "-f", f"--data-dir {work / 'private-data'}"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["pgrep", "-f", f"--data-dir {work / 'private-data'}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert not out.stdout.strip(), "the private server must stop with the engine"
