@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,7 +437,8 @@ def table(results: dict[int, dict[str, Side]]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def plot(p: Params, results: dict[int, dict[str, Side]], path: Path) -> bool:
+def plot(records: Sequence[Record | dict[str, Any]], path: Path, model: str = "") -> bool:
+    """Draw the TTFT figure from this suite's records (a run's, or from a results JSON)."""
     try:
         import matplotlib
 
@@ -444,31 +446,39 @@ def plot(p: Params, results: dict[int, dict[str, Side]], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    ns = list(results)
+    by = {d["name"]: float(d["value"]) for d in (
+        r.to_json() if isinstance(r, Record) else r for r in records)}  # fmt: skip
+    labels = [m.group(1) for m in map(re.compile(r"connector\.ttft\.cold\.(\d+k)").fullmatch, by)
+              if m]  # fmt: skip
+    labels.sort(key=lambda k: int(k[:-1]))
+    if not labels:
+        return False
+    ns = [int(k[:-1]) * 1024 for k in labels]
+
+    def ys(kind: str) -> list[float]:
+        return [by[f"connector.ttft.{kind}.{k}"] for k in labels]
+
     series = [
-        ("cold (kvstore engine: prefill + save)", [results[n]["kvstore"].cold_s
-                                                   for n in ns], "o-", "tab:red"),
-        ("cold (ExampleConnector engine)", [results[n]["example"].cold_s
-                                            for n in ns], "x--", "tab:orange"),
-        ("warm, ExampleConnector (local files)", [results[n]["example"].warm_s
-                                                  for n in ns], "s-", "tab:gray"),
-        ("warm, kvstore (shared memory)", [results[n]["kvstore"].warm_s for n in ns], "D-",
-         "tab:blue"),
-    ]  # fmt: skip
+        ("cold (kvstore engine: prefill + save)", ys("cold"), "o-", "tab:red"),
+        ("cold (ExampleConnector engine)", ys("cold_example"), "x--", "tab:orange"),
+        ("warm, ExampleConnector (local files)", ys("example"), "s-", "tab:gray"),
+        ("warm, kvstore (shared memory)", ys("warm"), "D-", "tab:blue"),
+    ]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for label, ys, style, color in series:
-        ax.plot(ns, ys, style, label=label, color=color, linewidth=1.8, markersize=6)
-    for n in ns:
-        kv = results[n]["kvstore"]
-        ax.annotate(f"{kv.cold_s / kv.warm_s:.0f}x", (n, kv.warm_s),
-                    textcoords="offset points", xytext=(0, -16), ha="center", fontsize=9,
-                    color="tab:blue")  # fmt: skip
+    for label, y, style, color in series:
+        ax.plot(ns, y, style, label=label, color=color, linewidth=1.8, markersize=6)
+    for n, cold, warm in zip(ns, ys("cold"), ys("warm"), strict=True):
+        ax.annotate(f"{cold / warm:.0f}x", (n, warm), textcoords="offset points",
+                    xytext=(0, -16), ha="center", fontsize=9, color="tab:blue")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(ns, [f"{n // 1024}k" for n in ns])
+    lowest = min(min(y) for _, y, _, _ in series)
+    ax.set_ylim(bottom=lowest / 2.5)  # room for the labels under the lowest line
+    ax.set_xticks(ns, labels)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("time to first token (s, log scale)")
-    ax.set_title(f"vLLM (CPU) TTFT, {p.describe()}\nlabels: cold / kvstore warm", fontsize=10)
+    title = "vLLM (CPU) time to first token" + (f", {model}" if model else "")
+    ax.set_title(f"{title}\nlabels: cold / kvstore warm", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
@@ -489,6 +499,6 @@ def run(quick: bool, progress: Progress) -> list[Record]:
     shutil.rmtree(work, ignore_errors=True)
     print(f"[connector] {p.describe()}\n" + table(results), file=sys.stderr)
     out = records(p, results)
-    if not quick and plot(p, results, PLOT):
+    if not quick and plot(out, PLOT, p.describe()):
         print(f"[connector] plot: {PLOT}", file=sys.stderr)
     return out
