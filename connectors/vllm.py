@@ -18,11 +18,16 @@ Choices, and why:
   extra scheduler step would cost more TTFT than it hides; a load that fails or
   times out is reported through ``get_block_ids_with_load_errors`` and vLLM
   recomputes those blocks (with ``kv_load_failure_policy: recompute``).
-- Saves run in ``wait_for_save``, after every layer of the step is written, from
+- Saves start in ``wait_for_save``, after every layer of the step is written, from
   the tokens each request has computed so far (``num_computed_tokens +
   num_scheduled_tokens``), per request and per whole chunk: never by slicing the
-  flat batch (the seed's in-flight batching bug). They finish inside the step, so
-  a preempted request's freed blocks are never read later.
+  flat batch (the seed's in-flight batching bug). The blocks are copied out inside
+  the step (on CUDA, on a side stream that the compute stream waits for before it
+  can overwrite them), so a preempted request's freed blocks are never read later.
+  Storing the copies is ``save_mode``: in the step (sync), or by a background
+  thread (async, the default for kv_both on a GPU: the next forward pass starts
+  while the device-to-host copy and the put run). A P/D producer stores in the
+  step, so the chunks are on the server before its answer reaches the proxy.
 - Workers compute keys with their own namespace (it includes the TP/PP rank) and
   look up their own chunks, so every rank loads only its own bytes.
 - A server that fails is skipped for ``retry_after_ms`` and tried again: the
@@ -32,11 +37,12 @@ Choices, and why:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvstore.connectors.vllm_blocks import BlockLayout
+from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_runtime import Backend, engine_namespace
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
-from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
+from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
 
 # Under "vllm.": vLLM configures only its own logger tree, so our lines land in its log.
@@ -74,6 +80,19 @@ class SaveSpec:
     salt: str
     start: int  # first chunk start to save (chunk aligned)
     block_ids: list[int]  # the request's blocks for tokens [0, len(tokens))
+
+
+@dataclass
+class _SaveJob:
+    """One chunk on its way out: its record's identity and the host buffer being filled."""
+
+    key: ChunkKey
+    parent: ChunkKey
+    fingerprint: Fingerprint
+    token_bytes: bytes
+    blocks: int
+    buf: torch.Tensor
+    ready: Callable[[], None]  # waits until ``buf`` holds the blocks
 
 
 @dataclass
@@ -158,6 +177,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layout: BlockLayout | None = None
         self._failed: set[int] = set()
+        self._saver: BackgroundSaver | None = None
+        self._busy_warned = 0.0
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(
@@ -273,6 +294,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, None  # saves finish inside their step: the blocks may be freed now
 
     def get_kv_connector_stats(self) -> KVStoreStats | None:
+        if self._saver is not None:
+            saved, failed = self._saver.take()
+            if saved or failed:
+                self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, KVStoreStats()
@@ -285,16 +310,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        saver = self._saver
+        if saver is not None and not saver.close(timeout=self.cfg.timeout_ms / 1000 * 4):
+            log.warning("kvstore: %d queued save(s) dropped at shutdown", saver.pending)
         self.backend.close()
 
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layout = BlockLayout(kv_caches)
+        mode = self.cfg.save_mode
+        if mode == "auto":
+            gpu = self._layout.device.type == "cuda"
+            mode = "async" if gpu and self.producer and self.consumer else "sync"
+        if mode == "async" and self.producer:
+            self._saver = BackgroundSaver(self._put, self.cfg.save_buffer_bytes)
         log.info(
-            "kvstore: %d layers, %d blocks of %d bytes, namespace %s",
+            "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s",
             self._layout.layers,
             self._layout.num_blocks,
             self._layout.block_bytes,
+            mode,
             self.base_ns.describe(),
         )
 
@@ -328,16 +363,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not blocks:
                 continue
             stored = match.stored_tokens // bs
-            buf = torch.empty(layout.layers * stored * layout.block_bytes, dtype=torch.uint8)
+            buf = layout.host_buffer(layout.layers * stored * layout.block_bytes)
             header = self.backend.get_into(match.key, buf)
             if header is None or header.raw_size != buf.numel():
                 continue  # gone or another layout: those blocks are reported below
             # Blocks of the chunk before spec.start are computed locally: only ``blocks`` move.
-            offset = blocks[0] - first
-            if offset:
-                buf = buf.view(layout.layers, stored, layout.block_bytes)[:, offset:].contiguous()
-                stored -= offset
-            layout.scatter(buf, stored, [todo.pop(b) for b in blocks])
+            layout.scatter(buf, stored, [todo.pop(b) for b in blocks], first=blocks[0] - first)
         if todo:
             self._failed.update(todo.values())
             self.stats.add(load_failed_blocks=len(todo))
@@ -356,20 +387,34 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVStoreMeta) or not meta.saves or self._layout is None:
             return
         t0 = time.perf_counter()
-        saved = 0
+        jobs: list[_SaveJob] = []
         for spec in meta.saves:
             try:
-                saved += self._save(spec)
+                jobs += self._start_saves(spec)
             except Exception as e:  # a failed save only costs a future hit
                 self.backend.failed("save", e)
-        self.stats.add(saved_tokens=saved, save_s=time.perf_counter() - t0)
+        if self._saver is not None:
+            refused = [j for j in jobs if not self._saver.submit(j, j.buf.numel())]
+            if refused:
+                self.stats.add(save_skipped_chunks=len(refused))
+                self._warn_busy(len(refused))
+        else:  # every gather is already under way: each put overlaps the next copy
+            saved = 0
+            for job in jobs:
+                try:
+                    saved += self._put(job)
+                except Exception as e:
+                    self.backend.failed("save", e)
+            self.stats.add(saved_tokens=saved)
+        self.stats.add(save_s=time.perf_counter() - t0)
 
-    def _save(self, spec: SaveSpec) -> int:
+    def _start_saves(self, spec: SaveSpec) -> list[_SaveJob]:
+        """Start copying out the chunks of ``spec`` the server lacks."""
         assert self._layout is not None
         layout, bs, C = self._layout, self.block_size, self.chunk_tokens
         fp = self.base_ns.for_request(spec.salt).fingerprint
         raw = tokens_to_bytes(spec.tokens)
-        parent, saved = ROOT, 0
+        parent = ROOT
         spans = [(s, min(s + C, len(spec.tokens))) for s in range(0, len(spec.tokens), C)]
         keys = []
         for s, e in spans:
@@ -377,25 +422,45 @@ class KVStoreConnector(KVConnectorBase_V1):
             keys.append(parent)
         todo = [i for i, (s, _) in enumerate(spans) if s >= spec.start]
         present = self.backend.exists([keys[i] for i in todo])
+        jobs = []
         for i, here in zip(todo, present, strict=True):
             if here:
                 continue
             s, e = spans[i]
             n = (e - s) // bs
-            buf = torch.empty(layout.layers * n * layout.block_bytes, dtype=torch.uint8)
-            layout.gather(spec.block_ids[s // bs : e // bs], buf)
-            header = make_header(
-                key=keys[i],
-                parent=keys[i - 1] if i else ROOT,
-                fingerprint=fp,
-                token_bytes=raw[s * 4 : e * 4],
-                dtype=str(layout.dtype).removeprefix("torch."),
-                shape=layout.payload_shape(n),
-                payload=memoryview(buf.numpy().data),
+            buf = layout.host_buffer(layout.layers * n * layout.block_bytes)
+            ready = layout.gather(spec.block_ids[s // bs : e // bs], buf)
+            jobs.append(
+                _SaveJob(keys[i], keys[i - 1] if i else ROOT, fp, raw[s * 4 : e * 4], n, buf, ready)
             )
-            if self.backend.put(header, buf.numpy()):
-                saved += e - s
-        return saved
+        return jobs
+
+    def _put(self, job: _SaveJob) -> int:
+        """Store one chunk once its bytes are on the host; the tokens stored."""
+        assert self._layout is not None
+        job.ready()
+        payload = job.buf.numpy()
+        header = make_header(
+            key=job.key,
+            parent=job.parent,
+            fingerprint=job.fingerprint,
+            token_bytes=job.token_bytes,
+            dtype=str(self._layout.dtype).removeprefix("torch."),
+            shape=self._layout.payload_shape(job.blocks),
+            payload=memoryview(payload.data),
+        )
+        return len(job.token_bytes) // 4 if self.backend.put(header, payload) else 0
+
+    def _warn_busy(self, n: int) -> None:
+        now = time.monotonic()
+        if now - self._busy_warned > 5:
+            self._busy_warned = now
+            log.warning(
+                "kvstore: %d chunk save(s) skipped: more than save_buffer=%s of saves are "
+                "waiting for the server (it is slower than the engine produces KV)",
+                n,
+                self.cfg.save_buffer,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed = self._failed, set()

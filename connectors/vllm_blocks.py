@@ -13,8 +13,11 @@ layer-name order; its first m blocks are a valid payload for m blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Sequence
 from math import prod
+from typing import Any
 
 import torch
 
@@ -46,6 +49,8 @@ class BlockLayout:
         self.itemsize = first.element_size()
         self.block_bytes = prod(first.shape[1:]) * self.itemsize
         self.num_blocks = first.shape[0]
+        # CUDA: saves gather on their own stream (see gather)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         for name in self.names:
             t = kv_caches[name]
             bb = prod(t.shape[1:]) * t.element_size()
@@ -84,30 +89,131 @@ class BlockLayout:
         """The chunk payload's shape in elements of the KV dtype."""
         return (self.layers, n_blocks, self.block_bytes // self.itemsize)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy blocks into ``out``, a uint8 tensor of ``layers * len(block_ids) * block_bytes``."""
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for chunk bytes: pinned for a CUDA cache, so copies run asynchronously."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> Callable[[], None]:
+        """Start copying blocks into ``out`` (uint8, ``layers * len(block_ids) * block_bytes``).
+
+        Returns a function that waits until the bytes are in ``out``. On CPU the copy is done
+        on return. On CUDA the blocks are gathered on a side stream once the step's kernels
+        have written them, then copied to ``out`` in one device-to-host transfer that overlaps
+        the next forward pass; the compute stream waits only for the gather (device memory
+        speed), so a block freed and rewritten later is never read half-written.
+        """
         n = len(block_ids)
         dst = out.view(self.layers, n, self.block_bytes)
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for i, view in enumerate(self.views):
-            if view.device == dst.device:
+        if self._side is None:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for i, view in enumerate(self.views):
                 torch.index_select(view, 0, idx, out=dst[i])
-            else:  # GPU cache into a host buffer: gather on device, then one copy
-                dst[i].copy_(torch.index_select(view, 0, idx), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            return _done
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            # Allocated on the side stream: the allocator reuses it only after this
+            # stream's later work, so dropping it before the copy ends is safe.
+            staged = torch.empty((self.layers, n, self.block_bytes), dtype=torch.uint8,
+                                 device=self.device)
+            for i, view in enumerate(self.views):
+                torch.index_select(view, 0, idx, out=staged[i])
+            read = torch.cuda.Event()
+            read.record(self._side)
+            dst.copy_(staged, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._side)
+        main.wait_event(read)
+        return copied.synchronize
 
-    def scatter(self, src: torch.Tensor, stored_blocks: int, block_ids: Sequence[int]) -> None:
-        """Copy the first ``len(block_ids)`` blocks of a payload into the cache."""
+    def scatter(self, src: torch.Tensor, stored_blocks: int, block_ids: Sequence[int],
+                first: int = 0) -> None:
+        """Copy ``len(block_ids)`` blocks of a payload, from its block ``first``, into the cache.
+
+        On CUDA the copies are queued on the compute stream, ahead of the forward pass that
+        reads them, and return without waiting; a pinned ``src`` is kept by torch's host
+        allocator until its copy has run.
+        """
         n = len(block_ids)
-        if n > stored_blocks:
-            raise InvalidArgument(f"asked for {n} blocks of a chunk holding {stored_blocks}")
-        data = src.view(self.layers, stored_blocks, self.block_bytes)
+        if first + n > stored_blocks:
+            raise InvalidArgument(
+                f"asked for blocks {first}..{first + n - 1} of a chunk holding {stored_blocks}")
+        data = src.view(self.layers, stored_blocks, self.block_bytes)[:, first:first + n]
+        if data.device != self.device:
+            data = data.to(self.device, non_blocking=True)  # one host-to-device transfer
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for i, view in enumerate(self.views):
-            part = data[i, :n]
-            if part.device != view.device:
-                part = part.to(view.device, non_blocking=True)
-            view.index_copy_(0, idx, part)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            view.index_copy_(0, idx, data[i])
+
+
+def _done() -> None:
+    return None
+
+
+class BackgroundSaver:
+    """Runs save jobs on one thread, in order, so the engine's step does not wait for them.
+
+    ``run(job)`` does one save (wait for its bytes, build the record, put it) and returns
+    the tokens it stored. Pending jobs hold host buffers, so their bytes are bounded: a job
+    that would pass ``max_pending_bytes`` is refused (the caller counts it as a skipped
+    save, a future miss) rather than stalling the engine or growing without limit.
+    """
+
+    def __init__(self, run: Callable[[Any], int], max_pending_bytes: int) -> None:
+        self._run = run
+        self.max_pending_bytes = max_pending_bytes
+        self._jobs: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending_bytes = 0
+        self._pending_jobs = 0
+        self.saved_tokens = 0  # totals, read and reset by the owner with ``take``
+        self.errors = 0
+        self._thread = threading.Thread(target=self._loop, name="kvstore-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Any, nbytes: int) -> bool:
+        with self._cond:
+            if self._pending_jobs and self._pending_bytes + nbytes > self.max_pending_bytes:
+                return False
+            self._pending_bytes += nbytes
+            self._pending_jobs += 1
+        self._jobs.put((job, nbytes))
+        return True
+
+    def _loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, nbytes = item
+            try:
+                tokens, failed = self._run(job), 0
+            except Exception:  # the owner's run reports its own failures
+                tokens, failed = 0, 1
+            with self._cond:
+                self.saved_tokens += tokens
+                self.errors += failed
+                self._pending_bytes -= nbytes
+                self._pending_jobs -= 1
+                self._cond.notify_all()
+
+    def take(self) -> tuple[int, int]:
+        """(tokens saved, jobs failed) since the last call."""
+        with self._cond:
+            out = (self.saved_tokens, self.errors)
+            self.saved_tokens = self.errors = 0
+            return out
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending_jobs
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every submitted job has run; False if some are still pending."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending_jobs == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
+        done = self.drain(timeout)
+        self._jobs.put(None)
+        self._thread.join(timeout if done else 0)
+        return done

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import build
+from kvstore.config import build, parse_size
 from kvstore.errors import ConfigError
 
 
@@ -32,6 +32,11 @@ class ConnectorConfig:
     retry_after_ms: int = 5000  # after a failed call, skip the server this long before trying again
     save: bool = True  # store prefill KV (kv_producer / kv_both)
     load: bool = True  # load hits (kv_consumer / kv_both)
+    # sync: a step's saves are stored before the step ends; async: they are queued and
+    # stored by a background thread while the engine goes on; auto: async for kv_both on
+    # a GPU, sync otherwise (a P/D producer's saves must be there when its answer is)
+    save_mode: str = "auto"
+    save_buffer: str = "1GiB"  # async saves: most host memory held by saves not yet stored
     memory_capacity: str = "2GiB"  # private server only: L1 arena size
     disk_capacity: str = "16GiB"  # private server only: L2 size
     data_dir: str = ""  # private server only: where L2 lives ("" = a temporary directory)
@@ -48,6 +53,15 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config: timeouts must be > 0")
         if self.shm not in ("auto", "on", "off"):
             raise ConfigError(f"kv_connector_extra_config.shm={self.shm!r}: allowed auto, on, off")
+        if self.save_mode not in ("auto", "sync", "async"):
+            raise ConfigError(f"kv_connector_extra_config.save_mode={self.save_mode!r}: "
+                              "allowed auto, sync, async")
+        if self.save_buffer_bytes <= 0:
+            raise ConfigError("kv_connector_extra_config.save_buffer must be > 0 (e.g. 1GiB)")
+
+    @property
+    def save_buffer_bytes(self) -> int:
+        return parse_size(self.save_buffer, "kv_connector_extra_config.save_buffer")
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

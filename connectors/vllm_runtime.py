@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -117,9 +118,17 @@ class Backend:
         self._down_until = 0.0
         self._last_warning = 0.0
         self._info: Any = None
+        # the connector's saver thread and the engine's thread share the client
+        self._lock = threading.RLock()
 
     # -- connection ------------------------------------------------------------
     def _connect(self) -> Any:
+        if self._client is not None:
+            return self._client
+        with self._lock:
+            return self._connect_locked()
+
+    def _connect_locked(self) -> Any:
         if self._client is not None:
             return self._client
         if time.monotonic() < self._down_until:
@@ -149,6 +158,10 @@ class Backend:
 
     def failed(self, what: str, error: BaseException) -> None:
         """Count a failure: back off, reconnect later, warn at most every few seconds."""
+        with self._lock:
+            self._failed_locked(what, error)
+
+    def _failed_locked(self, what: str, error: BaseException) -> None:
         now = time.monotonic()
         self._down_until = now + self.cfg.retry_after_ms / 1000
         if now - self._last_warning > 5:
