@@ -107,14 +107,15 @@ def copy_bandwidth() -> list[dict[str, Any]]:
     return records
 
 
-def _start_server(work: Path, memory: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(work: Path, memory: str, policy: str = "write-through"
+                  ) -> tuple[subprocess.Popen[bytes], str]:
     from kvstore.client import Client
 
     sock = work / "kv.sock"
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.main", "--listen", "",
                              "--unix-socket", str(sock), "--data-dir", str(work / "data"),
                              "--memory-capacity", memory, "--disk-capacity", "16GiB",
-                             "--log-level", "warning"], cwd=ROOT)
+                             "--write-policy", policy, "--log-level", "warning"], cwd=ROOT)
     url = f"unix://{sock}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -131,130 +132,184 @@ def _start_server(work: Path, memory: str) -> tuple[subprocess.Popen[bytes], str
     raise RuntimeError("kvstore-server did not start")
 
 
-def data_path(work: Path, limits: dict[str, float]) -> list[dict[str, Any]]:
-    """The connector's save and load path on a Llama-3-8B-shaped cache (LBNHC, bf16)."""
-    import torch
-    from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout
+class _Cache:
+    """A Llama-3-8B-shaped paged cache in vLLM's CUDA layout (LBNHC, bf16)."""
 
-    from kvstore.client import Client
-    from kvstore.keys import ROOT as KEY_ROOT
-    from kvstore.keys import Namespace, chunk_key, tokens_to_bytes
-    from kvstore.records import make_header
+    def __init__(self) -> None:
+        import torch
+        from kvstore.connectors.vllm_blocks import BlockLayout
 
-    layers, blocks, bs, heads, hd = (32, 2048, 16, 8, 128) if DEVICE == "cuda" else (4, 256, 16,
-                                                                                     8, 128)
-    base = torch.randn(layers, blocks, bs, heads, 2 * hd, dtype=torch.bfloat16, device=DEVICE)
-    layout = BlockLayout({f"l{i:02d}": base[i].transpose(1, 2) for i in range(layers)})
-    per_chunk = 16  # blocks in a 256-token chunk: 32 MiB of KV
-    nbytes = layout.layers * per_chunk * layout.block_bytes
-    ns = Namespace(model="gpu-check", dtype="bfloat16", layout="LBNHC")
-    records: list[dict[str, Any]] = []
-    d2h, h2d = limits["d2h"], limits["h2d"]
+        from kvstore.keys import Namespace
 
+        big = DEVICE == "cuda"
+        self.layers, self.blocks = (32, 2048) if big else (4, 256)
+        base = torch.randn(self.layers, self.blocks, 16, 8, 256, dtype=torch.bfloat16,
+                           device=DEVICE)
+        self.layout = BlockLayout({f"l{i:02d}": base[i].transpose(1, 2)
+                                   for i in range(self.layers)})
+        self.per_chunk = 16  # blocks in a 256-token chunk: 32 MiB of KV
+        self.nbytes = self.layout.layers * self.per_chunk * self.layout.block_bytes
+        self.ns = Namespace(model="gpu-check", dtype="bfloat16", layout="LBNHC")
+        dim = 8192 if big else 512
+        self.mm_n = 40 if big else 4
+        self.x = torch.randn(dim, dim, device=DEVICE, dtype=torch.bfloat16)
+        self.dim = dim
+
+    def compute(self) -> None:
+        """A compute-bound stand-in for a forward pass, queued on the compute stream."""
+        import torch
+
+        y = self.x
+        for _ in range(self.mm_n):
+            y = torch.mm(y, self.x)
+            y /= 90.0
+
+    def chunk_ids(self, i: int) -> list[int]:
+        return [(i * self.per_chunk + k) % self.blocks for k in range(self.per_chunk)]
+
+
+def gather_figures(c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
+    """The save's device side: gather speed, and how long it holds the engine's thread."""
     import numpy as np
 
+    layout, nbytes = c.layout, c.nbytes
     a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     memcpy = nbytes / _median_s(lambda: np.copyto(b, a)) / 1e9
-    records.append(_rec("memcpy 32 MiB (one thread)", memcpy, "GB/s", None, "host limit of a put"))
-
-    # gather alone, and the engine thread's share of it
+    limits["memcpy"] = memcpy
+    records = [_rec("memcpy 32 MiB (one thread)", memcpy, "GB/s", None, "host limit of a put")]
     buf = layout.host_buffer(nbytes)
-    ids = list(range(0, 2 * per_chunk, 2))
+    ids = list(range(0, 2 * c.per_chunk, 2))
     t = _median_s(lambda: layout.gather(ids, buf)())
-    records.append(_rec("save gather 32 MiB chunk", nbytes / t / 1e9, "GB/s", d2h,
+    records.append(_rec("save gather 32 MiB chunk", nbytes / t / 1e9, "GB/s", limits["d2h"],
                         "side stream, LBNHC, into pinned memory; limit: pinned d2h"))
-    _sync()
+    forward = _median_s(c.compute, reps=5)
     held = []
-    for _ in range(10):
+    for _ in range(5):
+        _sync()
+        c.compute()  # the step's forward is queued when wait_for_save starts the saves
         t0 = time.perf_counter()
         wait = layout.gather(ids, buf)
         held.append(time.perf_counter() - t0)
         wait()
     held.sort()
-    records.append(_rec("save: engine thread held", held[5] * 1e3, "ms", t * 1e3,
-                        "time to start a 32 MiB save; limit: the whole copy's time"))
+    records.append(_rec("save start: engine thread held", held[2] * 1e3, "ms", forward * 1e3,
+                        "starting a 32 MiB save behind a queued forward; limit: the forward's "
+                        "time (a blocking save would hold the thread that long)"))
+    return records
 
-    proc, url = _start_server(work, "8GiB")
+
+def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
+                   ) -> list[dict[str, Any]]:
+    """Saves and loads through a real kvstore-server over shared memory."""
+    import torch
+    import xxhash
+    from kvstore.connectors.vllm_blocks import BackgroundSaver
+
+    from kvstore.client import Client
+    from kvstore.keys import ROOT as KEY_ROOT
+    from kvstore.keys import chunk_key, tokens_to_bytes
+    from kvstore.records import make_header
+
+    layout, nbytes, ns = c.layout, c.nbytes, c.ns
+    records: list[dict[str, Any]] = []
+    proc, url = _start_server(work, "8GiB", policy)
     try:
         with Client(url, timeout=30) as client:
             assert client.shm_active, "the same-host client is not using shared memory"
-            chunks = 64 if DEVICE == "cuda" else 8  # 2 GiB on the GPU
             keys: list[bytes] = []
+            stage: dict[str, list[float]] = {"header": [], "put": []}
 
             def save(i: int, done: Callable[[], None], b: torch.Tensor) -> int:
                 done()
                 tok = tokens_to_bytes(list(range(i * 256, i * 256 + 256)))
                 key = chunk_key(KEY_ROOT, ns.fingerprint, tok)
                 payload = b.numpy()
+                t0 = time.perf_counter()
                 header = make_header(key=key, parent=KEY_ROOT, fingerprint=ns.fingerprint,
                                      token_bytes=tok, dtype="bfloat16",
-                                     shape=layout.payload_shape(per_chunk),
+                                     shape=layout.payload_shape(c.per_chunk),
                                      payload=memoryview(payload.data))
+                t1 = time.perf_counter()
+                ok = client.put(header, payload).ok
+                stage["header"].append(t1 - t0)
+                stage["put"].append(time.perf_counter() - t1)
                 keys.append(key)
-                return 256 if client.put(header, payload).ok else 0
+                return 256 if ok else 0
 
+            chunks = 32 if DEVICE == "cuda" else 8
             saver = BackgroundSaver(lambda job: save(*job), max_pending_bytes=4 << 30)
             t0 = time.perf_counter()
             for i in range(chunks):
                 b = layout.host_buffer(nbytes)
-                sel = [(i * per_chunk + k) % blocks for k in range(per_chunk)]
-                assert saver.submit((i, layout.gather(sel, b), b), nbytes)
+                assert saver.submit((i, layout.gather(c.chunk_ids(i), b), b), nbytes)
             assert saver.drain(300)
             total = time.perf_counter() - t0
             saved, failed = saver.take()
             saver.close(5)
             rate = chunks * nbytes / total / 1e9
-            note = f"{saved} tokens stored, {failed} failed; through the server's shared memory"
+            note = f"{policy}; {saved} tokens stored, {failed} failed"
             assert saved == chunks * 256, note
-            records.append(_rec(f"save gather+put x{chunks}", rate, "GB/s", d2h,
-                                note + "; limit: pinned d2h"))
-            records.append(_rec(f"save gather+put x{chunks} vs memcpy", rate, "GB/s", memcpy,
-                                "a put copies into the arena and the server verifies it"))
+            records.append(_rec(f"save x{chunks} gather+put [{policy}]", rate, "GB/s",
+                                limits["memcpy"], note + "; limit: memcpy"))
+            for name, ts in stage.items():
+                ts.sort()
+                records.append(_rec(f"save stage {name} [{policy}]", ts[len(ts) // 2] * 1e3,
+                                    "ms", None, "median per 32 MiB chunk while saves stream"))
 
             # compute-stream slowdown while saves run
-            dim, mm_n = (8192, 40) if DEVICE == "cuda" else (512, 4)
-            x = torch.randn(dim, dim, device=DEVICE, dtype=torch.bfloat16)
-
-            def compute() -> None:
-                y = x
-                for _ in range(mm_n):
-                    y = torch.mm(y, x)
-                    y /= 90.0
-
-            alone = _median_s(compute, reps=5)
+            alone = _median_s(c.compute, reps=5)
             saver = BackgroundSaver(lambda job: save(*job), max_pending_bytes=4 << 30)
-            keys.clear()
             _sync()
-            # As in the engine: a step's saves start, then the next forward is queued.
             t0 = time.perf_counter()
-            for i in range(8):
+            for i in range(8):  # as in the engine: a step's saves start, then the next forward
                 b = layout.host_buffer(nbytes)
-                saver.submit((1000 + i, layout.gather(list(range(i * 16, i * 16 + 16)), b), b),
-                             nbytes)
-            compute()
+                saver.submit((1000 + i, layout.gather(c.chunk_ids(i), b), b), nbytes)
+            c.compute()
             _sync()
             both = time.perf_counter() - t0
             assert saver.drain(120)
             saver.close(5)
-            records.append(_rec("compute time with saves running", both, "s", alone,
-                                f"{mm_n} matmuls ({dim}^3 bf16) queued after 8 chunk saves; "
-                                "ratio 1 = no slowdown"))
+            records.append(_rec(f"forward time with saves running [{policy}]", both, "s", alone,
+                                f"{c.mm_n} matmuls ({c.dim}^3 bf16) queued after 8 chunk "
+                                "saves; ratio 1 = no slowdown"))
 
-            # load: get into pinned memory, scatter
+            # loads, once the server is idle again, stage by stage
+            time.sleep(3)
             dst = layout.host_buffer(nbytes)
-            targets = list(range(blocks - per_chunk, blocks))
-            key = keys[0]
-
-            def load() -> None:
-                assert client.get_into(key, dst.numpy()) is not None
-                layout.scatter(dst, per_chunk, targets)
-
-            t = _median_s(load)
-            records.append(_rec("load get+scatter 32 MiB chunk", nbytes / t / 1e9, "GB/s",
-                                h2d, "shared memory into pinned, then host-to-device"))
+            targets = list(range(c.blocks - c.per_chunk, c.blocks))
+            key = keys[-1]
+            t_get = _median_s(lambda: client.get_into(key, dst.numpy()))
+            t_sum = _median_s(lambda: xxhash.xxh3_64_intdigest(dst.numpy()))
+            t_scatter = _median_s(lambda: layout.scatter(dst, c.per_chunk, targets))
+            total = t_get + t_scatter
+            records.append(_rec(f"load get+scatter 32 MiB [{policy}]", nbytes / total / 1e9,
+                                "GB/s", limits["memcpy"],
+                                f"get_into {t_get * 1e3:.1f} ms (of which checksum "
+                                f"{t_sum * 1e3:.1f} ms), scatter {t_scatter * 1e3:.1f} ms; "
+                                "limit: memcpy"))
+            t_put = []
+            for i in range(5):
+                b = layout.host_buffer(nbytes)
+                layout.gather(c.chunk_ids(2000 + i), b)()
+                t0 = time.perf_counter()
+                save(2000 + i, lambda: None, b)
+                t_put.append(time.perf_counter() - t0)
+                time.sleep(0.5)
+            t_put.sort()
+            records.append(_rec(f"save put 32 MiB, server idle [{policy}]",
+                                nbytes / t_put[2] / 1e9, "GB/s", limits["memcpy"],
+                                "header checksum + Reserve/copy/Commit; limit: memcpy"))
     finally:
         proc.terminate()
         proc.wait(30)
+    return records
+
+
+def data_path(work: Path, limits: dict[str, float]) -> list[dict[str, Any]]:
+    c = _Cache()
+    records = gather_figures(c, limits)
+    for policy in ("write-through", "write-back"):
+        records += server_figures(work / policy, c, limits, policy)
     return records
 
 

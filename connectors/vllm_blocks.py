@@ -112,7 +112,7 @@ class BlockLayout:
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            idx = self._indices(block_ids)
             # Allocated on the side stream: the allocator reuses it only after this
             # stream's later work, so dropping it before the copy ends is safe.
             staged = torch.empty((self.layers, n, self.block_bytes), dtype=torch.uint8,
@@ -142,9 +142,20 @@ class BlockLayout:
         data = src.view(self.layers, stored_blocks, self.block_bytes)[:, first:first + n]
         if data.device != self.device:
             data = data.to(self.device, non_blocking=True)  # one host-to-device transfer
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        idx = self._indices(block_ids)
         for i, view in enumerate(self.views):
             view.index_copy_(0, idx, data[i])
+
+    def _indices(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids on the cache's device, without making the host wait for the GPU.
+
+        A plain ``torch.tensor(..., device="cuda")`` is a blocking copy: it waits for every
+        kernel queued on the stream, i.e. for the forward pass to finish.
+        """
+        if self._side is None:
+            return torch.tensor(block_ids, dtype=torch.long)
+        host = torch.tensor(block_ids, dtype=torch.long, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
 
 def _done() -> None:
