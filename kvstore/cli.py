@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore import __version__
+from kvstore import __version__, cli_bench
 from kvstore import cli_format as fmt
 from kvstore.cli_format import CLIError
 from kvstore.errors import (
@@ -174,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", action="store_true", help="keep the chunks instead of deleting")
     sp.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar on stderr")
+    sp.add_argument("--suite", nargs="?", const="all", metavar="NAME[,NAME]",
+                    help="run the benchmark suite instead (`python -m benchmarks`; needs the "
+                         "source checkout): all suites, or some of store, remote, server, "
+                         "concurrency, connector, replay. It starts its own servers; --url "
+                         "is not used")
+    sp.add_argument("--quick", action="store_true", help="with --suite: the quick subset")
+    sp.add_argument("--out", metavar="FILE", help="with --suite: write the records as JSON")
+    sp.add_argument("--no-save", action="store_true",
+                    help="with --suite: leave benchmarks/RESULTS.md and the plots alone")
     return p
 
 
@@ -411,79 +420,10 @@ def cmd_clear(args: argparse.Namespace) -> Doc:
             "removed": removed}
 
 
-def cmd_bench(args: argparse.Namespace) -> Doc:
-    import uuid
-
-    import numpy as np
-
-    from kvstore.keys import ROOT
-    from kvstore.tiers.base import PutStatus
-
-    size, count = args.size, args.count
-    with _client(args, shm=args.shm) as c:
-        info = c.info()
-        if size + 65536 > info.max_chunk_bytes:
-            raise CLIError(f"--size {fmt.human_bytes(size)} is over the server's largest chunk "
-                           f"({fmt.human_bytes(info.max_chunk_bytes)} with its header)")
-        # A fresh namespace per run: earlier runs' chunks cannot turn puts into EXISTS.
-        ns = Namespace(model="kvstore-bench", salt=uuid.uuid4().hex)
-        payload = np.random.default_rng().integers(0, 256, size, dtype=np.uint8)
-        out = np.empty(size, dtype=np.uint8)
-        ct = max(1, info.chunk_tokens)
-
-        def stamp(i: int) -> np.ndarray:  # chunk i's bytes: the random block, i in front
-            payload[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)[: min(8, size)]
-            return payload
-
-        plane = "shm" if c.shm_active else "stream"  # maps the arena now, outside the timing
-        keys: list[tuple[int, ChunkKey]] = []
-        statuses = dict.fromkeys((s.name.lower() for s in PutStatus), 0)
-        verified = missing = 0
-        t_put = t_get = 0.0
-        bar = fmt.Progress("put", count, enabled=args.progress)
-        for i in range(count):
-            tokens = np.arange(i * ct, (i + 1) * ct, dtype=np.uint32)
-            data = stamp(i)
-            t0 = time.perf_counter()
-            key, status = c.put_chunk(ns, ROOT, tokens, data, "uint8", (size,))
-            t_put += time.perf_counter() - t0
-            statuses[status.name.lower()] += 1
-            if status in (PutStatus.STORED, PutStatus.EXISTS):
-                keys.append((i, key))
-            bar.update()
-        bar.close()
-        bar = fmt.Progress("get", len(keys), enabled=args.progress)
-        for i, key in keys:
-            t0 = time.perf_counter()
-            found = c.get_into(key, out)
-            t_get += time.perf_counter() - t0
-            if found is None:
-                missing += 1
-            elif np.array_equal(out, stamp(i)):
-                verified += 1
-            bar.update()
-        bar.close()
-        if not args.keep:
-            c.delete([k for _, k in keys])
-    doc: Doc = {
-        "url": c.url, "plane": plane, "size_bytes": size, "count": count,
-        "put": {"seconds": t_put, "bytes": size * count,
-                "gb_per_s": size * count / t_put / 1e9 if t_put else 0.0,
-                "statuses": {k: v for k, v in statuses.items() if v}},
-        "get": {"seconds": t_get, "bytes": size * len(keys),
-                "gb_per_s": size * len(keys) / t_get / 1e9 if t_get else 0.0,
-                "missing": missing},
-        "verified": verified, "kept": args.keep}
-    if verified != count:
-        doc["error"] = (f"only {verified} of {count} chunks were stored and read back intact "
-                        f"(put statuses {doc['put']['statuses']}, {missing} missing on get)")
-    return doc
-
-
 COMMANDS: dict[str, Callable[[argparse.Namespace], Doc]] = {
     "stats": cmd_stats, "info": cmd_info, "health": cmd_health, "ls": cmd_ls,
     "lookup": cmd_lookup, "delete": _keys_command, "pin": _keys_command,
-    "unpin": _keys_command, "clear": cmd_clear, "bench": cmd_bench,
+    "unpin": _keys_command, "clear": cmd_clear, "bench": cli_bench.cmd_bench,
 }
 
 

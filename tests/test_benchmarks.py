@@ -240,3 +240,20 @@ def test_plots_draw_each_family_from_records(tmp_path: Path) -> None:
     assert plots.make_all([Record("other", 1.0, "x")], tmp_path / "none") == [], (
         "a family without records must be skipped"
     )
+
+
+def test_kvstore_bench_suite_runs_the_same_suite(tmp_path: Path) -> None:
+    """`kvstore bench --suite` is `python -m benchmarks`, found from any directory."""
+    js = tmp_path / "records.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "--json", "bench", "--suite", "store", "--quick",
+         "--no-save", "--no-progress", "--out", str(js)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"kvstore bench --suite failed:\n{proc.stderr[-3000:]}"
+    doc = json.loads(proc.stdout)  # the suite's own table must not leak into --json output
+    assert doc["suite"] == "store" and doc["quick"] is True
+    names = {r["name"] for r in doc["records"]}
+    assert "lookup.128k.p50" in names, f"store suite records missing: {sorted(names)[:10]}"
+    assert all(set(RECORD_KEYS) <= set(r) for r in doc["records"]), "records lack documented keys"
+    assert json.loads(js.read_text()) == doc["records"], "--out holds other records"
