@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import CorruptRecord, KVStoreError, NotFound, Unauthenticated
+from kvstore.errors import KVStoreError, NotFound, Unauthenticated
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -275,7 +275,8 @@ class Client(ClientBase):
         if self._shm() is None:
             return "stream"
         t0 = time.monotonic()
-        a = self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
+        a = self._call("Acquire", self._stub.Acquire,
+                       pb.AcquireRequest(key=key, client_verifies=self.verify), timeout)
         if not a.found:
             return "stream" if a.use_get else None
         assert self._arena is not None
@@ -302,10 +303,13 @@ class Client(ClientBase):
         fut.add_done_callback(self._pending.discard)
         return True
 
-    def _verified(self, header: RecordHeader, data: Any) -> None:
-        if self.verify and xxhash.xxh3_64_intdigest(data) != header.payload_checksum:
-            raise CorruptRecord(f"chunk {header.key.hex()[:16]}: payload read from shared "
-                                "memory fails its checksum")
+    def _verified(self, header: RecordHeader, data: Any) -> bool:
+        """The payload read from shared memory hashes right (the server left it to us).
+
+        False sends the read to Get, where the server verifies the record itself and,
+        if it is corrupt, deletes and counts it: the caller gets a miss or a good copy
+        from a lower tier, never these bytes."""
+        return not self.verify or xxhash.xxh3_64_intdigest(data) == header.payload_checksum
 
     def get(self, key: bytes, *, timeout: float | None = None
             ) -> tuple[RecordHeader, bytes] | None:
@@ -316,10 +320,9 @@ class Client(ClientBase):
                 data = got.read()
             finally:
                 ok = self._done_with(got)
-            if ok:
-                self._verified(got.header, data)
+            if ok and self._verified(got.header, data):
                 return got.header, data
-            got = "stream"  # the lease expired while we read: the bytes may be wrong
+            got = "stream"  # expired while we read, or corrupt: the server decides
         if got is None:
             return None
         return self._get_stream(key, None, timeout)
@@ -334,10 +337,9 @@ class Client(ClientBase):
                 got.read_into(dst)
             finally:
                 ok = self._done_with(got)
-            if ok:
-                self._verified(got.header, dst[: got.header.raw_size].data)
+            if ok and self._verified(got.header, dst[: got.header.raw_size].data):
                 return got.header
-            got = "stream"
+            got = "stream"  # expired while we read, or corrupt: the server decides
         if got is None:
             return None
         found = self._get_stream(key, dst, timeout)

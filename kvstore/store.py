@@ -260,13 +260,17 @@ class TieredStore:
             self._reservations.pop(reservation_id, None)
         self.memory.abort(reservation_id)
 
-    def acquire(self, key: ChunkKey, owner: str = "") -> ReadLease | None:
-        """A read lease on the chunk in L1, promoting it from below if needed."""
+    def acquire(self, key: ChunkKey, owner: str = "", *, payload: bool = True
+                ) -> ReadLease | None:
+        """A read lease on the chunk in L1, promoting it from below if needed.
+
+        ``payload=False``: the holder verifies the payload itself (``MemoryTier.acquire``).
+        """
         self._check_open()
         self._count("gets")
-        lease = self.memory.acquire(key, owner=owner)
+        lease = self.memory.acquire(key, owner=owner, payload=payload)
         if lease is None and self.get(key, count=False) is not None:
-            lease = self.memory.acquire(key, owner=owner)
+            lease = self.memory.acquire(key, owner=owner, payload=payload)
         if lease is not None:
             self._count("hits")
             self._touch(key)

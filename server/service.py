@@ -424,7 +424,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._shm_enabled(context)
         key = self._key(request.key)
         owner = self._owner(context)
-        lease = self.store.acquire(key, owner=owner)
+        lease = self.store.acquire(key, owner=owner, payload=not request.client_verifies)
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
             return pb.AcquireResponse(found=False, use_get=key in self.store.index)

@@ -246,10 +246,12 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "client_verifies")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     key: bytes
-    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+    client_verifies: bool
+    def __init__(self, key: _Optional[bytes] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms", "use_get")
