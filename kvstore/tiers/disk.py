@@ -42,19 +42,16 @@ never held across a callback, so readers never wait on one. An advisory flock on
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import lmdb
-import xxhash
 
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import DiskConfig, MiB
@@ -64,101 +61,24 @@ from kvstore.records import (
     FIXED_BYTES,
     Codec,
     RecordHeader,
-    decode_payload,
-    parse_header,
     transcode_parts,
     verify,
 )
-from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats, copy_into
+from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+from kvstore.tiers.disk_format import (
+    META_FIXED,
+    Entry,
+    copy_out,
+    is_disk_full,
+    pack_meta,
+    parse_meta,
+)
 
 log = logging.getLogger(__name__)
 
-# meta value: version, flags, hits, record size, last access (wall ms), access seq,
-# then an xxh3_64 of everything else, then the record header without its padding.
-_META = struct.Struct("<BBxxIQQQ")
-_META_CHECK = struct.Struct("<Q")
-_META_FIXED = _META.size + _META_CHECK.size
-_META_VERSION = 1
-_PINNED = 1
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _DISK_FULL_ROUNDS = 4
 _SCAN_BATCH = 512
 LOCK_FILE = "kvstore.lock"
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int  # stored record bytes
-    fingerprint: bytes
-    pinned: bool
-    last_ms: int
-    hits: int
-    seq: int
-
-
-def _pack_meta(e: _Entry, header_bytes: bytes | memoryview) -> bytes:
-    fixed = _META.pack(_META_VERSION, _PINNED if e.pinned else 0, e.hits & 0xFFFFFFFF,
-                       e.size, e.last_ms, e.seq)
-    h = xxhash.xxh3_64(fixed)
-    h.update(header_bytes)
-    return fixed + _META_CHECK.pack(h.intdigest()) + bytes(header_bytes)
-
-
-def _parse_meta(key: bytes, value: bytes | memoryview) -> tuple[_Entry, RecordHeader]:
-    """Raises CorruptRecord if the entry is damaged or does not describe ``key``."""
-    view = memoryview(value)
-    if len(view) < _META_FIXED:
-        raise CorruptRecord("meta entry is too short")
-    version, flags, hits, size, last_ms, seq = _META.unpack_from(view)
-    (check,) = _META_CHECK.unpack_from(view, _META.size)
-    h = xxhash.xxh3_64(view[: _META.size])
-    h.update(view[_META_FIXED:])
-    if version != _META_VERSION or h.intdigest() != check:
-        raise CorruptRecord("meta entry checksum or version mismatch")
-    header = parse_header(view[_META_FIXED:], expect_key=key)
-    if size != header.record_size:
-        raise CorruptRecord(f"meta says {size} bytes, the header {header.record_size}")
-    return _Entry(size, header.fingerprint, bool(flags & _PINNED), last_ms, hits, seq), header
-
-
-def _disk_full(e: BaseException, path: str, need: int) -> bool:
-    code = getattr(e, "errno", None) if isinstance(e, OSError) else getattr(e, "code", None)
-    if isinstance(e, lmdb.DiskError) or code in _DISK_FULL:
-        return True
-    # LMDB reports a short write (the disk filled up part way through) as EIO.
-    if code == errno.EIO:
-        with contextlib.suppress(OSError):
-            st = os.statvfs(path)
-            return st.f_bavail * st.f_frsize < need + 64 * MiB
-    return False
-
-
-def _copy_out(key: bytes, view: memoryview, out: memoryview | None) -> bytes | RecordHeader:
-    """Verify a record read in place and copy it out: the whole record as bytes, or
-    (with ``out``) the raw payload into ``out``. Raises CorruptRecord."""
-    if out is None:
-        verify(view, expect_key=key)
-        return bytes(view)
-    header = parse_header(view, expect_key=key)
-    if len(view) != header.record_size:
-        raise CorruptRecord(f"record is {len(view)} bytes, its header says {header.record_size}")
-    stored = view[header.header_size :]
-    if header.codec != Codec.RAW:
-        if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
-            raise CorruptRecord("payload checksum mismatch")
-        copy_into(out, decode_payload(header, stored), header.raw_size)
-        return header
-    if out.nbytes < header.raw_size:
-        raise InvalidArgument(f"output buffer holds {out.nbytes} bytes, the payload is "
-                              f"{header.raw_size}")
-    flat = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-    # Hash, then copy: the hash pass leaves the start of the payload in cache for the
-    # copy. (Hashing each 256 KiB block right after copying it measured only ~5% faster
-    # for 16-32 MiB payloads, not worth the loop.)
-    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
-        raise CorruptRecord("payload checksum mismatch")
-    flat[: len(stored)] = stored
-    return header
 
 
 class DiskTier(Tier):
@@ -182,7 +102,7 @@ class DiskTier(Tier):
         self._map_size = map_size or 2 * config.capacity_bytes + 64 * MiB
         self._wlock = threading.RLock()
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()  # least recently used first
         self._dirty: set[bytes] = set()  # entries whose access info is not yet written back
         self._used = 0
         self._seq = 0
@@ -243,14 +163,14 @@ class DiskTier(Tier):
 
     def _load_index(self) -> None:
         """Rebuild the LRU index from ``meta`` only; drop entries that do not verify."""
-        entries: list[tuple[bytes, _Entry]] = []
+        entries: list[tuple[bytes, Entry]] = []
         broken: list[bytes] = []
         try:
             with self._env.begin(db=self._meta, buffers=True) as txn:
                 for k, v in txn.cursor():
                     key = bytes(k)
                     try:
-                        entry, _ = _parse_meta(key, v)
+                        entry, _ = parse_meta(key, v)
                     except CorruptRecord as e:
                         log.warning("disk tier %s: dropping damaged meta of %s: %s",
                                     self.path, key.hex(), e)
@@ -304,7 +224,7 @@ class DiskTier(Tier):
 
     def _write(self, *, deletes: Sequence[bytes] = (),
                put: tuple[bytes, bytes | bytearray, bytes] | None = None,
-               metas: dict[bytes, _Entry] | None = None) -> list[bool]:
+               metas: dict[bytes, Entry] | None = None) -> list[bool]:
         """One write transaction: delete keys, put one (key, record, meta), rewrite the
         trailer of the meta entries in ``metas``. Returns which deletes existed."""
         existed = []
@@ -318,16 +238,16 @@ class DiskTier(Tier):
             for key, entry in (metas or {}).items():
                 old = txn.get(key, db=self._meta)
                 if old is not None:
-                    txn.put(key, _pack_meta(entry, memoryview(old)[_META_FIXED:]), db=self._meta)
+                    txn.put(key, pack_meta(entry, memoryview(old)[META_FIXED:]), db=self._meta)
         return existed
 
-    def _take_dirty(self) -> dict[bytes, _Entry]:
+    def _take_dirty(self) -> dict[bytes, Entry]:
         with self._lock:
             out = {k: replace(e) for k in self._dirty if (e := self._index.get(k)) is not None}
             self._dirty.clear()
             return out
 
-    def _restore_dirty(self, metas: dict[bytes, _Entry]) -> None:
+    def _restore_dirty(self, metas: dict[bytes, Entry]) -> None:
         with self._lock:
             self._dirty.update(k for k in metas if k in self._index)
 
@@ -368,7 +288,7 @@ class DiskTier(Tier):
             self._count(rejected=1)
             return PutStatus.FULL
         self._hand_over(victims)
-        entry = _Entry(size, bytes(fingerprint), False, self._now_ms(), 0, 0)
+        entry = Entry(size, bytes(fingerprint), False, self._now_ms(), 0, 0)
         rounds = 0
         while True:
             metas = self._take_dirty()
@@ -376,13 +296,13 @@ class DiskTier(Tier):
                 self._seq += 1
                 entry.seq = self._seq
             try:
-                self._write(deletes=victims, put=(key, blob, _pack_meta(entry, header_bytes)),
+                self._write(deletes=victims, put=(key, blob, pack_meta(entry, header_bytes)),
                             metas=metas)
                 break
             except (lmdb.Error, OSError) as e:
                 self._restore_dirty(metas)
                 map_full = isinstance(e, lmdb.MapFullError)
-                disk_full = not map_full and _disk_full(e, self.path, size)
+                disk_full = not map_full and is_disk_full(e, self.path, size)
                 if disk_full:
                     rounds += 1
                     with self._lock:
@@ -559,7 +479,7 @@ class DiskTier(Tier):
                 if view is not None:
                     nbytes = len(view)
                     try:
-                        result = _copy_out(key, view, out)
+                        result = copy_out(key, view, out)
                     except CorruptRecord as e:
                         damaged = str(e)
         except lmdb.Error as e:
@@ -618,7 +538,7 @@ class DiskTier(Tier):
                     ok = cur.next()
             for key, value in batch:
                 try:
-                    stored, header = _parse_meta(key, value)
+                    stored, header = parse_meta(key, value)
                 except CorruptRecord:
                     continue  # the record itself is verified on every read
                 e = self._index.get(key)

@@ -25,7 +25,8 @@ from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierUnavai
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, decode_payload, encode, verify
 from kvstore.tiers.base import PutStatus
-from kvstore.tiers.remote import RemoteTier, parse_url, redact
+from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote_client import parse_url, redact
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servers import RedisServer, ServerCluster, available, free_port
