@@ -52,7 +52,7 @@ from benchmarks.ttft_driver import MARK_READY, MARK_TTFT
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = Path(__file__).resolve().parent / "plots" / "connector_ttft.png"
-BLOCK = 128  # vLLM's CPU block size: a warm prompt loads (n - 1) // 128 * 128 tokens
+BLOCK = 128  # vLLM's CPU block size; a warm prompt of n = k * 128 tokens loads n - 1
 ENGINE_START_S = 900.0
 PROMPT_S = 900.0
 WARMUP_SEED = 999

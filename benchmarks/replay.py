@@ -130,7 +130,8 @@ def ideal_hits(order: list[list[int]]) -> list[int]:
             while j < n and prev[j] == tokens[j]:
                 j += 1
             best = max(best, j)
-        out.append(min(best, len(tokens) - 1) // BLOCK * BLOCK)
+        # whole stored blocks; a prompt served to its end still computes its last token
+        out.append(min(best // BLOCK * BLOCK, len(tokens) - 1))
     return out
 
 

@@ -69,8 +69,8 @@ class LoadSpec:
     tokens: list[int]  # the prompt up to ``end``
     salt: str  # per-request part of the namespace (cache_salt, LoRA)
     start: int  # first token to load (block aligned; earlier ones are computed locally)
-    end: int  # one past the last token to load (block aligned)
-    block_ids: list[int]  # the cache blocks for tokens [start, end)
+    end: int  # one past the last token vLLM counts as loaded (may end inside a block)
+    block_ids: list[int]  # the cache blocks for tokens [start, end), the last one whole
 
 
 @dataclass
@@ -187,8 +187,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         if not self.consumer or not tokens:
             return 0, False
-        # A sync hit must leave one token to compute (vLLM asserts it).
-        limit = (request.num_tokens - 1) // self.block_size * self.block_size
+        # A hit must leave one token to compute (vLLM asserts it): a prompt stored to its
+        # last whole block loads that block too and reports one token less, so vLLM
+        # computes one token, not a block (it rewrites that token's KV with the same values).
+        limit = request.num_tokens - 1
         if limit <= num_computed_tokens:
             return 0, False
         # A request that cannot be scheduled yet is asked again every step: reuse a
@@ -200,7 +202,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             ns = self.base_ns.for_request(_request_salt(request))
             result = self.backend.lookup(
-                ns, tokens[:limit], min_tokens=self.cfg.min_tokens, granularity=self.block_size
+                ns, tokens, min_tokens=self.cfg.min_tokens, granularity=self.block_size
             )
             matched = min(result.matched_tokens if result else 0, limit)
             self._asked[request.request_id] = (now, matched)
@@ -255,11 +257,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs = self.block_size
         if r.load is not None:
             start, end = r.load
-            meta.loads.append(
-                LoadSpec(
-                    rid, r.tokens[:end], r.salt, start, end, r.block_ids[start // bs : end // bs]
-                )
-            )
+            whole = -(-end // bs)  # blocks up to the one holding token end - 1
+            blocks = r.block_ids[start // bs : whole]
+            meta.loads.append(LoadSpec(rid, r.tokens[: whole * bs], r.salt, start, end, blocks))
             r.load = None
         if not self.producer:
             return
@@ -356,7 +356,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs, layout = self.block_size, self._layout
         ns = self.base_ns.for_request(spec.salt)
         result = self.backend.lookup(ns, spec.tokens, granularity=bs, worker=True)
-        todo = dict(zip(range(spec.start // bs, spec.end // bs), spec.block_ids, strict=True))
+        whole = -(-spec.end // bs)
+        todo = dict(zip(range(spec.start // bs, whole), spec.block_ids, strict=True))
         for match in result.chunks if result else ():
             first = match.start // bs
             blocks = [b for b in range(first, first + match.tokens // bs) if b in todo]
@@ -372,7 +373,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if todo:
             self._failed.update(todo.values())
             self.stats.add(load_failed_blocks=len(todo))
-        return (spec.end - spec.start) - len(todo) * bs
+        missed = sum(min((b + 1) * bs, spec.end) - max(b * bs, spec.start) for b in todo)
+        return (spec.end - spec.start) - missed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

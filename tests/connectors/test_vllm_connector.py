@@ -44,6 +44,7 @@ SHARED = _rand(300)
 BATCH = [SHARED + _rand(100 + 25 * i) for i in range(8)]
 D = A[:400] + _rand(200)  # diverges inside chunk 1 (tokens 256..511) at offset 144
 E = _rand(700)
+F = _rand(768)  # block aligned: a full hit loads every block and computes one token
 PHASE_STORE = [A, *BATCH[:4]]
 PHASE_HIT = [A, D, *BATCH]
 
@@ -127,7 +128,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(work: Path) -> Baseline:
-    (store, hit, extra) = run_engine(work, "baseline", [PHASE_STORE, PHASE_HIT, [E]], None)
+    (store, hit, extra) = run_engine(work, "baseline", [PHASE_STORE, PHASE_HIT, [E, F]], None)
     return {"store": store, "hit": hit, "E": extra}
 
 
@@ -232,10 +233,11 @@ def test_embedded_default_starts_private_server(work: Path, baseline: dict) -> N
         "data_dir": str(work / "private-data"),
         "memory_capacity": "128MiB",
     }
-    p1, p2 = run_engine(work, "private", [[E], [E]], kv)
+    p1, p2 = run_engine(work, "private", [[E, F], [E, F]], kv)
     assert_same(p1, baseline["E"], "private, first")
     assert_same(p2, baseline["E"], "private, second")
     assert p2[0]["num_cached_tokens"] == 640, "the second pass must hit the private server"
+    assert p2[1]["num_cached_tokens"] == 767, "a stored block-aligned prompt computes one token"
     out = subprocess.run(
         ["pgrep", "-f", f"--data-dir {work / 'private-data'}"],
         capture_output=True,
