@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -91,9 +92,10 @@ def copy_bandwidth() -> list[dict[str, Any]]:
                 def copy(h: torch.Tensor, way: str = way, d: torch.Tensor = dev) -> None:
                     (h.copy_(d, non_blocking=True) if way == "d2h"
                      else d.copy_(h, non_blocking=True))
-                limit = n / _median_s(lambda h=hosts["pinned"]: copy(h)) / 1e9
+                limit = n / _median_s(functools.partial(copy, hosts["pinned"])) / 1e9
                 for kind, h in hosts.items():
-                    v = limit if kind == "pinned" else n / _median_s(lambda h=h: copy(h)) / 1e9
+                    t = _median_s(functools.partial(copy, h))
+                    v = limit if kind == "pinned" else n / t / 1e9
                     records.append(_rec(f"{way} {kind} {n >> 20} MiB", v, "GB/s", limit,
                                         f"arena registered: {registered}"))
             arena[:n].copy_(dev)
@@ -239,9 +241,12 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             chunks = 32 if DEVICE == "cuda" else 8
             saver = BackgroundSaver(lambda job: save(*job), max_pending_bytes=4 << 30)
             t0 = time.perf_counter()
-            for i in range(chunks):
+            def job(i: int) -> tuple[int, Callable[[], None], torch.Tensor]:
                 b = layout.host_buffer(nbytes)
-                assert saver.submit((i, layout.gather(c.chunk_ids(i), b), b), nbytes)
+                return i, layout.gather(c.chunk_ids(i), b), b
+
+            for i in range(chunks):
+                assert saver.submit(lambda i=i: job(i), nbytes)
             assert saver.drain(300)
             total = time.perf_counter() - t0
             saved, failed = saver.take()
@@ -262,8 +267,7 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             _sync()
             t0 = time.perf_counter()
             for i in range(8):  # as in the engine: a step's saves start, then the next forward
-                b = layout.host_buffer(nbytes)
-                saver.submit((1000 + i, layout.gather(c.chunk_ids(i), b), b), nbytes)
+                saver.submit(lambda i=i: job(1000 + i), nbytes)
             c.compute()
             _sync()
             both = time.perf_counter() - t0

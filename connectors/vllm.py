@@ -66,7 +66,7 @@ _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps 
 @dataclass
 class LoadSpec:
     req_id: str
-    tokens: list[int]  # the prompt up to ``end``
+    tokens: list[int]  # the prompt up to the end of the block holding token ``end - 1``
     salt: str  # per-request part of the namespace (cache_salt, LoRA)
     start: int  # first token to load (block aligned; earlier ones are computed locally)
     end: int  # one past the last token vLLM counts as loaded (may end inside a block)
@@ -178,6 +178,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layout: BlockLayout | None = None
         self._failed: set[int] = set()
         self._saver: BackgroundSaver | None = None
+        self._save_backend: Backend | None = None
         self._busy_warned = 0.0
 
     # ------------------------------------------------------------ scheduler side
@@ -221,10 +222,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if num_external_tokens > 0 and hit is not None:
             start = hit[0]
             r.load = (start, start + num_external_tokens)
-            # Exact chunks that were loaded need no save; a partial one does (new key).
-            r.saved = max(
-                r.saved, (start + num_external_tokens) // self.chunk_tokens * self.chunk_tokens
-            )
+            # Exact chunks that were loaded need no save; a partial one does (new key). A
+            # hit one token short of the prompt's end loaded its last block whole.
+            loaded = -(-(start + num_external_tokens) // self.block_size) * self.block_size
+            r.saved = max(r.saved, loaded // self.chunk_tokens * self.chunk_tokens)
             self.stats.add(lookup_hits=1, hit_tokens=num_external_tokens)
         elif self.consumer:
             self.stats.add(lookup_misses=1)
@@ -313,6 +314,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         saver = self._saver
         if saver is not None and not saver.close(timeout=self.cfg.timeout_ms / 1000 * 4):
             log.warning("kvstore: %d queued save(s) dropped at shutdown", saver.pending)
+        if self._save_backend is not None:
+            self._save_backend.close()  # closed: a save still running stores nothing more
         self.backend.close()
 
     # --------------------------------------------------------------- worker side
@@ -323,7 +326,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             gpu = self._layout.device.type == "cuda"
             mode = "async" if gpu and self.producer and self.consumer else "sync"
         if mode == "async" and self.producer:
-            self._saver = BackgroundSaver(self._put, self.cfg.save_buffer_bytes)
+            # Its own client: a failure on the saver thread must not close the one the
+            # engine thread is reading leases with.
+            self._save_backend = self.backend.sibling("saver")
+            save_backend = self._save_backend
+            self._saver = BackgroundSaver(
+                lambda job: self._put(job, save_backend), self.cfg.save_buffer_bytes
+            )
         log.info(
             "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s",
             self._layout.layers,
@@ -390,28 +399,32 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         t0 = time.perf_counter()
         jobs: list[_SaveJob] = []
+        seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
+        skipped = 0
         for spec in meta.saves:
             try:
-                jobs += self._start_saves(spec)
+                skipped += self._start_saves(spec, seen, jobs)
             except Exception as e:  # a failed save only costs a future hit
                 self.backend.failed("save", e)
-        if self._saver is not None:
-            refused = [j for j in jobs if not self._saver.submit(j, j.buf.numel())]
-            if refused:
-                self.stats.add(save_skipped_chunks=len(refused))
-                self._warn_busy(len(refused))
-        else:  # every gather is already under way: each put overlaps the next copy
-            saved = 0
-            for job in jobs:
-                try:
-                    saved += self._put(job)
-                except Exception as e:
-                    self.backend.failed("save", e)
-            self.stats.add(saved_tokens=saved)
+        if skipped:
+            self.stats.add(save_skipped_chunks=skipped)
+            self._warn_busy(skipped)
+        saved = failed = 0
+        for job in jobs:  # sync: every copy is already under way, each put overlaps the next
+            try:
+                tokens = self._put(job, self.backend)
+            except Exception as e:
+                tokens = 0
+                self.backend.failed("save", e)
+            saved += tokens
+            failed += not tokens
+        if jobs:
+            self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         self.stats.add(save_s=time.perf_counter() - t0)
 
-    def _start_saves(self, spec: SaveSpec) -> list[_SaveJob]:
-        """Start copying out the chunks of ``spec`` the server lacks."""
+    def _start_saves(self, spec: SaveSpec, seen: set[ChunkKey], jobs: list[_SaveJob]) -> int:
+        """Start copying out the chunks of ``spec`` the server lacks: queued on the saver
+        (async), or added to ``jobs`` (sync). Returns the chunks skipped for want of room."""
         assert self._layout is not None
         layout, bs, C = self._layout, self.block_size, self.chunk_tokens
         fp = self.base_ns.for_request(spec.salt).fingerprint
@@ -422,23 +435,39 @@ class KVStoreConnector(KVConnectorBase_V1):
         for s, e in spans:
             parent = chunk_key(parent, fp, raw[s * 4 : e * 4])
             keys.append(parent)
-        todo = [i for i, (s, _) in enumerate(spans) if s >= spec.start]
+        saver = self._saver
+        todo = [
+            i
+            for i, (s, _) in enumerate(spans)
+            if s >= spec.start
+            and keys[i] not in seen
+            and not (saver is not None and saver.queued(keys[i]))
+        ]
         present = self.backend.exists([keys[i] for i in todo])
-        jobs = []
+        skipped = 0
         for i, here in zip(todo, present, strict=True):
+            seen.add(keys[i])
             if here:
                 continue
             s, e = spans[i]
             n = (e - s) // bs
-            buf = layout.host_buffer(layout.layers * n * layout.block_bytes)
-            ready = layout.gather(spec.block_ids[s // bs : e // bs], buf)
-            jobs.append(
-                _SaveJob(keys[i], keys[i - 1] if i else ROOT, fp, raw[s * 4 : e * 4], n, buf, ready)
-            )
-        return jobs
+            ids = spec.block_ids[s // bs : e // bs]
 
-    def _put(self, job: _SaveJob) -> int:
-        """Store one chunk once its bytes are on the host; the tokens stored."""
+            def copy_out(i: int = i, s: int = s, e: int = e, n: int = n, ids: list[int] = ids
+                         ) -> _SaveJob:
+                buf = layout.host_buffer(layout.layers * n * layout.block_bytes)
+                ready = layout.gather(ids, buf)
+                parent = keys[i - 1] if i else ROOT
+                return _SaveJob(keys[i], parent, fp, raw[s * 4 : e * 4], n, buf, ready)
+
+            if saver is None:
+                jobs.append(copy_out())
+            elif not saver.submit(copy_out, layout.layers * n * layout.block_bytes, keys[i]):
+                skipped += 1
+        return skipped
+
+    def _put(self, job: _SaveJob, backend: Backend) -> int:
+        """Store one chunk once its bytes are on the host; the tokens stored (0: not)."""
         assert self._layout is not None
         job.ready()
         payload = job.buf.numpy()
@@ -451,7 +480,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             shape=self._layout.payload_shape(job.blocks),
             payload=memoryview(payload.data),
         )
-        return len(job.token_bytes) // 4 if self.backend.put(header, payload) else 0
+        return len(job.token_bytes) // 4 if backend.put(header, payload) else 0
 
     def _warn_busy(self, n: int) -> None:
         now = time.monotonic()

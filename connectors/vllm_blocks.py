@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from math import prod
 from typing import Any
 
@@ -105,9 +105,12 @@ class BlockLayout:
         n = len(block_ids)
         dst = out.view(self.layers, n, self.block_bytes)
         if self._side is None:
-            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            idx = self._indices(block_ids)
             for i, view in enumerate(self.views):
-                torch.index_select(view, 0, idx, out=dst[i])
+                if view.device == dst.device:
+                    torch.index_select(view, 0, idx, out=dst[i])
+                else:  # another accelerator: gather there, then one copy
+                    dst[i].copy_(torch.index_select(view, 0, idx))
             return _done
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
@@ -139,9 +142,12 @@ class BlockLayout:
         if first + n > stored_blocks:
             raise InvalidArgument(
                 f"asked for blocks {first}..{first + n - 1} of a chunk holding {stored_blocks}")
-        data = src.view(self.layers, stored_blocks, self.block_bytes)[:, first:first + n]
+        data = src.view(self.layers, stored_blocks, self.block_bytes)
         if data.device != self.device:
-            data = data.to(self.device, non_blocking=True)  # one host-to-device transfer
+            # The whole chunk in one transfer, sliced on the device: a strided slice of
+            # host memory would go through a pageable copy that waits for the GPU.
+            data = data.to(self.device, non_blocking=True)
+        data = data[:, first : first + n]
         idx = self._indices(block_ids)
         for i, view in enumerate(self.views):
             view.index_copy_(0, idx, data[i])
@@ -153,7 +159,7 @@ class BlockLayout:
         kernel queued on the stream, i.e. for the forward pass to finish.
         """
         if self._side is None:
-            return torch.tensor(block_ids, dtype=torch.long)
+            return torch.tensor(block_ids, dtype=torch.long, device=self.device)
         host = torch.tensor(block_ids, dtype=torch.long, pin_memory=True)
         return host.to(self.device, non_blocking=True)
 
@@ -166,15 +172,18 @@ class BackgroundSaver:
     """Runs save jobs on one thread, in order, so the engine's step does not wait for them.
 
     ``run(job)`` does one save (wait for its bytes, build the record, put it) and returns
-    the tokens it stored. Pending jobs hold host buffers, so their bytes are bounded: a job
-    that would pass ``max_pending_bytes`` is refused (the caller counts it as a skipped
+    the tokens it stored (0: not stored, counted as failed). Pending jobs hold host
+    buffers, so their bytes are bounded: ``submit`` reserves a job's bytes before it
+    builds the job (allocating its buffer and starting its copies), and a job that would
+    pass ``max_pending_bytes`` is refused before any of that (the caller counts a skipped
     save, a future miss) rather than stalling the engine or growing without limit.
     """
 
     def __init__(self, run: Callable[[Any], int], max_pending_bytes: int) -> None:
         self._run = run
         self.max_pending_bytes = max_pending_bytes
-        self._jobs: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Any, int, Hashable] | None] = queue.SimpleQueue()
+        self._keys: set[Hashable] = set()  # keys of queued jobs: a chunk is saved once
         self._cond = threading.Condition()
         self._pending_bytes = 0
         self._pending_jobs = 0
@@ -183,28 +192,45 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._loop, name="kvstore-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Any, nbytes: int) -> bool:
+    def queued(self, key: Hashable) -> bool:
+        """A job for ``key`` is waiting or running."""
+        with self._cond:
+            return key in self._keys
+
+    def submit(self, make: Callable[[], Any], nbytes: int, key: Hashable = None) -> bool:
+        """Reserve ``nbytes``, build the job with ``make()`` and queue it; False (and
+        ``make`` not called) when that would pass the budget."""
         with self._cond:
             if self._pending_jobs and self._pending_bytes + nbytes > self.max_pending_bytes:
                 return False
             self._pending_bytes += nbytes
             self._pending_jobs += 1
-        self._jobs.put((job, nbytes))
+            self._keys.add(key)
+        try:
+            job = make()
+        except BaseException:
+            self._finished(nbytes, key, 0, 0)
+            raise
+        self._jobs.put((job, nbytes, key))
         return True
 
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, nbytes = item
+            job, nbytes, key = item
             try:
-                tokens, failed = self._run(job), 0
+                tokens = self._run(job)
             except Exception:  # the owner's run reports its own failures
-                tokens, failed = 0, 1
-            with self._cond:
-                self.saved_tokens += tokens
-                self.errors += failed
-                self._pending_bytes -= nbytes
-                self._pending_jobs -= 1
-                self._cond.notify_all()
+                tokens = 0
+            self._finished(nbytes, key, tokens, 0 if tokens else 1)
+
+    def _finished(self, nbytes: int, key: Hashable, tokens: int, failed: int) -> None:
+        with self._cond:
+            self.saved_tokens += tokens
+            self.errors += failed
+            self._pending_bytes -= nbytes
+            self._pending_jobs -= 1
+            self._keys.discard(key)
+            self._cond.notify_all()
 
     def take(self) -> tuple[int, int]:
         """(tokens saved, jobs failed) since the last call."""

@@ -109,17 +109,23 @@ def engine_namespace(
 class Backend:
     """The SDK client, opened lazily, skipped for a while after any failure."""
 
-    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str,
+                 url: str = "") -> None:
         self.cfg = cfg
         self.role = role
         self._server: subprocess.Popen[bytes] | None = None
-        self.url = cfg.url or self._private_server(engine_id)
+        self.url = url or cfg.url or self._private_server(engine_id)
         self._client: Any = None
         self._down_until = 0.0
         self._last_warning = 0.0
         self._info: Any = None
-        # the connector's saver thread and the engine's thread share the client
-        self._lock = threading.RLock()
+        self._closed = False
+        self._lock = threading.RLock()  # _connect and failed may race with close
+
+    def sibling(self, role: str) -> Backend:
+        """A Backend with its own client to the same server, for another thread: a
+        failure there closes only that client, never one this thread is reading with."""
+        return Backend(self.cfg, engine_id="", role=role, url=self.url)
 
     # -- connection ------------------------------------------------------------
     def _connect(self) -> Any:
@@ -131,7 +137,7 @@ class Backend:
     def _connect_locked(self) -> Any:
         if self._client is not None:
             return self._client
-        if time.monotonic() < self._down_until:
+        if self._closed or time.monotonic() < self._down_until:
             return None
         from kvstore.client import Client
 
@@ -251,10 +257,12 @@ class Backend:
         return bool(status.ok)
 
     def close(self) -> None:
-        if self._client is not None:
+        with self._lock:
+            self._closed = True  # a late call (a saver thread past its drain) stays closed
+            client, self._client = self._client, None
+        if client is not None:
             with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
+                client.close()
         self._stop_server()
 
     # -- the embedded default ------------------------------------------------------

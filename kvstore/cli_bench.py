@@ -50,7 +50,11 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
         # --json output must stay one JSON document: the suite's table goes to stderr
         sink = sys.stderr if args.json else sys.stdout
         with contextlib.redirect_stdout(sink):
-            rc = bench_main(argv)
+            try:
+                rc = bench_main(argv)
+            except SystemExit as e:  # argparse in the suite: an unknown suite name
+                raise CLIError(f"--suite {args.suite}: not a benchmark suite (see "
+                               "`python -m benchmarks --list`)") from e
         records = json.loads(Path(out).read_text()) if os.path.exists(out) else []
     doc: Doc = {"suite": args.suite, "quick": args.quick, "records": records,
                 "json": args.out or None}

@@ -88,8 +88,9 @@ class Client(ClientBase):
     def __init__(self, url: str | None = None, *, token: str | None = None,
                  tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
                  timeout: float = 10.0, shm: bool | None = None, verify: bool = False) -> None:
-        """``verify``: also checksum what is read from shared memory (the server verified it
-        when it handed out the lease; this catches a rogue writer on the host)."""
+        """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
+        instead of the server checking the pages before the lease (one pass either way;
+        this one also catches a rogue writer on the host changing pages mid-read)."""
         super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
                          timeout=timeout, shm=shm, verify=verify)
         ep = self.endpoint

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def make_cache(
     """Per-layer logical ``[blocks, heads, block_size, 2*head_dim]`` views, as vLLM makes them."""
     new = torch.randn if fill == "random" else torch.zeros
     c = 2 * head_dim
-    kw = {"dtype": torch.bfloat16, "device": device}
+    kw: dict[str, Any] = {"dtype": torch.bfloat16, "device": device}
     if layout == "LBHNC":
         base = new(layers, blocks, heads, block_size, c, **kw)
         views = [base[i] for i in range(layers)]
@@ -153,9 +154,13 @@ def test_cuda_gather_is_ordered_with_the_compute_stream() -> None:
 
 def test_saver_runs_jobs_in_order_and_drains() -> None:
     done: list[int] = []
-    saver = BackgroundSaver(lambda job: done.append(job) or 16, max_pending_bytes=1 << 20)
+    def run(job: int) -> int:
+        done.append(job)
+        return 16
+
+    saver = BackgroundSaver(run, max_pending_bytes=1 << 20)
     for i in range(50):
-        assert saver.submit(i, 100)
+        assert saver.submit(lambda i=i: i, 100)
     assert saver.drain(10), "the saver did not finish 50 trivial jobs"
     assert done == list(range(50)), "jobs ran out of order"
     assert saver.take() == (50 * 16, 0) and saver.take() == (0, 0)
@@ -171,23 +176,50 @@ def test_saver_refuses_beyond_its_buffer_and_counts_failures() -> None:
             raise RuntimeError("put failed")
         return 1
 
+    made: list[str] = []
+
+    def job(name: str) -> Callable[[], str]:
+        def make() -> str:
+            made.append(name)
+            return name
+
+        return make
+
     saver = BackgroundSaver(run, max_pending_bytes=1000)
-    assert saver.submit("a", 600)
-    assert saver.submit("bad", 300)
-    assert not saver.submit("c", 200), "a job past the buffer was queued (memory unbounded)"
-    assert saver.pending == 2
+    assert saver.submit(job("a"), 600, key="a")
+    assert saver.submit(job("bad"), 300, key="bad")
+    assert not saver.submit(job("c"), 200), "a job past the buffer was queued (memory unbounded)"
+    assert made == ["a", "bad"], "a refused job must not be built (no buffer, no copy)"
+    assert saver.pending == 2 and saver.queued("a") and not saver.queued("c")
     assert not saver.drain(0.05), "drain returned while jobs were blocked"
     gate.set()
     assert saver.drain(10)
+    assert not saver.queued("a"), "a finished job's key must be released"
     assert saver.take() == (1, 1), "one save and one failure were expected"
-    assert saver.submit("big", 5000), "an oversize job must still run when nothing is pending"
+    assert saver.submit(job("big"), 5000), "an oversize job must still run when nothing is pending"
+    assert saver.drain(10) and saver.take() == (1, 0)
+    assert saver.close(10)
+
+
+def test_saver_counts_unstored_jobs_and_releases_a_job_that_fails_to_build() -> None:
+    saver = BackgroundSaver(lambda job: job, max_pending_bytes=100)
+    assert saver.submit(lambda: 0, 10), "a job that stores nothing still runs"
+    assert saver.drain(10) and saver.take() == (0, 1), "a put that stored nothing is a failure"
+
+    def broken() -> int:
+        raise RuntimeError("gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        saver.submit(broken, 90, key="k")
+    assert saver.pending == 0 and not saver.queued("k"), "a failed build must give its bytes back"
+    assert saver.submit(lambda: 5, 100), "the budget must be whole again"
     assert saver.close(10)
 
 
 def test_saver_close_gives_up_on_a_stuck_job() -> None:
     gate = threading.Event()
     saver = BackgroundSaver(lambda job: gate.wait(30) and 0, max_pending_bytes=10)
-    saver.submit("stuck", 1)
+    saver.submit(lambda: "stuck", 1)
     t0 = time.monotonic()
     assert not saver.close(0.2), "close claimed a stuck job had finished"
     assert time.monotonic() - t0 < 5, "close waited past its timeout"

@@ -170,10 +170,12 @@ def test_prefix_hits_under_chunked_prefill_match_recompute(
 def test_pd_consumer_loads_from_disk_after_restart(
     work: Path, baseline: Baseline, server: KVServer
 ) -> None:
-    """A producer stores; the server restarts on its data directory; a consumer loads."""
+    """A producer stores (in the background: save_mode async, drained when the engine
+    shuts down); the server restarts on its data directory; a consumer loads."""
     (stored,) = run_engine(
-        work, "producer", [PHASE_STORE], kv_config(server.unix_url, "kv_producer")
-    )
+        work, "producer", [PHASE_STORE],
+        kv_config(server.unix_url, "kv_producer", save_mode="async"),
+    )  # fmt: skip
     assert_same(stored, baseline["store"], "producer")
     assert all(r["num_cached_tokens"] == 0 for r in stored), "a producer never loads"
     server.stop(signal.SIGTERM)
