@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Progress, Record
+from benchmarks.harness import Progress, Record, ServerProcess
 from benchmarks.ttft_driver import MARK_READY, MARK_TTFT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,43 +185,6 @@ class Engine:
         self._reader.join(5)
 
 
-class Server:
-    """kvstore-server on a Unix socket only, L1 only."""
-
-    def __init__(self, work: Path, memory_bytes: int) -> None:
-        self.socket = work / "kv.sock"
-        self.url = f"unix://{self.socket}"
-        self.log_path = work / "server.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.server.main", "--listen", "",
-                 "--unix-socket", str(self.socket), "--data-dir", str(work / "data"),
-                 "--memory-capacity", str(memory_bytes), "--no-disk", "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            )  # fmt: skip
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        import kvstore
-
-        deadline = time.monotonic() + timeout
-        with kvstore.Client(self.url) as c:
-            while not c.health(timeout=1):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log = self.log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"kvstore-server did not start:\n{log}")
-                time.sleep(0.1)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 # -- measurement -------------------------------------------------------------------------
 @dataclass
 class Side:
@@ -318,10 +281,10 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Si
         dtype=p.dtype,
     )
     stored_tokens = sum(n * p.colds(n) for n in p.lengths) + 2 * BLOCK
-    server = Server(work, 2 * stored_tokens * p.kv_bytes_per_token + (64 << 20))
+    server = ServerProcess(work, 2 * stored_tokens * p.kv_bytes_per_token + (64 << 20))
     engines: dict[str, Engine] = {}
     try:
-        server.wait_ready()
+        server.start()
         base = {"model": str(model), "dtype": p.dtype, "max_model_len": p.max_model_len,
                 "vocab": p.vocab}  # fmt: skip
         env = engine_env(p)
