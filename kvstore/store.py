@@ -29,7 +29,7 @@ from kvstore.lookup import LookupResult, RemoteView, lookup
 from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
 from kvstore.tiers.base import PutStatus, Tier, TierStats
 from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
-from kvstore.writer import Job, WriteDown
+from kvstore.writer import Backlog, Job, WriteDown
 
 log = logging.getLogger("kvstore.store")
 
@@ -120,6 +120,10 @@ class TieredStore:
             tier.on_corrupt = self._corrupt_callback(tier)
         self._rebuild()
         self._writer = WriteDown(self._run_job, cfg.write_queue_bytes)
+        # Write-through copies the remote refused while down, copied again once it is back
+        # (by retry_remote, and after any copy that succeeds): else chunks stored during
+        # an outage would never be shared with other hosts.
+        self._remote_backlog = Backlog(REMOTE_BACKLOG_KEYS)
 
     # -- construction ---------------------------------------------------------
     def _rebuild(self) -> None:
@@ -574,10 +578,33 @@ class TieredStore:
 
         return on_corrupt
 
+    def retry_remote(self, max_keys: int = 256) -> int:
+        """Queue copies to the remote of chunks it refused while down, if it takes calls
+        again; how many were queued. The server calls this periodically."""
+        remote = self.remote
+        if remote is None or not len(self._remote_backlog):
+            return 0
+        if not getattr(remote, "accepting", True):
+            return 0
+        queued = 0
+        for key in self._remote_backlog.take(max_keys):
+            with self._lock:
+                entry = self.index.get(key)
+                wanted = entry is not None and remote.level not in tier_levels(entry.tiers)
+            if wanted:
+                self._writer.submit_copy(key, (remote.level,))
+                queued += 1
+        return queued
+
     def _run_job(self, job: Job) -> None:
         header, payload = job.header, None
-        if header is None:  # a copy: read the bytes from L1 now
+        if header is None:  # a copy: read the bytes from a local tier now
             blob = self.memory.get(job.key)
+            if blob is None:  # evicted from L1 since: its move holds the bytes, or L2 does
+                moving = self._writer.pending_move(job.key)
+                blob = moving[1] if moving is not None else None
+            if blob is None and self.disk is not None and job.targets != (self.disk.level,):
+                blob = self.disk.get(job.key)
             if blob is None:
                 return  # evicted or deleted since; eviction queued its own move
             header = parse_header(blob)
@@ -598,10 +625,17 @@ class TieredStore:
                     self.index.drop_tier(job.key, level, "evicted")
             if not alive:
                 tier.delete(job.key)  # lost a race with delete: undo
+            elif tier is self.remote and status == PutStatus.UNAVAILABLE:
+                self._remote_backlog.add(job.key)  # copied again when it is back
             elif not status.ok:
                 log.warning(
                     "write-down of %s to %s: %s", job.key.hex()[:16], tier.name, status.value
                 )
+            elif tier is self.remote and len(self._remote_backlog):
+                self.retry_remote(64)  # it is back: catch up a little with every copy
+
+
+REMOTE_BACKLOG_KEYS = 100_000  # chunks remembered for the remote while it is down (32 B each)
 
 
 def _layout(header: RecordHeader) -> tuple[str, int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,3 +137,31 @@ class WriteDown:
             log.exception(
                 "write-down of chunk %s to tier(s) %s failed", job.key.hex()[:16], job.targets
             )
+
+
+class Backlog:
+    """Chunks whose copy to a tier failed because the tier was down, to copy again once it
+    is back (in arrival order). Bounded: past ``limit`` keys the oldest are forgotten and
+    counted in ``dropped`` (those chunks stay in the local tiers, only the copy is lost)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def add(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self.limit:
+                self._keys.popitem(last=False)
+                self.dropped += 1
+
+    def take(self, n: int) -> list[ChunkKey]:
+        with self._lock:
+            return [self._keys.popitem(last=False)[0] for _ in range(min(n, len(self._keys)))]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)

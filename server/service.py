@@ -218,6 +218,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def sweep(self) -> int:
         """Reclaim expired leases and reservations, cancel idle streams (called periodically)."""
         self.watchdog.sweep()
+        self.store.retry_remote()  # copies the remote refused while it was down
         return self.holds.sweep()
 
     def request_counts(self) -> dict[str, int]:

@@ -115,6 +115,39 @@ def test_remote_down_keeps_serving_local_tiers(tmp_path: Path) -> None:
             time.sleep(0.3)  # the breaker's cooldown (200 ms) on the real clock
             s.remote.contains([chain[0][0].key])  # type: ignore[union-attr]
             assert s.stats().tiers[2].healthy, "the remote must be used again once it is back"
+            # The chunk put during the outage reaches the remote once it is back.
+            assert 3 not in s.contains([chain[2][0].key])[0]
+            assert s.retry_remote() == 1, "the copy refused during the outage must be retried"
+            assert s.flush(10)
+            assert 3 in s.contains([chain[2][0].key])[0], "the outage's chunk is not in L3"
+
+
+def test_copies_refused_while_the_remote_was_down_catch_up(tmp_path: Path) -> None:
+    """Chunks stored during an outage reach the remote after it, without a call to
+    retry_remote: the next successful copy catches up, even for chunks evicted to L2."""
+    with RedisServer("redis") as srv:
+        toks = list(range(900, 900 + 16 * 40))
+        chain = make_chain(toks, C, bytes_per_token=1024)  # 16 KiB chunks, 640 KiB in all
+        with make_store(tmp_path, srv.url, memory=256 * KiB) as s:
+            srv.stop()
+            for h, p in chain[:-1]:
+                assert s.put(h, p).ok
+            assert s.flush(10)
+            srv.start()
+            time.sleep(0.3)  # the breaker's cooldown
+            assert s.put(*chain[-1]).ok
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                s.flush(10)
+                held = [3 in t for t in s.contains([h.key for h, _ in chain])]
+                if all(held):
+                    break
+                s.put(*chain[-1])  # each copy that succeeds catches up 64 more
+                time.sleep(0.05)
+            missing = [i for i, ok in enumerate(held) if not ok]
+            assert not missing, f"chunks stored during the outage never reached L3: {missing}"
+            tiers = s.stats().tiers
+            assert tiers[0].evictions > 0, "the test needs L1 evictions (chunks only in L2)"
 
 
 def test_unreachable_remote_at_start(tmp_path: Path) -> None:
