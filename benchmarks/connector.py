@@ -28,33 +28,22 @@ a full run plots the figures into ``benchmarks/plots/connector_ttft.png``.
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import queue
 import random
 import re
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engines import EngineProcess, engine_env, kvstore_connector, scratch
 from benchmarks.harness import Progress, Record, ServerProcess
-from benchmarks.ttft_driver import MARK_READY, MARK_TTFT
 
-ROOT = Path(__file__).resolve().parent.parent
 PLOT = Path(__file__).resolve().parent / "plots" / "connector_ttft.png"
 BLOCK = 128  # vLLM's CPU block size; a warm prompt of n = k * 128 tokens loads n - 1
-ENGINE_START_S = 900.0
-PROMPT_S = 900.0
+DRIVER = "benchmarks.ttft_driver"
 WARMUP_SEED = 999
 SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s) of its shared-memory message queues
 INJECT_LINE = "Inject KV cache of"  # ExampleConnector's load
@@ -97,92 +86,6 @@ class Params:
 # A cold run of 8k tokens takes 20-200 s here (2 shared cores), 16k minutes: run once.
 FULL = Params((1024, 2048, 4096, 8192, 16384), 8, 1024, 16, 4, 5, 3, 2048)
 QUICK = Params((1024, 2048), 2, 256, 4, 2, 3, 3, 2048)
-
-
-# -- processes ---------------------------------------------------------------------------
-class Engine:
-    """One ``ttft_driver`` process: its log goes to a file, its results to a queue."""
-
-    def __init__(self, name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> None:
-        self.name = name
-        spec_path = work / f"{name}.spec.json"
-        spec_path.write_text(json.dumps(spec))
-        self.log_path = work / f"{name}.log"
-        self.lines: list[str] = []  # every log line, for the connector's own timings
-        self.results: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.ttft_driver", "--spec", str(spec_path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,  # vLLM's engine core and worker join its process group
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "w") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
-                if line.startswith(("@@ready", "@@ttft")):
-                    mark, _, payload = line.partition(" ")
-                    self.results.put((mark, json.loads(payload)))
-                else:
-                    self.lines.append(line)
-        self.results.put(("eof", {}))
-
-    def _next(self, want: str, timeout: float) -> dict[str, Any]:
-        try:
-            mark, payload = self.results.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"engine {self.name}: no answer in {timeout:.0f} s") from None
-        if mark != want:
-            raise RuntimeError(f"engine {self.name} exited (rc={self.proc.poll()}):\n{self.tail()}")
-        return payload
-
-    def wait_ready(self) -> None:
-        self._next(MARK_READY, ENGINE_START_S)
-
-    def ask(self, n: int, seed: int) -> dict[str, Any]:
-        """Run prompt (n, seed); the result, with the connector's load lines it logged."""
-        assert self.proc.stdin is not None
-        first = len(self.lines)
-        self.proc.stdin.write(json.dumps({"n": n, "seed": seed}) + "\n")
-        self.proc.stdin.flush()
-        out = self._next(MARK_TTFT, PROMPT_S)
-        out["log"] = self.lines[first:]
-        return out
-
-    def tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-6000:]
-        except OSError:
-            return "(no log)"
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pass
-        # The engine core and its worker outlive a driver that dies or hangs: end the group.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._reader.join(5)
 
 
 # -- measurement -------------------------------------------------------------------------
@@ -233,16 +136,6 @@ class Side:
         return max(abs(w["logprob"] - self.cold["logprob"]) for w in self.warm)
 
 
-def kv_config(url: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "kvstore.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": url, "shm": "on"},
-    }
-
-
 def example_config(path: Path) -> dict[str, Any]:
     return {
         "kv_connector": "ExampleConnector",
@@ -251,11 +144,9 @@ def example_config(path: Path) -> dict[str, Any]:
     }
 
 
-def engine_env(p: Params) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    # Room for two prompts of the longest length (vLLM wants at least one), in GiB.
-    kv_gib = math.ceil(2 * p.max_model_len * p.kv_bytes_per_token / (1 << 30))
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_gib))
+def connector_env(p: Params) -> dict[str, str]:
+    # Room for two prompts of the longest length (vLLM wants at least one).
+    env = engine_env(2 * p.max_model_len * p.kv_bytes_per_token)
     # With a connector vLLM reserves two cores (scheduler, connector) for itself; finding
     # only two it falls back to two OpenMP threads on the cores the scheduler, the server
     # and other tenants use, and forward passes turn slow and erratic. One compute thread
@@ -263,7 +154,6 @@ def engine_env(p: Params) -> dict[str, str]:
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     # A 16k-token prefill can outlast vLLM's 300 s step timeout on this shared machine.
     env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "7200"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
 
@@ -282,24 +172,25 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Si
     )
     stored_tokens = sum(n * p.colds(n) for n in p.lengths) + 2 * BLOCK
     server = ServerProcess(work, 2 * stored_tokens * p.kv_bytes_per_token + (64 << 20))
-    engines: dict[str, Engine] = {}
+    engines: dict[str, EngineProcess] = {}
     try:
         server.start()
         base = {"model": str(model), "dtype": p.dtype, "max_model_len": p.max_model_len,
                 "vocab": p.vocab}  # fmt: skip
-        env = engine_env(p)
+        env = connector_env(p)
         (work / "example").mkdir()
         # Built side by side: startup is not measured, and it halves the wait.
-        engines["kvstore"] = Engine("kvstore", {**base, "kv_transfer_config": kv_config(
-            server.url)}, work, env)  # fmt: skip
-        engines["example"] = Engine("example", {**base, "kv_transfer_config": example_config(
-            work / "example")}, work, env)  # fmt: skip
+        configs = {"kvstore": kvstore_connector(server.url),
+                   "example": example_config(work / "example")}
+        for name, kv in configs.items():
+            engines[name] = EngineProcess(name, DRIVER, {**base, "kv_transfer_config": kv},
+                                          work, env)
         for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
             e.wait_ready()
         # Warm-up: first forward passes, the shared-memory mapping, the data plane.
         for e in engines.values():
             for _ in range(2):
-                e.ask(2 * BLOCK, WARMUP_SEED)
+                e.request({"n": 2 * BLOCK, "seed": WARMUP_SEED})
         time.sleep(1.0)  # the client's background prefault of the arena
         last = ""
 
@@ -310,7 +201,7 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Si
                 # the worker on the core both engines compute on: let them go idle first.
                 time.sleep(SETTLE_S)
             last = name
-            return engines[name].ask(n, seed)
+            return engines[name].request({"n": n, "seed": seed})
 
         rng = random.Random(0)
         out: dict[int, dict[str, Side]] = {}
@@ -453,13 +344,8 @@ def plot(records: Sequence[Record | dict[str, Any]], path: Path, model: str = ""
 
 def run(quick: bool, progress: Progress) -> list[Record]:
     p = QUICK if quick else FULL
-    work = Path(tempfile.mkdtemp(prefix="kvstore-ttft-"))
-    try:
+    with scratch("connector") as work:
         results = measure(p, progress, work)
-    except BaseException:
-        print(f"[connector] engine logs kept in {work}", file=sys.stderr)
-        raise
-    shutil.rmtree(work, ignore_errors=True)
     print(f"[connector] {p.describe()}\n" + table(results), file=sys.stderr)
     out = records(p, results)
     if not quick and plot(out, PLOT, p.describe()):

@@ -10,7 +10,7 @@ varying by +-50%): a *replay* of a recorded chat, so both engines see exactly th
 same prompts whatever they would have answered. Rounds are served in order, the
 users of a round one after the other (as a chat service sees them arrive).
 
-Two vLLM engines (``python -m benchmarks.replay --driver``), the same random Llama,
+Two vLLM engines (``python -m benchmarks.replay --spec``), the same random Llama,
 side by side, taking turns request by request in a shuffled order so noise on this
 shared machine lands on both alike:
 
@@ -40,28 +40,27 @@ in any case, along with the new turn.
 from __future__ import annotations
 
 import json
-import math
-import os
-import queue
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engines import (
+    MARK_READY,
+    MARK_TTFT,
+    EngineProcess,
+    emit,
+    engine_env,
+    kvstore_connector,
+    scratch,
+)
 from benchmarks.harness import Progress, Record, ServerProcess, percentile
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128  # vLLM's CPU block size: loads are whole blocks
-READY, TTFT = "@@ready", "@@ttft"
-ENGINE_START_S = 900.0
-REQUEST_S = 900.0
+DRIVER = "benchmarks.replay"
 BASE = "vLLM without kvstore (prefix caching off: recompute)"
 
 
@@ -152,7 +151,7 @@ def driver(spec_path: str) -> int:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    _emit(READY, {})
+    emit(MARK_READY, {})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
@@ -161,79 +160,13 @@ def driver(spec_path: str) -> int:
         t0 = time.perf_counter()
         outs = llm.generate([prompt], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        _emit(TTFT, {"seconds": seconds, "token": int(outs[0].outputs[0].token_ids[0]),
+        emit(MARK_TTFT, {"seconds": seconds, "token": int(outs[0].outputs[0].token_ids[0]),
                      "cached": int(outs[0].num_cached_tokens or 0)})  # fmt: skip
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
     return 0
-
-
-def _emit(mark: str, payload: dict[str, Any]) -> None:
-    # One write: the engine core logs into the same pipe from another process.
-    os.write(sys.stdout.fileno(), f"{mark} {json.dumps(payload)}\n".encode())
-
-
-class Engine:
-    """One driver process: log to a file, results through a queue."""
-
-    def __init__(self, name: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> None:
-        self.name = name
-        (work / f"{name}.json").write_text(json.dumps(spec))
-        self.log_path = work / f"{name}.log"
-        self.results: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.replay", "--driver", str(work / f"{name}.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1, cwd=ROOT, env=env,
-        )  # fmt: skip
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "w") as log:
-            for line in self.proc.stdout:
-                log.write(line)
-                log.flush()  # readable while the engine runs
-                if line.startswith((READY, TTFT)):
-                    mark, _, payload = line.partition(" ")
-                    self.results.put((mark, json.loads(payload)))
-        self.results.put(("eof", {}))
-
-    def _next(self, want: str, timeout: float) -> dict[str, Any]:
-        try:
-            mark, payload = self.results.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"engine {self.name}: no answer in {timeout:.0f} s") from None
-        if mark != want:
-            log = self.log_path.read_text(errors="replace")[-5000:]
-            raise RuntimeError(f"engine {self.name} exited (rc={self.proc.poll()}):\n{log}")
-        return payload
-
-    def wait_ready(self) -> None:
-        self._next(READY, ENGINE_START_S)
-
-    def ask(self, tokens: list[int]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"tokens": tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._next(TTFT, REQUEST_S)
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write('{"quit": true}\n')
-                self.proc.stdin.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(5)
 
 
 # -- the replay ---------------------------------------------------------------------------------
@@ -249,34 +182,28 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[str, list[dict[st
     total = sum(len(t) for t in prompts) + 4 * BLOCK
     server = ServerProcess(work, 2 * total * p.kv_bytes_per_token + (64 << 20)).start()
     url = server.url
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    kv_gib = math.ceil(2 * max_len * p.kv_bytes_per_token / (1 << 30))
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_gib))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = engine_env(2 * max_len * p.kv_bytes_per_token)
     base = {"model": str(model), "dtype": p.dtype, "max_model_len": max_len}
-    connector = {
-        "kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": url, "shm": "on"},
-    }  # fmt: skip
-    engines: dict[str, Engine] = {}
+    connector = kvstore_connector(url)
+    engines: dict[str, EngineProcess] = {}
     try:
-        engines["without"] = Engine("without", base, work, env)
-        engines["with"] = Engine("with", {**base, "kv_transfer_config": connector}, work, env)
+        engines["without"] = EngineProcess("without", DRIVER, base, work, env)
+        engines["with"] = EngineProcess("with", DRIVER, {**base, "kv_transfer_config": connector},
+                                        work, env)
         for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
             e.wait_ready()
         rng = random.Random(p.seed + 1)  # not the workload's generator: its own prefix
         warm = [rng.randrange(10, p.vocab) for _ in range(2 * BLOCK + 5)]
         for e in engines.values():  # first forward passes; the data plane's first load
             for _ in range(2):
-                e.ask(warm)
+                e.request({"tokens": warm})
         time.sleep(1.0)  # the client's background prefault of the arena
         out: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         order = list(engines)
         for tokens in progress(prompts, desc="replaying requests"):
             rng.shuffle(order)
             for name in order:
-                out[name].append(engines[name].ask(tokens) | {"n": len(tokens)})
+                out[name].append(engines[name].request({"tokens": tokens}) | {"n": len(tokens)})
         return out
     finally:
         for e in engines.values():
@@ -336,21 +263,16 @@ def records(p: Params, got: dict[str, list[dict[str, Any]]]) -> list[Record]:
 
 def run(quick: bool, progress: Progress) -> list[Record]:
     p = QUICK if quick else FULL
-    work = Path(tempfile.mkdtemp(prefix="kvstore-replay-"))
-    try:
+    with scratch("replay") as work:
         got = measure(p, progress, work)
-    except BaseException:
-        print(f"[replay] engine logs kept in {work}", file=sys.stderr)
-        raise
-    shutil.rmtree(work, ignore_errors=True)
     print(f"[replay] {p.describe()}", file=sys.stderr)
     return records(p, got)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--driver":
+    if len(sys.argv) == 3 and sys.argv[1] == "--spec":
         sys.exit(driver(sys.argv[2]))
     sys.exit(
-        "usage: python -m benchmarks.replay --driver SPEC (run the suite with "
+        "usage: python -m benchmarks.replay --spec SPEC (run the suite with "
         "python -m benchmarks --only replay)"
     )

@@ -22,26 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-MARK_READY = "@@ready"
-MARK_TTFT = "@@ttft"
+from benchmarks.engines import MARK_READY, MARK_TTFT, emit
 
 
 def prompt(n: int, seed: int, vocab: int = 1024) -> list[int]:
     """``n`` random token ids; the same (n, seed) gives the same prompt in every process."""
     rng = random.Random(seed * 1_000_003 + n)
     return [rng.randrange(10, vocab) for _ in range(n)]
-
-
-def emit(mark: str, payload: dict[str, Any]) -> None:
-    # One write call: the engine core logs into the same pipe from another process.
-    os.write(sys.stdout.fileno(), f"{mark} {json.dumps(payload)}\n".encode())
 
 
 def main() -> int:
