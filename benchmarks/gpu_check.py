@@ -150,7 +150,7 @@ class _Cache:
         self.layout = BlockLayout({f"l{i:02d}": base[i].transpose(1, 2)
                                    for i in range(self.layers)})
         self.per_chunk = 16  # blocks in a 256-token chunk: 32 MiB of KV
-        self.nbytes = self.layout.layers * self.per_chunk * self.layout.block_bytes
+        self.nbytes = self.layout.nbytes(self.per_chunk)
         self.ns = Namespace(model="gpu-check", dtype="bfloat16", layout="LBNHC")
         dim = 8192 if big else 512
         self.mm_n = 40 if big else 4

@@ -212,6 +212,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits[request.request_id] = (num_computed_tokens, matched)
         return matched - num_computed_tokens, False
 
+    def _blocks(self, tokens: int) -> int:
+        """Blocks holding tokens [0, tokens): the last one may hold later tokens too."""
+        return -(-tokens // self.block_size)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tokens = list(request.prompt_token_ids or [])
         r = self._reqs.get(request.request_id)
@@ -224,7 +228,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             r.load = (start, start + num_external_tokens)
             # Exact chunks that were loaded need no save; a partial one does (new key). A
             # hit one token short of the prompt's end loaded its last block whole.
-            loaded = -(-(start + num_external_tokens) // self.block_size) * self.block_size
+            loaded = self._blocks(start + num_external_tokens) * self.block_size
             r.saved = max(r.saved, loaded // self.chunk_tokens * self.chunk_tokens)
             self.stats.add(lookup_hits=1, hit_tokens=num_external_tokens)
         elif self.consumer:
@@ -258,7 +262,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs = self.block_size
         if r.load is not None:
             start, end = r.load
-            whole = -(-end // bs)  # blocks up to the one holding token end - 1
+            whole = self._blocks(end)
             blocks = r.block_ids[start // bs : whole]
             meta.loads.append(LoadSpec(rid, r.tokens[: whole * bs], r.salt, start, end, blocks))
             r.load = None
@@ -365,7 +369,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs, layout = self.block_size, self._layout
         ns = self.base_ns.for_request(spec.salt)
         result = self.backend.lookup(ns, spec.tokens, granularity=bs, worker=True)
-        whole = -(-spec.end // bs)
+        whole = self._blocks(spec.end)
         todo = dict(zip(range(spec.start // bs, whole), spec.block_ids, strict=True))
         for match in result.chunks if result else ():
             first = match.start // bs
@@ -373,7 +377,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not blocks:
                 continue
             stored = match.stored_tokens // bs
-            buf = layout.host_buffer(layout.layers * stored * layout.block_bytes)
+            buf = layout.host_buffer(layout.nbytes(stored))
             header = self.backend.get_into(match.key, buf)
             if header is None or header.raw_size != buf.numel():
                 continue  # gone or another layout: those blocks are reported below
@@ -455,14 +459,14 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             def copy_out(i: int = i, s: int = s, e: int = e, n: int = n, ids: list[int] = ids
                          ) -> _SaveJob:
-                buf = layout.host_buffer(layout.layers * n * layout.block_bytes)
+                buf = layout.host_buffer(layout.nbytes(n))
                 ready = layout.gather(ids, buf)
                 parent = keys[i - 1] if i else ROOT
                 return _SaveJob(keys[i], parent, fp, raw[s * 4 : e * 4], n, buf, ready)
 
             if saver is None:
                 jobs.append(copy_out())
-            elif not saver.submit(copy_out, layout.layers * n * layout.block_bytes, keys[i]):
+            elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
                 skipped += 1
         return skipped
 

@@ -85,6 +85,10 @@ class BlockLayout:
             f"{str(self.dtype).removeprefix('torch.')}/{self.device.type}"
         )
 
+    def nbytes(self, n_blocks: int) -> int:
+        """Bytes of a chunk payload of ``n_blocks`` blocks."""
+        return self.layers * n_blocks * self.block_bytes
+
     def payload_shape(self, n_blocks: int) -> tuple[int, int, int]:
         """The chunk payload's shape in elements of the KV dtype."""
         return (self.layers, n_blocks, self.block_bytes // self.itemsize)

@@ -17,11 +17,11 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstore import __version__, cli_bench
 from kvstore import cli_format as fmt
-from kvstore.cli_format import CLIError
+from kvstore.cli_format import CLIError, Doc
 from kvstore.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from kvstore.client import Client
 
 EXIT_OK, EXIT_ERROR = 0, 1  # and 2: argparse, for bad arguments
-Doc = dict[str, Any]
 
 
 # -- the parser --------------------------------------------------------------------------------

@@ -8,13 +8,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvstore import cli_format as fmt
-from kvstore.cli_format import CLIError
+from kvstore.cli_format import CLIError, Doc
 from kvstore.keys import ChunkKey, Namespace
-
-Doc = dict[str, Any]
 
 
 def _benchmarks_main() -> Callable[[list[str]], int]:

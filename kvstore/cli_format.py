@@ -20,6 +20,8 @@ from typing import IO, Any
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Namespace, parse_key
 
+Doc = dict[str, Any]  # what a command returns: rendered for people, or printed as JSON
+
 
 class CLIError(KVStoreError):
     """An expected failure: printed as one line on stderr, exit status 1."""

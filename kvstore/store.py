@@ -497,10 +497,14 @@ class TieredStore:
         with self._lock:
             c: dict[str, Any] = dict(self._counters)
             chunks, spaces = len(self.index), len(self.index.by_ns)
+        tiers = [t.stats() for t in self.tiers]
+        if self.remote is not None:  # copies waiting for it to come back, and those given up
+            backlog = self._remote_backlog
+            tiers[-1].detail.update(backlog=len(backlog), backlog_dropped=backlog.dropped)
         return StoreStats(
             chunks=chunks,
             namespaces=spaces,
-            tiers=[t.stats() for t in self.tiers],
+            tiers=tiers,
             pending_writes=jobs,
             pending_bytes=nbytes,
             write_failures=self._writer.failures,

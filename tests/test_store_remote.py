@@ -117,9 +117,11 @@ def test_remote_down_keeps_serving_local_tiers(tmp_path: Path) -> None:
             assert s.stats().tiers[2].healthy, "the remote must be used again once it is back"
             # The chunk put during the outage reaches the remote once it is back.
             assert 3 not in s.contains([chain[2][0].key])[0]
+            assert s.stats().tiers[2].detail["backlog"] == 1, "stats must show the copy waiting"
             assert s.retry_remote() == 1, "the copy refused during the outage must be retried"
             assert s.flush(10)
             assert 3 in s.contains([chain[2][0].key])[0], "the outage's chunk is not in L3"
+            assert s.stats().tiers[2].detail["backlog"] == 0
 
 
 def test_copies_refused_while_the_remote_was_down_catch_up(tmp_path: Path) -> None:
