@@ -586,9 +586,7 @@ class TieredStore:
         """Queue copies to the remote of chunks it refused while down, if it takes calls
         again; how many were queued. The server calls this periodically."""
         remote = self.remote
-        if remote is None or not len(self._remote_backlog):
-            return 0
-        if not getattr(remote, "accepting", True):
+        if remote is None or not len(self._remote_backlog) or not remote.accepting:
             return 0
         queued = 0
         for key in self._remote_backlog.take(max_keys):

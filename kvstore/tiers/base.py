@@ -108,6 +108,12 @@ class Tier(ABC):
         self._closed = False
         self._stats_lock = threading.Lock()
 
+    @property
+    def accepting(self) -> bool:
+        """False while the tier refuses calls without trying them (an open circuit
+        breaker): work for it is better kept for later than sent now."""
+        return True
+
     # -- writes -------------------------------------------------------------
     @abstractmethod
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:

@@ -547,7 +547,6 @@ class RemoteTier(Tier):
     # -- stats and lifecycle ----------------------------------------------------------
     @property
     def accepting(self) -> bool:
-        """False while the circuit breaker is open: calls would be refused without trying."""
         return self._breaker.state is not BreakerState.OPEN
 
     def stats(self) -> TierStats:
