@@ -11,7 +11,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,37 +26,12 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.faults.mix import Mix, MixConfig, wait_for
 from tests.server.conftest import KVServer, clean_env
+from tests.server.helpers import memory_detail
+from tests.server.holder import command as holder_command
 
 REPO = Path(__file__).resolve().parents[2]
 MIX_SECONDS = 12.0
 SERVER_ARGS = ["--chunk-tokens", "16", "--granularity", "4", "--log-level", "warning"]
-
-# As tests/server/test_leases.py's holder, for a server with 16-token chunks: store a chunk,
-# hold a read lease on it and a reservation for another, say "ready", wait to be killed.
-HOLDER = r"""
-import sys, time
-import kvstore
-from kvstore.keys import ROOT
-from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.helpers import namespace, payload, shape_for, tokens, chunk_header_for
-
-c = kvstore.Client(sys.argv[1], shm=True)
-ns = namespace("faults-holder", 65536)
-key, status = c.put_chunk(ns, ROOT, tokens(16, 77), payload(16 * 65536, 1), "bfloat16",
-                          shape_for(16, 65536))
-assert status.ok, status
-assert c.acquire(key) is not None
-other = chunk_header_for(ns, tokens(16, 78), 65536, seed=2)
-r = c._stub.Reserve(pb.ReserveRequest(header=other.pack()), metadata=c._metadata)
-assert r.status == pb.STORED, r
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-def _memory(c: kvstore.Client) -> dict[str, Any]:
-    return c.stats().tiers[0].detail
-
 
 def test_sixteen_clients_mix_byte_exact_while_clients_die(
         make_server: Callable[..., KVServer], record: Callable[..., Any]) -> None:
@@ -69,10 +43,10 @@ def test_sixteen_clients_mix_byte_exact_while_clients_die(
                         shm=lambda i: i % 2 == 0, seed=1, tag="clients"))
     kills, t0 = 0, time.monotonic()
     with kvstore.Client(srv.unix_url, shm=True) as watcher:
-        base = _memory(watcher)
+        base = memory_detail(watcher)
         mix.start()
         while time.monotonic() - t0 < MIX_SECONDS - 4 and kills < 3:
-            holder = subprocess.Popen([sys.executable, "-c", HOLDER, srv.unix_url],
+            holder = subprocess.Popen(holder_command(srv.unix_url, 16, 65536, "faults-holder"),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       env=clean_env(), cwd=str(REPO))
             try:
@@ -92,9 +66,12 @@ def test_sixteen_clients_mix_byte_exact_while_clients_die(
                     holder.wait()
         tally = mix.join(MIX_SECONDS + 60)
         # Every lease and reservation of the killed holders (and of the mix) is given back.
-        recovery = wait_for(lambda: _memory(watcher)["active_leases"] == base["active_leases"]
-                            and _memory(watcher)["reservations"] == base["reservations"], 10.0,
-                            "the leases of killed and finished clients to be dropped")
+        def back() -> bool:
+            now = memory_detail(watcher)
+            return (now["active_leases"] == base["active_leases"]
+                    and now["reservations"] == base["reservations"])
+
+        recovery = wait_for(back, 10.0, "the leases of killed and finished clients to be dropped")
         alive = watcher.health()
     record("Clients", "16 clients mixed, 3 lease holders killed",
            f"16 clients x {MIX_SECONDS:.0f} s of put/get/lookup/delete (8 shm, 8 gRPC), "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from kvstore.client import Client
 from kvstore.keys import ROOT, ChunkKey, Namespace
 from kvstore.records import RecordHeader
 
@@ -13,6 +16,11 @@ NS = Namespace(model="server-test", dtype="bfloat16", layout="L2-H4-D64", device
 def namespace(tag: str, bytes_per_token: int = 512) -> Namespace:
     """A namespace of its own per test (the layout pins the bytes per token)."""
     return Namespace(model="server-test", dtype="bfloat16", layout=f"{tag}-bpt{bytes_per_token}")
+
+
+def memory_detail(client: Client) -> dict[str, Any]:
+    """The L1 tier's detail in the server's stats (active_leases, reservations, pages_used)."""
+    return client.stats().tiers[0].detail
 
 
 def payload(nbytes: int, seed: int) -> np.ndarray:

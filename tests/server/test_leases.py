@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -16,36 +15,9 @@ from kvstore.errors import NotFound
 from kvstore.keys import ROOT
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tests.server import holder
 from tests.server.conftest import KVServer, clean_env
-from tests.server.helpers import namespace, payload, shape_for, tokens
-
-# A client that stores a chunk, then holds a read lease on it and a reservation
-# for another, says "ready" and waits to be killed.
-HOLDER = r"""
-import sys, time
-import kvstore
-from kvstore.keys import ROOT
-from kvstore.v1 import kvstore_pb2 as pb
-from tests.server.helpers import namespace, payload, shape_for, tokens, chunk_header_for
-
-url = sys.argv[1]
-c = kvstore.Client(url, shm=True)
-ns = namespace("holder", 4096)
-data = payload(256 * 4096, 1)
-key, status = c.put_chunk(ns, ROOT, tokens(256, 77), data, "bfloat16", shape_for(256, 4096))
-assert status.ok, status
-lease = c.acquire(key)
-assert lease is not None
-other = chunk_header_for(ns, tokens(256, 78), 4096, seed=2)
-r = c._stub.Reserve(pb.ReserveRequest(header=other.pack()), metadata=c._metadata)
-assert r.status == pb.STORED, r
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-def _memory(c: kvstore.Client) -> dict[str, Any]:
-    return c.stats().tiers[0].detail
+from tests.server.helpers import memory_detail, namespace, payload, shape_for, tokens
 
 
 def _wait_for(cond: Any, timeout: float, what: str) -> None:
@@ -59,15 +31,15 @@ def _wait_for(cond: Any, timeout: float, what: str) -> None:
 
 def test_killed_client_leaks_no_pages(server: KVServer) -> None:
     with kvstore.Client(server.unix_url, shm=True) as c:
-        before = _memory(c)
-        proc = subprocess.Popen([sys.executable, "-c", HOLDER, server.unix_url],
+        before = memory_detail(c)
+        proc = subprocess.Popen(holder.command(server.unix_url, 256, 4096, "holder"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=clean_env(), cwd=str(_repo_root()))
         try:
             line = proc.stdout.readline() if proc.stdout else b""
             assert line.strip() == b"ready", (
                 f"holder did not start: {line!r} {proc.stderr.read() if proc.stderr else b''!r}")
-            held = _memory(c)
+            held = memory_detail(c)
             assert held["active_leases"] >= before["active_leases"] + 1, held
             assert held["reservations"] >= before["reservations"] + 1, held
             # The stored chunk (16 pages of 64 KiB + a header page) plus the reservation.
@@ -80,10 +52,10 @@ def test_killed_client_leaks_no_pages(server: KVServer) -> None:
                 proc.wait()
 
         # lease_ms is 30 s: only the end of the Session stream can free these now.
-        _wait_for(lambda: _memory(c)["active_leases"] == before["active_leases"]
-                  and _memory(c)["reservations"] == before["reservations"], 5.0,
+        _wait_for(lambda: memory_detail(c)["active_leases"] == before["active_leases"]
+                  and memory_detail(c)["reservations"] == before["reservations"], 5.0,
                   "the killed client's lease and reservation to be dropped")
-        after = _memory(c)
+        after = memory_detail(c)
         stored_pages = -(-(256 * 4096 + 4096) // after["page_bytes"])  # the committed chunk
         assert after["pages_used"] == before["pages_used"] + stored_pages, (before, after)
         assert after["deleted_while_leased"] == before["deleted_while_leased"]
@@ -91,15 +63,15 @@ def test_killed_client_leaks_no_pages(server: KVServer) -> None:
 
 def test_closed_client_drops_its_leases(server: KVServer) -> None:
     with kvstore.Client(server.unix_url) as watcher:
-        base = _memory(watcher)["active_leases"]
+        base = memory_detail(watcher)["active_leases"]
         c = kvstore.Client(server.unix_url, shm=True)
         ns = namespace("closer", 4096)
         key, _ = c.put_chunk(ns, ROOT, tokens(16, 5), payload(16 * 4096, 4), "bfloat16",
                              shape_for(16, 4096))
         leases = [c.acquire(key) for _ in range(3)]
-        assert all(leases) and _memory(watcher)["active_leases"] == base + 3
+        assert all(leases) and memory_detail(watcher)["active_leases"] == base + 3
         c.close()  # ends the Session without releasing
-        _wait_for(lambda: _memory(watcher)["active_leases"] == base, 5.0,
+        _wait_for(lambda: memory_detail(watcher)["active_leases"] == base, 5.0,
                   "leases of a closed client to be dropped")
 
 
