@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import KVStoreError, NotFound, Unauthenticated
+from kvstore.errors import KVStoreError, NotFound, ServerError, Unauthenticated
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -52,6 +54,7 @@ from kvstore.sdk import (
     GetAssembler,
     Lease,
     NamespaceLike,
+    Reservation,
     Tokens,
     chunk_header,
     namespace_fingerprint,
@@ -74,8 +77,10 @@ from kvstore.wire import (
     status_from_pb,
 )
 
-__all__ = ["Client", "Endpoint", "Lease", "chunk_header", "namespace_fingerprint", "parse_url",
-           "prefault"]
+MAX_RESERVE_BATCH = 1024  # reservations per ReserveMany (the server's limit)
+
+__all__ = ["Client", "Endpoint", "Lease", "Reservation", "chunk_header",
+           "namespace_fingerprint", "parse_url", "prefault"]
 
 log = logging.getLogger("kvstore.client")
 
@@ -193,17 +198,26 @@ class Client(ClientBase):
         """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
         if self._info is None:
             self.info(timeout=timeout)
+        return self._put(header, payload, timeout, sealed=True)
+
+    def _put(self, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
+             ) -> PutStatus:
+        """``sealed=False``: the header's checksum is a placeholder, for the server to fill
+        in at Commit; a put that must stream hashes the payload here first."""
         src = self._check_put(header, payload)
         arena = self._shm()
         if arena is not None:
-            status = self._put_shm(header, src, timeout)
+            status = self._put_shm(header, src, timeout, sealed)
             if status is not None:
                 return status
+        if not sealed:
+            header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
         return self._put_stream(header, src, timeout)
 
-    def _put_shm(self, header: RecordHeader, src: np.ndarray, timeout: float | None
-                 ) -> PutStatus | None:
-        r = self._call("Reserve", self._stub.Reserve, pb.ReserveRequest(header=header.pack()),
+    def _put_shm(self, header: RecordHeader, src: np.ndarray, timeout: float | None,
+                 sealed: bool) -> PutStatus | None:
+        r = self._call("Reserve", self._stub.Reserve,
+                       pb.ReserveRequest(header=header.pack(), checksum_at_commit=not sealed),
                        timeout)
         status = status_from_pb(r.status)
         if status != PutStatus.STORED:
@@ -233,14 +247,64 @@ class Client(ClientBase):
 
         On a server with tenants, a namespace the server does not know as the caller's yet
         is proved with a Lookup that carries it (docs/security.md), and the put retried."""
-        header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
+        if self._info is None:
+            self.info(timeout=timeout)
+        # Through shared memory the server hashes the payload at Commit: not hashed here.
+        sealed = self._shm() is None
+        header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype,
+                              shape)
         try:
-            return header.key, self.put(header, payload, timeout=timeout)
+            return header.key, self._put(header, payload, timeout, sealed=sealed)
         except Unauthenticated as e:
             if not isinstance(namespace, Namespace) or TENANT_UNPROVED not in str(e):
                 raise
         self.lookup(namespace, [], timeout=timeout)
-        return header.key, self.put(header, payload, timeout=timeout)
+        return header.key, self._put(header, payload, timeout, sealed=sealed)
+
+    def reserve(self, headers: Sequence[RecordHeader], *, checksum_at_commit: bool = True,
+                timeout: float | None = None) -> builtins.list[Reservation | PutStatus]:
+        """Arena space for chunks whose payloads the caller writes in place: one round trip.
+
+        For each header, a ``Reservation`` (write its ``views()``, then ``commit()``), or
+        the status a put would get without one: EXISTS (already stored: nothing to
+        write), FULL or TOO_LARGE (L1 cannot take it now; ``put`` sends it below). With
+        ``checksum_at_commit`` the headers' checksums are placeholders (``chunk_header``
+        with ``payload=None``) and the server hashes what was written at Commit.
+        Only on the server's host; raises KVStoreError when shared memory is not in use.
+        """
+        arena = self._shm()
+        if arena is None:
+            raise KVStoreError("reserve needs the shared-memory data plane (same host)")
+        out: builtins.list[Reservation | PutStatus] = []
+        for i in range(0, len(headers), MAX_RESERVE_BATCH):
+            batch = headers[i : i + MAX_RESERVE_BATCH]
+            t0 = time.monotonic()
+            r = self._call("ReserveMany", self._stub.ReserveMany, pb.ReserveManyRequest(
+                requests=[pb.ReserveRequest(header=h.pack(), checksum_at_commit=checksum_at_commit)
+                          for h in batch]), timeout)
+            if len(r.responses) != len(batch):
+                raise ServerError(f"ReserveMany answered {len(r.responses)} of {len(batch)}")
+            for h, one in zip(batch, r.responses, strict=True):
+                status = status_from_pb(one.status)
+                if status != PutStatus.STORED:
+                    out.append(status)
+                    continue
+                out.append(Reservation(
+                    h, one.reservation_id, self._check_extents(one.extents), one.payload_offset,
+                    arena, functools.partial(self._finish, timeout=timeout),
+                    t0 + one.expires_ms / 1000 * LEASE_MARGIN))
+        return out
+
+    def _finish(self, reservation_id: int, commit: bool, *, timeout: float | None
+                ) -> PutStatus:
+        if commit:
+            c = self._call("Commit", self._stub.Commit,
+                           pb.CommitRequest(reservation_id=reservation_id), timeout)
+            return status_from_pb(c.status)
+        with contextlib.suppress(KVStoreError):  # else it expires on its own
+            self._call("Abort", self._stub.Abort,
+                       pb.AbortRequest(reservation_id=reservation_id), timeout)
+        return PutStatus.EXISTS  # not stored by this reservation
 
     # -- reads ------------------------------------------------------------------------------
     def acquire(self, key: bytes, *, timeout: float | None = None) -> Lease | None:

@@ -14,6 +14,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import grpc
@@ -23,8 +24,9 @@ import xxhash
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ServerError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
-from kvstore.records import Codec, RecordHeader, make_header, parse_header
+from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
 from kvstore.tiers.arena import ArenaView, as_u8, spans
+from kvstore.tiers.base import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import (
     AUTH_HEADER,
@@ -91,11 +93,25 @@ def namespace_fingerprint(ns: NamespaceLike) -> tuple[Fingerprint, Namespace | N
 
 def chunk_header(ns: NamespaceLike, parent: ChunkKey, tokens: Tokens, payload: Any, dtype: str,
                  shape: Sequence[int]) -> RecordHeader:
-    """The record header of one chunk (keys.chunk_key over parent, namespace and tokens)."""
+    """The record header of one chunk (keys.chunk_key over parent, namespace and tokens).
+
+    ``payload=None``: the checksum is left a placeholder (0), for ``Client.reserve`` with
+    ``checksum_at_commit``, where the server hashes the bytes once they are written.
+    """
     fp, _ = namespace_fingerprint(ns)
     tb = _tokens_to_bytes(tokens)
+    if payload is None:
+        return unsealed_header(chunk_key(parent, fp, tb), parent, fp, tb, dtype, shape)
     return make_header(key=chunk_key(parent, fp, tb), parent=parent, fingerprint=fp,
                        token_bytes=tb, dtype=dtype, shape=shape, payload=as_u8(payload).data)
+
+
+def unsealed_header(key: ChunkKey, parent: ChunkKey, fingerprint: Fingerprint,
+                    token_bytes: bytes, dtype: str, shape: Sequence[int]) -> RecordHeader:
+    """A RAW record header whose payload checksum the server fills in at Commit."""
+    size = prod(int(d) for d in shape) * dtype_itemsize(dtype)
+    return make_header(key=key, parent=parent, fingerprint=fingerprint, token_bytes=token_bytes,
+                       dtype=dtype, shape=shape, stored_size=size, payload_checksum=0)
 
 
 def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
@@ -159,6 +175,72 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class Reservation:
+    """Arena space reserved for one chunk (``Client.reserve``): write the payload in
+    place, then ``commit``, or ``abort``.
+
+    ``views()`` are writable arrays over the payload's bytes in the server's arena, in
+    order; ``contiguous()`` is the one array when the payload is not split across
+    extents (the usual case), so a device-to-host copy or a gather can land there
+    directly. Nobody can read the chunk until ``commit``; the pages go back on
+    ``abort``, when the reservation expires (the server's ``lease_ms``), or when this
+    client goes away. Used as a context manager, a reservation not committed by the
+    end of the block is aborted.
+    """
+
+    def __init__(self, header: RecordHeader, reservation_id: int,
+                 extents: list[tuple[int, int]], payload_offset: int, arena: ArenaView,
+                 finish: Callable[[int, bool], PutStatus], valid_until: float) -> None:
+        self.header = header
+        self.id = reservation_id
+        self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
+        self._extents, self._offset, self._arena = extents, payload_offset, arena
+        self._finish = finish  # (id, commit?) -> status
+        self.done = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.stored_size
+
+    def views(self) -> list[np.ndarray]:
+        arr = self._arena.array
+        return [arr[off : off + n] for off, _, n in
+                spans(self._extents, self._offset, self.header.stored_size)]
+
+    def contiguous(self) -> np.ndarray | None:
+        views = self.views()
+        return views[0] if len(views) == 1 else None
+
+    def write(self, data: Any) -> None:
+        """Copy the whole payload into place."""
+        src = as_u8(data)
+        if src.size != self.header.stored_size:
+            raise InvalidArgument(f"payload is {src.size} bytes, the reservation holds "
+                                  f"{self.header.stored_size}")
+        self._arena.write(self._extents, self._offset, src)
+
+    def commit(self) -> PutStatus:
+        """Publish the chunk: STORED, or EXISTS if another writer stored it first.
+
+        Raises ``CorruptRecord`` if the bytes do not verify against a checksum given up
+        front, and ``NotFound`` if the reservation expired."""
+        if self.done:
+            raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
+        self.done = True
+        return self._finish(self.id, True)
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._finish(self.id, False)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

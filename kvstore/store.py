@@ -233,12 +233,14 @@ class TieredStore:
             self._writer.submit_copy(header.key, tuple(t.level for t in self._lower(1)))
 
     # -- zero-copy data plane (used by the server for same-host clients) -----
-    def reserve(self, header: RecordHeader, owner: str = "") -> Reservation | PutStatus:
+    def reserve(self, header: RecordHeader, owner: str = "", *,
+                checksum_at_commit: bool = False) -> Reservation | PutStatus:
+        """Arena pages for a same-host writer (``MemoryTier.reserve``)."""
         self._check_open()
         self._validate(header)
         if header.key in self.index:
             return PutStatus.EXISTS
-        res = self.memory.reserve(header, owner=owner)
+        res = self.memory.reserve(header, owner=owner, checksum_at_commit=checksum_at_commit)
         if isinstance(res, Reservation):
             with self._lock:
                 self._reservations[res.id] = header
@@ -255,7 +257,8 @@ class TieredStore:
         finally:
             evicted = header is not None and self._end(header.key)
         if status == PutStatus.STORED and header is not None and not evicted:
-            self._committed(header)
+            # As sealed: a checksum_at_commit header got its checksum only now.
+            self._committed(self.memory.header(header.key) or header)
         self._count("puts" if status.ok else "rejected_puts")
         return status
 

@@ -13,6 +13,7 @@ Put/Get streams live in ``streams``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -31,6 +32,7 @@ from kvstore import __version__
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
+    KVStoreError,
     ResourceExhausted,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint, Namespace
@@ -77,6 +79,7 @@ class _Status(Exception):
         self.code = code
 
 
+MAX_RESERVE_BATCH = 1024  # reservations in one ReserveMany (the proto says so too)
 _MAX_NAMES = 100_000  # namespaces remembered by name (Lookup requests that carry one)
 
 # Calls that finish work a client already began; still served while draining.
@@ -392,9 +395,33 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
                 ) -> pb.ReserveResponse:
         self._shm_enabled(context)
-        header = self._header(request.header)
+        return self._reserve(request, self._owner(context))
+
+    @_rpc
+    def ReserveMany(self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
+                    ) -> pb.ReserveManyResponse:
+        self._shm_enabled(context)
+        if len(request.requests) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(f"{len(request.requests)} reservations in one ReserveMany; "
+                                  f"at most {MAX_RESERVE_BATCH}")
         owner = self._owner(context)
-        res = self.store.reserve(header, owner=owner)
+        out = pb.ReserveManyResponse()
+        try:
+            for r in request.requests:
+                out.responses.append(self._reserve(r, owner))
+        except BaseException:
+            for done in out.responses:  # all or nothing: no pages held for an error
+                if done.reservation_id:
+                    with contextlib.suppress(KVStoreError):
+                        self.holds.claim(done.reservation_id, owner, "reservation")
+                        self.store.abort(done.reservation_id)
+            raise
+        return out
+
+    def _reserve(self, request: pb.ReserveRequest, owner: str) -> pb.ReserveResponse:
+        header = self._header(request.header)
+        res = self.store.reserve(header, owner=owner,
+                                 checksum_at_commit=request.checksum_at_commit)
         if isinstance(res, PutStatus):
             return pb.ReserveResponse(status=status_to_pb(res))
         self.holds.track(res.id, owner, "reservation", header.stored_size)

@@ -99,6 +99,7 @@ class _Hold:
     entry: _Entry
     owner: str
     expires_at: float
+    checksum_at_commit: bool = False  # a reservation whose header's checksum is a placeholder
 
 
 class MemoryTier(Tier):
@@ -300,8 +301,15 @@ class MemoryTier(Tier):
             return self._sweep_locked()
 
     # -- zero-copy data plane ------------------------------------------------------
-    def reserve(self, header: RecordHeader, *, owner: str = "") -> Reservation | PutStatus:
-        """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put."""
+    def reserve(self, header: RecordHeader, *, owner: str = "",
+                checksum_at_commit: bool = False) -> Reservation | PutStatus:
+        """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put.
+
+        ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; ``commit``
+        hashes the bytes written and seals the record with that checksum. The writer
+        then never hashes its bytes itself (a device-to-host copy straight into the
+        arena), and the bytes are hashed once instead of twice.
+        """
         self._check_raw(header)
         with self._lock:
             self._check_open()
@@ -313,6 +321,7 @@ class MemoryTier(Tier):
         self._arena.write(entry.extents, 0, entry.packed)
         with self._lock:
             rid, expires = self._hold(self._reservations, entry, owner)
+            self._reservations[rid].checksum_at_commit = checksum_at_commit
         return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
     def commit(self, reservation_id: int) -> PutStatus:
@@ -329,12 +338,30 @@ class MemoryTier(Tier):
         if hold is None:
             raise LeaseError(f"unknown reservation {reservation_id}")
         entry = hold.entry
-        if not self._in_place_ok(entry):
+        if not (self._seal(entry) if hold.checksum_at_commit else self._in_place_ok(entry)):
             with self._lock:
                 self._free_locked(entry)
                 self._stats.corrupt += 1
-            raise CorruptRecord(f"reservation {reservation_id}: payload checksum mismatch")
+            what = "header overwritten" if hold.checksum_at_commit else "payload checksum mismatch"
+            raise CorruptRecord(f"reservation {reservation_id}: {what}")
         return self._publish(entry)
+
+    def _seal(self, entry: _Entry) -> bool:
+        """Hash the payload written in place and rewrite the header with that checksum
+        (same size: only the checksum fields change); False if the header was touched."""
+        if not self._header_ok(entry):
+            return False
+        checksum = self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size)
+        entry.header = replace(entry.header, payload_checksum=checksum)
+        entry.packed = entry.header.pack()
+        self._arena.write(entry.extents, 0, entry.packed)
+        return True
+
+    def header(self, key: ChunkKey) -> RecordHeader | None:
+        """The header of a committed chunk (as sealed), or None."""
+        with self._lock:
+            entry = self._chunks.get(key)
+            return None if entry is None else entry.header
 
     def abort(self, reservation_id: int) -> bool:
         """Give back a reservation's pages; False if it was not held (or already expired)."""

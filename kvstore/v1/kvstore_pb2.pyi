@@ -204,10 +204,24 @@ class GetResponse(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "checksum_at_commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: bytes
-    def __init__(self, header: _Optional[bytes] = ...) -> None: ...
+    checksum_at_commit: bool
+    def __init__(self, header: _Optional[bytes] = ..., checksum_at_commit: _Optional[bool] = ...) -> None: ...
+
+class ReserveManyRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...) -> None: ...
+
+class ReserveManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[ReserveResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("status", "reservation_id", "extents", "payload_offset", "expires_ms")

@@ -87,6 +87,14 @@ def _cases(stub: pb_grpc.KVStoreStub) -> list[tuple[str, Callable[[], Any], grpc
          C.INVALID_ARGUMENT, "bytes per token"),
         ("reserve garbage", lambda: stub.Reserve(pb.ReserveRequest(header=b"\0" * 200)),
          C.INVALID_ARGUMENT, "malformed"),
+        ("reserve_many over the batch limit",
+         lambda: stub.ReserveMany(pb.ReserveManyRequest(
+             requests=[pb.ReserveRequest(header=FRESH)] * 1025)),
+         C.INVALID_ARGUMENT, "at most 1024"),
+        ("reserve_many with one garbage header",
+         lambda: stub.ReserveMany(pb.ReserveManyRequest(
+             requests=[pb.ReserveRequest(header=FRESH), pb.ReserveRequest(header=b"\0" * 9)])),
+         C.INVALID_ARGUMENT, "malformed"),
         ("commit unknown", lambda: stub.Commit(pb.CommitRequest(reservation_id=424242)),
          C.NOT_FOUND, "unknown reservation"),
         ("abort unknown", lambda: stub.Abort(pb.AbortRequest(reservation_id=424243)),
@@ -130,6 +138,7 @@ def test_bad_requests_get_proper_statuses(server: KVServer, stub: pb_grpc.KVStor
     # Seed the namespace's layout (64 bytes per token) so a wrong shape is detectable.
     with kvstore.Client(server.tcp_url, shm=False) as c:
         assert c.put(HEADER, DATA).ok
+        held = c.stats().tiers[0].detail["reservations"]
     failures = []
     for name, call, code, message in _cases(stub):
         got_code, details = _status(call)
@@ -140,6 +149,8 @@ def test_bad_requests_get_proper_statuses(server: KVServer, stub: pb_grpc.KVStor
 
     with kvstore.Client(server.tcp_url, shm=False) as c:
         assert c.health(), "server died after bad requests"
+        assert c.stats().tiers[0].detail["reservations"] == held, (
+            "a refused ReserveMany must not keep the reservations made before the bad one")
         got = c.get(HEADER.key)
         assert got is not None and got[1] == DATA, "server state damaged by bad requests"
         with pytest.raises(InvalidArgument, match="chunk keys are 32"):

@@ -13,7 +13,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ROOT
 from kvstore.tiers.base import PutStatus
 from tests.server.conftest import KVServer
-from tests.server.helpers import namespace, payload, put_chain, shape_for, tokens
+from tests.server.helpers import memory_detail, namespace, payload, put_chain, shape_for, tokens
 
 MiB = 1 << 20
 
@@ -198,3 +198,77 @@ def test_chunk_larger_than_l1_goes_through_disk(make_server: Callable[..., KVSer
             out = np.empty_like(data)
             assert c.get_into(key, out) is not None and np.array_equal(out, data)
     assert srv.stop() == 0, srv.log()
+
+
+# -- writing in place: reserve, write the views, commit -------------------------------------
+def test_reserve_many_writes_in_place_and_the_server_seals(server: KVServer) -> None:
+    """One round trip reserves a batch; what is written into the views is what a get
+    returns, and the checksum the server computed at Commit is the payload's."""
+    import xxhash
+
+    from kvstore.client import chunk_header
+
+    bpt = 4096
+    ns = namespace("reserve-many", bpt)
+    datas = [payload(256 * bpt, seed=100 + i) for i in range(3)]
+    headers, parent = [], ROOT
+    for i in range(3):
+        h = chunk_header(ns, parent, tokens(256, 256 * i), None, "bfloat16", shape_for(256, bpt))
+        headers.append(h)
+        parent = h.key
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        assert c.put_chunk(ns, ROOT, tokens(256), datas[0], "bfloat16",
+                           shape_for(256, bpt))[1] == PutStatus.STORED
+        got = c.reserve(headers)
+        assert got[0] == PutStatus.EXISTS, "a stored chunk needs no reservation"
+        for res, data in zip(got[1:], datas[1:], strict=True):
+            assert isinstance(res, kvstore.client.Reservation), res
+            assert c.get(res.header.key) is None, "nothing is visible before commit"
+            view = res.contiguous()
+            assert view is not None, "a fresh arena hands out one extent per record"
+            view[:] = data
+            assert res.commit() == PutStatus.STORED
+        for h, data in zip(headers, datas, strict=True):
+            found = c.get(h.key)
+            assert found is not None and found[1] == data.tobytes(), "other bytes came back"
+            assert found[0].payload_checksum == xxhash.xxh3_64_intdigest(data), (
+                "the server must seal the record with the checksum of what was written")
+        assert memory_detail(c)["reservations"] == 0
+
+
+def test_a_reservation_left_unwritten_is_given_back(server: KVServer) -> None:
+    from kvstore.client import chunk_header
+
+    ns = namespace("reserve-abort", 512)
+    h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        before = memory_detail(c)["pages_used"]
+        (res,) = c.reserve([h])
+        assert isinstance(res, kvstore.client.Reservation)
+        assert memory_detail(c)["pages_used"] > before
+        with pytest.raises(RuntimeError), res:
+            raise RuntimeError("the device copy failed")
+        detail = memory_detail(c)
+        assert (detail["reservations"], detail["pages_used"]) == (0, before), (
+            "leaving the with-block without commit must abort the reservation")
+        assert c.get(h.key) is None
+
+
+def test_commit_refuses_bytes_that_do_not_match_a_checksum_given_up_front(
+    server: KVServer,
+) -> None:
+    from kvstore.client import chunk_header
+    from kvstore.errors import CorruptRecord
+
+    ns = namespace("reserve-bad", 512)
+    data = payload(64 * 512, seed=5)
+    h = chunk_header(ns, ROOT, tokens(64), data, "bfloat16", shape_for(64, 512))
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        (res,) = c.reserve([h], checksum_at_commit=False)
+        assert isinstance(res, kvstore.client.Reservation)
+        bad = data.copy()
+        bad[-1] ^= 1
+        res.write(bad)
+        with pytest.raises(CorruptRecord):
+            res.commit()
+        assert c.get(h.key) is None, "bytes that fail their checksum must never be served"

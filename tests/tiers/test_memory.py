@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -366,6 +367,36 @@ def test_commit_rejects_bad_bytes_from_an_untrusted_client(
     s = tier.stats()
     assert (s.corrupt, s.chunks, detail(tier, "pages_used")) == (1, 0, 0), s
     assert tier.contains([h.key]) == [False]
+
+
+@pytest.mark.parametrize("tamper", [False, True], ids=["clean", "header"])
+def test_checksum_at_commit_seals_the_record_with_the_written_bytes(
+    make_tier: Callable[..., MemoryTier], tamper: bool,
+) -> None:
+    """A writer that never hashed its bytes (a device copy into the arena): commit hashes
+    them and rewrites the header, so reads verify against what was really written."""
+    tier = make_tier(pages=8)
+    h, p = record(10, 2 * PAGE + 100)
+    unsealed = replace(h, payload_checksum=0)
+    res = tier.reserve(unsealed, checksum_at_commit=True)
+    assert isinstance(res, Reservation)
+    with ArenaView.open(tier.path) as client:
+        client.write(res.extents, HS, p)
+        if tamper:
+            client.write(res.extents, 8, b"\xff")
+    if tamper:
+        with pytest.raises(CorruptRecord, match="header"):
+            tier.commit(res.id)
+        assert (tier.stats().corrupt, detail(tier, "pages_used")) == (1, 0)
+        return
+    assert tier.commit(res.id) is PutStatus.STORED
+    sealed = tier.header(h.key)
+    assert sealed is not None and sealed.payload_checksum == h.payload_checksum, (
+        "the sealed header must carry the checksum of the payload as written")
+    assert tier.get(h.key) == h.pack() + p, "the arena must hold the sealed header"
+    flip_bit(tier, h.key, HS + 7)
+    assert tier.get(h.key) is None and tier.stats().corrupt == 1, (
+        "a sealed record must verify on read like any other")
 
 
 def test_racing_reservations_of_one_key_store_it_once(make_tier: Callable[..., MemoryTier]) -> None:
