@@ -18,25 +18,26 @@ comparison per sibling at the stopping point. Nothing scales with store size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from functools import partial
+from itertools import repeat
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.index import FASTEST, Index
+from kvstore.index import FASTEST, Entry, Index
 from kvstore.keys import (
     ROOT,
     ChunkKey,
     Fingerprint,
     Namespace,
-    chunk_key,
+    chunk_hasher,
     common_units,
     family,
-    split_chunks,
     sub_hashes,
-    tokens_to_bytes,
+    token_view,
 )
 
 
@@ -93,6 +94,12 @@ class LookupResult:
     other_namespaces: tuple[NamespaceMatch, ...] = ()  # explain: namespaces that match more
 
 
+# ChunkMatch rows built in C from columns: the NamedTuple constructor is Python code.
+_match_row = cast(Callable[[tuple[Any, ...]], ChunkMatch], partial(tuple.__new__, ChunkMatch))
+_FASTEST_BY_MASK = bytes(FASTEST[m & 15] for m in range(256))  # FASTEST for bytes.translate
+_LEVELS = sorted(set(FASTEST))  # every value a tier column can hold
+
+
 def lookup(
     index: Index,
     fingerprint: Fingerprint,
@@ -106,64 +113,93 @@ def lookup(
     g = granularity or index.granularity
     if g <= 0 or min_tokens < 0:
         raise InvalidArgument("granularity must be > 0 and min_tokens >= 0")
-    tb = memoryview(tokens_to_bytes(tokens))
-    n = len(tb) // 4
-    spans = split_chunks(n, chunk_tokens)
-    matches: list[ChunkMatch] = []
-    parent = ROOT
-    stop_key: ChunkKey | None = None
+    if chunk_tokens <= 0:
+        raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
+    tb = token_view(tokens)
+    n, ct = len(tb) // 4, chunk_tokens
+    step = ct * 4
+    n_chunks = -(-n // ct)
+    copy = chunk_hasher(fingerprint).copy
+    get = cast(Callable[[bytes], Entry | None], index.entries.get)
+    keys: list[bytes] = []
+    masks: list[int] = []  # Entry.tiers of each matched chunk
+    parent: bytes = ROOT
+    stop_key: bytes | None = None
 
-    for s, e in spans:
-        key = chunk_key(parent, fingerprint, tb[s * 4 : e * 4])
-        entry = index.entries.get(key)
+    # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep. No
+    # Python-level call per chunk; the ChunkMatch rows are built below, in C.
+    for s in range(0, len(tb), step):
+        h = copy()
+        h.update(parent)
+        h.update(tb[s : s + step])
+        key = h.digest()
+        entry = get(key)
         if entry is None:
             stop_key = key
             break
-        matches.append(
-            ChunkMatch(key, s, e - s, entry.n_tokens, FASTEST[entry.tiers & 15], False)
-        )
+        keys.append(key)
+        masks.append(entry.tiers)
         parent = key
+    tiers = bytearray(masks).translate(_FASTEST_BY_MASK)  # the fastest tier of each chunk
 
-    if remote is not None and len(matches) < len(spans):
-        rest: list[ChunkKey] = []
-        p = parent
-        for s, e in spans[len(matches) :]:
-            p = chunk_key(p, fingerprint, tb[s * 4 : e * 4])
+    if remote is not None and stop_key is not None:
+        rest = [stop_key]
+        p = stop_key
+        for s in range((len(keys) + 1) * step, len(tb), step):
+            h = copy()
+            h.update(p)
+            h.update(tb[s : s + step])
+            p = h.digest()
             rest.append(p)
-        present = remote.contains(rest)
+        present = remote.contains(cast(list[ChunkKey], rest))
+        stop_key = None
         for key, here in zip(rest, present, strict=True):
             if not here:
                 stop_key = key
                 break
-            s, e = spans[len(matches)]
-            matches.append(ChunkMatch(key, s, e - s, e - s, 3, False))
+            keys.append(key)
+            tiers.append(3)
             parent = key
 
+    # Equal keys mean equal tokens, so an exact match serves, and its stored chunk
+    # holds, exactly the prompt's chunk: chunk_tokens, or fewer for the last one.
+    k = len(keys)
+    matches = list(map(_match_row, zip(keys, range(0, n, ct), repeat(ct), repeat(ct), tiers,
+                                       repeat(False))))
+    levels = sorted((t for t in _LEVELS if t in tiers), key=tiers.index)  # in order of appearance
+    by_tier = {t: tiers.count(t) * ct for t in levels}
+    matched = min(k * ct, n)
+    if k * ct > n:  # the prompt's short last chunk matched
+        last = matches[-1]
+        short = n - last.start
+        matches[-1] = ChunkMatch(last.key, last.start, short, short, last.tier, False)
+        by_tier[last.tier] -= k * ct - n
+
     stop = "complete"
-    if len(matches) < len(spans):
-        stop = index.gone.get(stop_key, "not_stored") if stop_key else "not_stored"
-        s, e = spans[len(matches)]
-        best = _best_sibling(index, parent, fingerprint, tb[s * 4 : e * 4], remote)
+    stop_chunk = -1  # where matching ended is a fact of the store, before the caller's rounding
+    if k < n_chunks:
+        stop = index.gone.get(ChunkKey(stop_key), "not_stored") if stop_key else "not_stored"
+        stop_chunk = k
+        s = k * ct
+        best = _best_sibling(index, ChunkKey(parent), fingerprint, tb[s * 4 : s * 4 + step],
+                             remote)
         if best is not None:
-            key, units, stored, tier = best
-            matches.append(ChunkMatch(key, s, units * index.granularity, stored, tier, True))
+            key, units, n_stored, tier = best
+            got = units * index.granularity
+            matches.append(ChunkMatch(key, s, got, n_stored, tier, True))
+            by_tier[tier] = by_tier.get(tier, 0) + got
+            matched += got
             stop = "diverged"
 
-    matched = sum(m.tokens for m in matches)
-    # Where matching ended is a fact of the store, decided before the caller's rounding.
-    stop_chunk = -1 if stop == "complete" else sum(1 for m in matches if not m.partial)
     cut = matched // g * g
     if cut < matched:
-        matches = _trim(matches, cut)
+        _trim(matches, by_tier, matched - cut)
         if stop == "complete":
             stop = "granularity"
-            stop_chunk = sum(1 for m in matches if not m.partial)
+            stop_chunk = len(matches) - (1 if matches and matches[-1].partial else 0)
         matched = cut
     if matched and matched < min_tokens:
         return LookupResult(0, n, (), "below_min_tokens", len(matches) - 1)
-    by_tier: dict[int, int] = {}
-    for m in matches:
-        by_tier[m.tier] = by_tier.get(m.tier, 0) + m.tokens
     return LookupResult(matched, n, tuple(matches), stop, stop_chunk, by_tier)
 
 
@@ -196,16 +232,17 @@ def _best_sibling(
     return best
 
 
-def _trim(matches: list[ChunkMatch], total: int) -> list[ChunkMatch]:
-    out: list[ChunkMatch] = []
-    left = total
-    for m in matches:
-        if left <= 0:
-            break
-        if m.tokens <= left:
-            out.append(m)
-            left -= m.tokens
+def _trim(matches: list[ChunkMatch], by_tier: dict[int, int], excess: int) -> None:
+    """Take ``excess`` tokens off the end of ``matches`` (and ``by_tier``), in place."""
+    while excess > 0:
+        m = matches.pop()
+        cut = min(m.tokens, excess)
+        excess -= cut
+        left = by_tier[m.tier] - cut
+        if left:
+            by_tier[m.tier] = left
         else:
-            out.append(ChunkMatch(m.key, m.start, left, m.stored_tokens, m.tier, True))
-            left = 0
-    return out
+            del by_tier[m.tier]
+        if cut < m.tokens:
+            left_tokens = m.tokens - cut
+            matches.append(ChunkMatch(m.key, m.start, left_tokens, m.stored_tokens, m.tier, True))

@@ -7,13 +7,17 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import (
+    KEY_SCHEME,
     ROOT,
     Namespace,
+    chunk_key,
     chunk_keys,
     common_units,
     parse_key,
@@ -23,20 +27,26 @@ from kvstore.keys import (
 
 NS = Namespace(model="tiny-llama", dtype="bfloat16", layout="L4-H2-D64-B16-LBHNC", device="cpu")
 VECTORS = [
-    "935bb8726dc181ce4ecb8acf8985326856c6718542d605ffa500e7770a590535",
-    "f55fe95ec5c10a224fdb149e9329481e4e82bc1be1407642cb4a6d369d9ebdf2",
-    "5a20d9c19cb649eb4165bb54b5e443fe1266f9a8a7277cbcd1d868de8285c8d1",
+    "3a037f635662b70523775ba2ab217eac31d1ccdb5d09fe4c76c7b523cd15de0e",
+    "18e291af5dc126738a25c65360ee47319628e5403a3a22ff9172f016fe240315",
+    "f425d3bb8b7189ef62dea31fe6cfab2e3c021a9777368517aea55865209a1e08",
 ]
 
 
 def test_documented_vectors() -> None:
-    assert NS.fingerprint.hex() == "160d13ba8acea681d88954dd6d86f588", (
+    assert NS.fingerprint.hex() == "c1d977bed46844bc9feba9de04e16e37", (
         "fingerprint changed: docs/keys.md is stale"
     )
-    assert Namespace(model="m").fingerprint.hex() == "586dd7cc9d407f0c06e5398ef428ab0e"
+    assert Namespace(model="m").fingerprint.hex() == "e07ae01a8196bb485c91b6108f9e3d12"
     keys = chunk_keys(NS.fingerprint, list(range(10)), 4)
     assert [k.hex() for k in keys] == VECTORS, "chunk key scheme changed: docs/keys.md is stale"
-    assert sub_hashes(tokens_to_bytes(range(8)), 4).hex() == "1a4a42ae0321949513df576b872bda6e"
+    assert sub_hashes(tokens_to_bytes(range(8)), 4).hex() == "3c7e9a5a06b50989a69690e7fec48875"
+    assert KEY_SCHEME == "kvstore-chunk-v2"
+
+
+def block(tag: bytes) -> bytes:
+    """The spec's block(tag): the tag, zero-padded to one 64-byte SHA-256 block."""
+    return tag.ljust(64, b"\0")
 
 
 def test_independent_derivation() -> None:
@@ -46,15 +56,18 @@ def test_independent_derivation() -> None:
         b'"lora":"","model":"tiny-llama","pp_rank":0,"pp_size":1,"revision":"","salt":"",'
         b'"tp_rank":0,"tp_size":1}'
     )
-    fp = hashlib.blake2b(canonical, digest_size=16, person=b"kvstore-ns-v1").digest()
+    fp = hashlib.sha256(block(b"kvstore-ns-v2") + canonical).digest()[:16]
     assert fp == NS.fingerprint
     parent = bytes(32)
     for i, (start, end) in enumerate([(0, 4), (4, 8), (8, 10)]):
         body = struct.pack(f"<{end - start}I", *range(start, end))
-        parent = hashlib.blake2b(
-            parent + fp + body, digest_size=32, person=b"kvstore-chunk-v1"
-        ).digest()
+        parent = hashlib.sha256(block(b"kvstore-chunk-v2") + fp + parent + body).digest()
         assert parent.hex() == VECTORS[i]
+    subs = b"".join(
+        hashlib.sha256(block(b"kvstore-sub-v2") + struct.pack(f"<{n}I", *range(n))).digest()[:8]
+        for n in (4, 8)
+    )
+    assert subs == sub_hashes(tokens_to_bytes(range(8)), 4)
 
 
 def test_same_keys_in_another_process_with_other_hash_seed() -> None:
@@ -101,6 +114,32 @@ def test_prefix_property_and_short_tail() -> None:
     assert full[0] != ROOT
 
 
+def test_every_token_form_gives_the_same_keys() -> None:
+    """Lists, tuples, ranges and arrays of any int dtype, byte order or stride agree."""
+    toks = list(range(1000, 1700))
+    want = chunk_keys(NS.fingerprint, toks, 256)
+    parent, chained = ROOT, []
+    for s in range(0, len(toks), 256):
+        parent = chunk_key(parent, NS.fingerprint, tokens_to_bytes(toks[s : s + 256]))
+        chained.append(parent)
+    assert chained == want, "chunk_keys and chained chunk_key calls disagree"
+    wide = np.array([0, *toks], dtype=np.int64)
+    forms: list[Sequence[int] | np.ndarray] = [
+        tuple(toks),
+        range(1000, 1700),
+        np.array(toks, dtype="<u4"),
+        np.array(toks, dtype=">u4"),
+        np.array(toks, dtype=np.int32),
+        np.array(toks, dtype=">i8"),
+        np.array(toks, dtype=np.uint64),
+        np.repeat(wide, 2)[2::2],  # not contiguous
+    ]
+    for form in forms:
+        assert chunk_keys(NS.fingerprint, form, 256) == want, type(form)
+        assert tokens_to_bytes(form) == tokens_to_bytes(toks)
+    assert tokens_to_bytes(np.array([], dtype=np.float32)) == b""
+
+
 def test_bad_tokens_rejected() -> None:
     with pytest.raises(InvalidArgument):
         tokens_to_bytes([-1])
@@ -108,6 +147,15 @@ def test_bad_tokens_rejected() -> None:
         tokens_to_bytes([2**32])
     with pytest.raises(InvalidArgument):
         tokens_to_bytes([1.5])  # type: ignore[list-item]
+    for dtype in (np.int8, np.int32, np.int64):
+        with pytest.raises(InvalidArgument):
+            tokens_to_bytes(np.array([5, -1], dtype=dtype))
+    with pytest.raises(InvalidArgument):
+        tokens_to_bytes(np.array([2**32], dtype=np.uint64))
+    with pytest.raises(InvalidArgument):
+        tokens_to_bytes(np.array([1.0]))
+    with pytest.raises(InvalidArgument):
+        tokens_to_bytes(np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(InvalidArgument):
         parse_key("zz")
     with pytest.raises(InvalidArgument):
