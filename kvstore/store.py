@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.clock import Clock, monotonic
+from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.index import Entry, Index, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.lookup import LookupResult, RemoteView, lookup
 from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
-from kvstore.tiers.base import PutStatus, Tier, TierStats
+from kvstore.tiers.base import PutStatus, Tier, TierStats, copy_into
 from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
 from kvstore.writer import Backlog, Job, WriteDown
 
@@ -177,14 +177,25 @@ class TieredStore:
         """Store a chunk (raw payload). EXISTS if the key is already stored anywhere local."""
         self._check_open()
         self._validate(header)
-        if header.key in self.index:
+        key = header.key
+        if key in self.index:
             return PutStatus.EXISTS
-        self._begin(header.key)
-        status = self.memory.put(header, payload)
-        evicted = self._end(header.key)
-        if status == PutStatus.STORED and not evicted:
-            self._committed(header)
-        elif status in (PutStatus.FULL, PutStatus.TOO_LARGE):
+        self._begin(key)
+        try:
+            status = self.memory.put(header, payload)
+        except BaseException:
+            self._end(key)
+            raise
+        if status == PutStatus.STORED:  # the common case: one trip through the lock
+            with self._lock:
+                if not self._end_locked(key):  # else evicted meanwhile: the callback indexed it
+                    self._index_locked(header, self.memory.level)
+                self._counters["puts"] += 1
+            if self.config.write_policy == "write-through":
+                self._writer.submit_copy(key, tuple(t.level for t in self._lower(1)))
+            return status
+        self._end(key)
+        if status in (PutStatus.FULL, PutStatus.TOO_LARGE):
             status = self._put_below(header, payload, status)
         self._count("puts" if status.ok else "rejected_puts")
         return status
@@ -225,10 +236,14 @@ class TieredStore:
                 return st
         return status
 
+    def _index_locked(self, header: RecordHeader, level: int) -> None:
+        self.index.add(header, level)
+        if header.fingerprint not in self._layouts:
+            self._layouts[header.fingerprint] = _layout(header)
+
     def _committed(self, header: RecordHeader) -> None:
         with self._lock:
-            self.index.add(header, self.memory.level)
-            self._layouts.setdefault(header.fingerprint, _layout(header))
+            self._index_locked(header, self.memory.level)
         if self.config.write_policy == "write-through":
             self._writer.submit_copy(header.key, tuple(t.level for t in self._lower(1)))
 
@@ -321,17 +336,23 @@ class TieredStore:
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out``; its header, or None on a miss."""
         self._check_open()
-        self._count("gets")
-        header = self.memory.get_into(key, out)
-        if header is None:
+        try:
+            header = self.memory.get_into(key, out)
+        except BaseException:
+            self._count("gets")
+            raise
+        if header is not None:  # an L1 hit: both counters in one trip through the lock
+            with self._lock:
+                self._counters["gets"] += 1
+                self._counters["hits"] += 1
+        else:
+            self._count("gets")
             blob = self.get(key, count=False)
             if blob is None:
                 return None
             header = parse_header(blob)
-            from kvstore.tiers.base import copy_into
-
             copy_into(out, memoryview(blob)[header.header_size :], header.raw_size)
-        self._count("hits")
+            self._count("hits")
         self._touch(key)
         return header
 
@@ -365,19 +386,19 @@ class TieredStore:
 
     def _end(self, key: ChunkKey) -> bool:
         with self._lock:
-            n = self._inflight.pop(key, 1) - 1
-            if n > 0:
-                self._inflight[key] = n
-            return (
-                self._evicted_inflight.pop(key, False) if n <= 0 else key in self._evicted_inflight
-            )
+            return self._end_locked(key)
+
+    def _end_locked(self, key: ChunkKey) -> bool:
+        """The key left the tier put; whether it was evicted meanwhile. Caller holds _lock."""
+        n = self._inflight.pop(key, 1) - 1
+        if n > 0:
+            self._inflight[key] = n
+        return self._evicted_inflight.pop(key, False) if n <= 0 else key in self._evicted_inflight
 
     def _touch(self, key: ChunkKey) -> None:
         entry = self.index.get(key)
         if entry is not None:
             entry.hits += 1
-            from kvstore.clock import wall_ms
-
             entry.last_access_ms = wall_ms()
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ...]]:

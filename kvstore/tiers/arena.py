@@ -10,7 +10,9 @@ so chunk bytes never cross a socket.
 Copies go through numpy slice assignment (memcpy speed, GIL released) or
 ``bytes.join`` over memoryview slices: one Python step per extent, never per
 page. The allocator coalesces free runs, so the extents of one record are never
-adjacent to each other and there is nothing left to merge.
+adjacent to each other and there is nothing left to merge. A range inside one
+extent (most records: ``alloc`` tries one contiguous run first) skips the extent
+walk: at 1 MiB a copy takes ~35 us, so each microsecond of bookkeeping is ~3%.
 """
 
 from __future__ import annotations
@@ -191,10 +193,28 @@ def spans(extents: Sequence[Extent], start: int, length: int) -> Iterator[tuple[
         )
 
 
+_U8 = np.dtype(np.uint8)
+_SMALL = 64 * 1024  # bytes copied with the GIL held (a memoryview copy): no numpy set-up
+
+
+def _one_extent(extents: Sequence[Extent], start: int, length: int) -> int:
+    """The arena offset of record bytes [start, start+length) if one extent holds the whole
+    record (the common case: a slice, no walk); -1 if the extents must be walked."""
+    if len(extents) == 1 and start >= 0 and length >= 0 and start + length <= extents[0][1]:
+        return extents[0][0] + start
+    return -1
+
+
 def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
     """A flat uint8 view of any C-contiguous buffer (bytes, memoryview, numpy, ...)."""
     if isinstance(buf, np.ndarray):
         arr = buf
+        if arr.dtype is _U8 and arr.ndim == 1:  # as is: no view to make (per-call cost)
+            if not arr.flags.c_contiguous:
+                raise InvalidArgument("buffer must be C-contiguous")
+            if writable and not arr.flags.writeable:
+                raise InvalidArgument("output buffer is read-only")
+            return arr
     else:
         try:
             mv = memoryview(buf)  # type: ignore[arg-type]
@@ -202,7 +222,10 @@ def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
             raise InvalidArgument(f"expected a buffer, got {type(buf).__name__}") from e
         if not mv.c_contiguous:
             raise InvalidArgument("buffer must be C-contiguous")
-        arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, np.uint8)
+        if writable and mv.readonly:
+            raise InvalidArgument("output buffer is read-only")
+        flat = mv.ndim == 1 and mv.format == "B"
+        return np.frombuffer(mv if flat else mv.cast("B"), np.uint8)
     if not arr.flags.c_contiguous:
         raise InvalidArgument("buffer must be C-contiguous")
     if writable and not arr.flags.writeable:
@@ -374,24 +397,54 @@ class ArenaView:
 
     def write(self, extents: Sequence[Extent], start: int, data: object) -> None:
         """Copy ``data`` into the record bytes starting at ``start``."""
+        if type(data) is bytes and len(data) <= _SMALL:  # a header: no numpy set-up
+            mv = self._view()
+            if (off := _one_extent(extents, start, len(data))) >= 0:
+                mv[off : off + len(data)] = data
+                return
+            view = memoryview(data)
+            for off, pos, n in spans(extents, start, len(data)):
+                mv[off : off + n] = view[pos : pos + n]
+            return
         arr, src = self.array, as_u8(data)
-        for off, pos, n in spans(extents, start, src.size):
+        size = src.size
+        if (off := _one_extent(extents, start, size)) >= 0:
+            arr[off : off + size] = src
+            return
+        for off, pos, n in spans(extents, start, size):
             arr[off : off + n] = src[pos : pos + n]
 
     def read_into(self, extents: Sequence[Extent], start: int, out: object) -> None:
         """Fill ``out`` (any writable buffer) from the record bytes starting at ``start``."""
         arr, dst = self.array, as_u8(out, writable=True)
-        for off, pos, n in spans(extents, start, dst.size):
+        size = dst.size
+        if (off := _one_extent(extents, start, size)) >= 0:
+            dst[:] = arr[off : off + size]
+            return
+        for off, pos, n in spans(extents, start, size):
             dst[pos : pos + n] = arr[off : off + n]
 
     def read(self, extents: Sequence[Extent], start: int, length: int) -> bytes:
         """A bytes copy of record bytes [start, start+length): one memcpy per extent."""
         mv = self._view()
+        if (off := _one_extent(extents, start, length)) >= 0:
+            return mv[off : off + length].tobytes()
         return b"".join([mv[off : off + n] for off, _, n in spans(extents, start, length)])
+
+    def equals(self, extents: Sequence[Extent], start: int, data: bytes) -> bool:
+        """Whether record bytes [start, start+len(data)) are ``data``.
+
+        Through a bytes copy: ``memoryview == bytes`` compares item by item (~4 us per KiB
+        here), a copy and ``bytes ==`` (memcmp) take ~0.4 us.
+        """
+        return self.read(extents, start, len(data)) == data
 
     def checksum(self, extents: Sequence[Extent], start: int, length: int) -> int:
         """xxh3_64 of record bytes [start, start+length), streamed over the extents."""
-        mv, h = self._view(), xxhash.xxh3_64()
+        mv = self._view()
+        if (off := _one_extent(extents, start, length)) >= 0:
+            return xxhash.xxh3_64_intdigest(mv[off : off + length])
+        h = xxhash.xxh3_64()
         for off, _, n in spans(extents, start, length):
             h.update(mv[off : off + n])
         return h.intdigest()
