@@ -12,7 +12,10 @@
      as a ratio to the pinned device-to-host copy;
    - how long the engine's thread is held by starting a save, against the copy's time;
    - how much a save slows a compute-bound loop on the compute stream (1.0 = not at all);
-   - the load path (get into pinned memory, scatter) in GB/s against pinned host-to-device.
+   - the load path (get into pinned memory, scatter) in GB/s against pinned host-to-device;
+   - saves written in place, as the connector does on the server's host: a batch
+     reserved in one round trip, the device copying straight into the registered arena,
+     the server checksumming at Commit; checked byte for byte.
 3. ``tests/connectors/test_blocks.py`` on CUDA: byte-exact round trips in three layouts,
    and the ordering of the side stream with the compute stream.
 4. The connector inside vLLM on CUDA (skipped with --skip-vllm or without vLLM): a small
@@ -309,11 +312,70 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
     return records
 
 
+def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
+    """What the connector does on the server's host: a step's chunks reserved in one
+    round trip, the blocks copied by the device straight into the registered arena,
+    the server checksumming at Commit. Checked byte for byte against a staged copy."""
+    import numpy as np
+    import torch
+    from kvstore.connectors.vllm_blocks import PinnedArenas
+
+    from kvstore.client import Client, Reservation, chunk_header
+    from kvstore.keys import ROOT as KEY_ROOT
+
+    layout, nbytes, ns = c.layout, c.nbytes, c.ns
+    shape = layout.payload_shape(c.per_chunk)
+    records: list[dict[str, Any]] = []
+    proc, url = _start_server(work, "8GiB", "write-back")
+    pins = PinnedArenas()
+    try:
+        with Client(url, timeout=30) as client:
+            assert client.shm_active, "the same-host client is not using shared memory"
+            chunks = 16 if DEVICE == "cuda" else 4
+            headers = [chunk_header(ns, KEY_ROOT, np.arange(256) + 256 * (5000 + i), None,
+                                    "bfloat16", shape) for i in range(chunks)]
+            t0 = time.perf_counter()
+            got = client.reserve(headers)
+            t_reserve = time.perf_counter() - t0
+            held = [r for r in got if isinstance(r, Reservation)]
+            assert len(held) == chunks, f"reservations refused: {got}"
+            pinned = DEVICE != "cuda" or pins.pin(held[0].arena)
+            assert pinned, "cudaHostRegister of the client's arena mapping failed"
+            t1 = time.perf_counter()
+            waits = []
+            for i, res in enumerate(held):
+                view = res.contiguous()
+                assert view is not None, "a fresh arena hands out one extent per record"
+                waits.append(layout.gather(c.chunk_ids(3000 + i), torch.from_numpy(view)))
+            t_start = time.perf_counter() - t1
+            for wait in waits:
+                wait()
+            stored = [res.commit() for res in held]
+            total = time.perf_counter() - t0
+            assert all(st.ok for st in stored), stored
+            rate = chunks * nbytes / total / 1e9
+            records.append(_rec(f"save x{chunks} in place (reserve, d2h into arena, commit)",
+                                rate, "GB/s", limits["memcpy"],
+                                f"ReserveMany {t_reserve * 1e3:.1f} ms; starting the copies held "
+                                f"the thread {t_start * 1e3:.1f} ms; limit: memcpy"))
+            want, out = layout.host_buffer(nbytes), np.empty(nbytes, np.uint8)
+            for i in (0, chunks - 1):
+                layout.gather(c.chunk_ids(3000 + i), want)()
+                assert client.get_into(headers[i].key, out) is not None
+                assert np.array_equal(out, want.numpy()), f"chunk {i}: other bytes came back"
+    finally:
+        pins.close()
+        proc.terminate()
+        proc.wait(30)
+    return records
+
+
 def data_path(work: Path, limits: dict[str, float]) -> list[dict[str, Any]]:
     c = _Cache()
     records = gather_figures(c, limits)
     for policy in ("write-through", "write-back"):
         records += server_figures(work / policy, c, limits, policy)
+    records += in_place_figures(work / "in-place", c, limits)
     return records
 
 

@@ -37,14 +37,14 @@ Choices, and why:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout
+from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_runtime import Backend, engine_namespace
+from kvstore.connectors.vllm_saves import SaveJob, Saves, SaveSpec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -53,8 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
-from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
-from kvstore.records import make_header
+from kvstore.keys import ChunkKey, tokens_to_bytes
 
 # Under "vllm.": vLLM configures only its own logger tree, so our lines land in its log.
 log = init_logger("vllm.kvstore.connector")
@@ -71,28 +70,6 @@ class LoadSpec:
     start: int  # first token to load (block aligned; earlier ones are computed locally)
     end: int  # one past the last token vLLM counts as loaded (may end inside a block)
     block_ids: list[int]  # the cache blocks for tokens [start, end), the last one whole
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    tokens: list[int]  # the prompt up to the end of the last chunk to save
-    salt: str
-    start: int  # first chunk start to save (chunk aligned)
-    block_ids: list[int]  # the request's blocks for tokens [0, len(tokens))
-
-
-@dataclass
-class _SaveJob:
-    """One chunk on its way out: its record's identity and the host buffer being filled."""
-
-    key: ChunkKey
-    parent: ChunkKey
-    fingerprint: Fingerprint
-    token_bytes: bytes
-    blocks: int
-    buf: torch.Tensor
-    ready: Callable[[], None]  # waits until ``buf`` holds the blocks
 
 
 @dataclass
@@ -177,8 +154,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layout: BlockLayout | None = None
         self._failed: set[int] = set()
-        self._saver: BackgroundSaver | None = None
-        self._save_backend: Backend | None = None
+        self._saves: Saves | None = None
         self._busy_warned = 0.0
 
     # ------------------------------------------------------------ scheduler side
@@ -299,8 +275,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, None  # saves finish inside their step: the blocks may be freed now
 
     def get_kv_connector_stats(self) -> KVStoreStats | None:
-        if self._saver is not None:
-            saved, failed = self._saver.take()
+        saver = self._saves.saver if self._saves is not None else None
+        if saver is not None:
+            saved, failed = saver.take()
             if saved or failed:
                 self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         if self.stats.is_empty():
@@ -315,11 +292,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStoreStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        saver = self._saver
-        if saver is not None and not saver.close(timeout=self.cfg.timeout_ms / 1000 * 4):
-            log.warning("kvstore: %d queued save(s) dropped at shutdown", saver.pending)
-        if self._save_backend is not None:
-            self._save_backend.close()  # closed: a save still running stores nothing more
+        if self._saves is not None:
+            self._saves.close(timeout=self.cfg.timeout_ms / 1000 * 4)
         self.backend.close()
 
     # --------------------------------------------------------------- worker side
@@ -329,14 +303,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if mode == "auto":
             gpu = self._layout.device.type == "cuda"
             mode = "async" if gpu and self.producer and self.consumer else "sync"
-        if mode == "async" and self.producer:
-            # Its own client: a failure on the saver thread must not close the one the
-            # engine thread is reading leases with.
-            self._save_backend = self.backend.sibling("saver")
-            save_backend = self._save_backend
-            self._saver = BackgroundSaver(
-                lambda job: self._put(job, save_backend), self.cfg.save_buffer_bytes
-            )
+        if self.producer:
+            self._saves = Saves(self._layout, self.backend, self.base_ns, self.block_size,
+                                self.chunk_tokens, background=mode == "async",
+                                save_buffer_bytes=self.cfg.save_buffer_bytes)
         log.info(
             "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s",
             self._layout.layers,
@@ -381,6 +351,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             header = self.backend.get_into(match.key, buf)
             if header is None or header.raw_size != buf.numel():
                 continue  # gone or another layout: those blocks are reported below
+            want = tokens_to_bytes(spec.tokens[match.start : match.start + match.tokens])
+            if header.token_bytes[: len(want)] != want:
+                # A partial match rests on 8-byte sub-hashes; the record's own token ids
+                # have the last word, so colliding tokens are recomputed, never loaded.
+                continue
             # Blocks of the chunk before spec.start are computed locally: only ``blocks`` move.
             layout.scatter(buf, stored, [todo.pop(b) for b in blocks], first=blocks[0] - first)
         if todo:
@@ -399,15 +374,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreMeta) or not meta.saves or self._layout is None:
+        saves = self._saves
+        if not isinstance(meta, KVStoreMeta) or not meta.saves or saves is None:
             return
         t0 = time.perf_counter()
-        jobs: list[_SaveJob] = []
+        jobs: list[SaveJob] = []
         seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
         skipped = 0
         for spec in meta.saves:
             try:
-                skipped += self._start_saves(spec, seen, jobs)
+                skipped += saves.start(spec, seen, jobs)
             except Exception as e:  # a failed save only costs a future hit
                 self.backend.failed("save", e)
         if skipped:
@@ -416,7 +392,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         saved = failed = 0
         for job in jobs:  # sync: every copy is already under way, each put overlaps the next
             try:
-                tokens = self._put(job, self.backend)
+                tokens = saves.store(job, self.backend)
             except Exception as e:
                 tokens = 0
                 self.backend.failed("save", e)
@@ -425,66 +401,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         if jobs:
             self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         self.stats.add(save_s=time.perf_counter() - t0)
-
-    def _start_saves(self, spec: SaveSpec, seen: set[ChunkKey], jobs: list[_SaveJob]) -> int:
-        """Start copying out the chunks of ``spec`` the server lacks: queued on the saver
-        (async), or added to ``jobs`` (sync). Returns the chunks skipped for want of room."""
-        assert self._layout is not None
-        layout, bs, C = self._layout, self.block_size, self.chunk_tokens
-        fp = self.base_ns.for_request(spec.salt).fingerprint
-        raw = tokens_to_bytes(spec.tokens)
-        parent = ROOT
-        spans = [(s, min(s + C, len(spec.tokens))) for s in range(0, len(spec.tokens), C)]
-        keys = []
-        for s, e in spans:
-            parent = chunk_key(parent, fp, raw[s * 4 : e * 4])
-            keys.append(parent)
-        saver = self._saver
-        todo = [
-            i
-            for i, (s, _) in enumerate(spans)
-            if s >= spec.start
-            and keys[i] not in seen
-            and not (saver is not None and saver.queued(keys[i]))
-        ]
-        present = self.backend.exists([keys[i] for i in todo])
-        skipped = 0
-        for i, here in zip(todo, present, strict=True):
-            seen.add(keys[i])
-            if here:
-                continue
-            s, e = spans[i]
-            n = (e - s) // bs
-            ids = spec.block_ids[s // bs : e // bs]
-
-            def copy_out(i: int = i, s: int = s, e: int = e, n: int = n, ids: list[int] = ids
-                         ) -> _SaveJob:
-                buf = layout.host_buffer(layout.nbytes(n))
-                ready = layout.gather(ids, buf)
-                parent = keys[i - 1] if i else ROOT
-                return _SaveJob(keys[i], parent, fp, raw[s * 4 : e * 4], n, buf, ready)
-
-            if saver is None:
-                jobs.append(copy_out())
-            elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
-                skipped += 1
-        return skipped
-
-    def _put(self, job: _SaveJob, backend: Backend) -> int:
-        """Store one chunk once its bytes are on the host; the tokens stored (0: not)."""
-        assert self._layout is not None
-        job.ready()
-        payload = job.buf.numpy()
-        header = make_header(
-            key=job.key,
-            parent=job.parent,
-            fingerprint=job.fingerprint,
-            token_bytes=job.token_bytes,
-            dtype=str(self._layout.dtype).removeprefix("torch."),
-            shape=self._layout.payload_shape(job.blocks),
-            payload=memoryview(payload.data),
-        )
-        return len(job.token_bytes) // 4 if backend.put(header, payload) else 0
 
     def _warn_busy(self, n: int) -> None:
         now = time.monotonic()

@@ -13,6 +13,7 @@ layer-name order; its first m blocks are a valid payload for m blocks.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -172,6 +173,41 @@ def _done() -> None:
     return None
 
 
+class PinnedArenas:
+    """Arena mappings registered with CUDA (``cudaHostRegister``), each once.
+
+    A device-to-host copy into pageable memory makes the host wait for the GPU; into
+    registered memory it is asynchronous and runs at pinned speed. Each client maps
+    the arena on its own, so registration is per mapping (a reconnect brings a new
+    one). Registered mappings are kept referenced until ``close``: the memory must
+    stay mapped while registered, and an id must not be reused meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._done: dict[int, tuple[Any, Any]] = {}  # id(mapping) -> (mapping, array or None)
+
+    def pin(self, arena: Any) -> bool:
+        """Register ``arena`` (an ``ArenaView``) if not yet; False if CUDA refused."""
+        entry = self._done.get(id(arena))
+        if entry is not None:
+            return entry[1] is not None
+        whole = arena.array
+        try:
+            rc = torch.cuda.cudart().cudaHostRegister(whole.ctypes.data, whole.size, 0)
+            ok = int(rc[0] if isinstance(rc, tuple) else rc) == 0
+        except Exception:  # no CUDA runtime bindings: the caller stages instead
+            ok = False
+        self._done[id(arena)] = (arena, whole if ok else None)
+        return ok
+
+    def close(self) -> None:
+        for _, whole in self._done.values():
+            if whole is not None:
+                with contextlib.suppress(Exception):
+                    torch.cuda.cudart().cudaHostUnregister(whole.ctypes.data)
+        self._done.clear()
+
+
 class BackgroundSaver:
     """Runs save jobs on one thread, in order, so the engine's step does not wait for them.
 
@@ -195,6 +231,11 @@ class BackgroundSaver:
         self.errors = 0
         self._thread = threading.Thread(target=self._loop, name="kvstore-saver", daemon=True)
         self._thread.start()
+
+    def room(self) -> int:
+        """Bytes that can be submitted before the budget refuses (when jobs are pending)."""
+        with self._cond:
+            return self.max_pending_bytes - self._pending_bytes
 
     def queued(self, key: Hashable) -> bool:
         """A job for ``key`` is waiting or running."""

@@ -245,6 +245,25 @@ class Backend:
             self.failed("exists", e)
             return [True] * len(keys)
 
+    def reserve(self, headers: Sequence[RecordHeader]) -> list[Any] | None:
+        """Arena space to write saves in place (``Client.reserve``, checksums left to the
+        server), or None: no shared memory with this server, or it is down."""
+        client = self._connect()
+        if client is None or not client.shm_active:
+            return None
+        try:
+            return list(client.reserve(headers))
+        except Exception as e:
+            self.failed("save", e)
+            return None
+
+    def commit(self, reservation: Any) -> bool:
+        try:
+            return bool(reservation.commit().ok)
+        except Exception as e:
+            self.failed("save", e)
+            return False
+
     def put(self, header: RecordHeader, payload: Any) -> bool:
         client = self._connect()
         if client is None:

@@ -204,6 +204,11 @@ class Reservation:
     def nbytes(self) -> int:
         return self.header.stored_size
 
+    @property
+    def arena(self) -> ArenaView:
+        """This client's mapping of the server's arena (to register it with CUDA once)."""
+        return self._arena
+
     def views(self) -> list[np.ndarray]:
         arr = self._arena.array
         return [arr[off : off + n] for off, _, n in

@@ -1,0 +1,172 @@
+"""The worker half's saves: which chunks of a step to store, their blocks copied out,
+and the records stored, in the step (sync) or by the background saver (async).
+
+On the server's host, a step's chunks are reserved in the server's arena in one
+round trip (``Client.reserve``, which also says which chunks are stored already:
+it replaces the existence check) and the blocks are gathered straight into the
+reserved pages: on CPU by ``index_select`` into the arena, on CUDA by one
+device-to-host copy into the arena registered with ``cudaHostRegister``. The
+server hashes the bytes at Commit (``checksum_at_commit``), so the engine's
+process never reads them back. A payload split over several extents, a CUDA
+arena that cannot be registered, a chunk L1 cannot take now (FULL: the server
+puts it below), or a server on another host take the staged path: the blocks
+go to a host buffer and the chunk is stored with ``put``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
+from kvstore.connectors.vllm_runtime import Backend, EngineNamespace
+from vllm.logger import init_logger
+
+from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_bytes
+from kvstore.records import make_header
+from kvstore.sdk import Reservation, unsealed_header
+from kvstore.tiers.base import PutStatus
+
+log = init_logger("vllm.kvstore.connector")
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    tokens: list[int]  # the prompt up to the end of the last chunk to save
+    salt: str
+    start: int  # first chunk start to save (chunk aligned)
+    block_ids: list[int]  # the request's blocks for tokens [0, len(tokens))
+
+
+@dataclass
+class SaveJob:
+    """One chunk on its way out: its record's identity and where its bytes are going."""
+
+    key: ChunkKey
+    parent: ChunkKey
+    fingerprint: Fingerprint
+    token_bytes: bytes
+    blocks: int
+    buf: torch.Tensor  # the arena pages themselves, or a host buffer
+    ready: Callable[[], None]  # waits until ``buf`` holds the blocks
+    reservation: Reservation | None = None  # written in place: commit it
+    staged: bool = False  # a reservation whose bytes are in a host buffer: write, commit
+
+
+class Saves:
+    """Starts and stores the saves of one worker (``save_mode`` sync or async)."""
+
+    def __init__(self, layout: BlockLayout, backend: Backend, ns: EngineNamespace,
+                 block_size: int, chunk_tokens: int, *, background: bool,
+                 save_buffer_bytes: int) -> None:
+        self.layout, self.backend, self.ns = layout, backend, ns
+        self.block_size, self.chunk_tokens = block_size, chunk_tokens
+        self.saver: BackgroundSaver | None = None
+        # Whoever commits a reservation must hold it: the saver's own client in async.
+        self.writer = backend
+        if background:
+            # Its own client: a failure on the saver thread must not close the one the
+            # engine thread is reading leases with.
+            self.writer = backend.sibling("saver")
+            writer = self.writer
+            self.saver = BackgroundSaver(lambda job: self.store(job, writer), save_buffer_bytes)
+        self._pins = PinnedArenas()
+
+    # -- starting saves, on the engine thread --------------------------------------------
+    def start(self, spec: SaveSpec, seen: set[ChunkKey], jobs: list[SaveJob]) -> int:
+        """Start copying out the chunks of ``spec`` the server lacks: queued on the saver
+        (async), or added to ``jobs`` (sync). Returns the chunks skipped for want of room."""
+        layout, bs, C = self.layout, self.block_size, self.chunk_tokens
+        fp = self.ns.for_request(spec.salt).fingerprint
+        raw = tokens_to_bytes(spec.tokens)
+        spans = [(s, min(s + C, len(spec.tokens))) for s in range(0, len(spec.tokens), C)]
+        keys = chunk_keys(fp, spec.tokens, C)
+        saver = self.saver
+        todo = [i for i, (s, _) in enumerate(spans)
+                if s >= spec.start and keys[i] not in seen
+                and not (saver is not None and saver.queued(keys[i]))]
+        skipped = 0
+        if saver is not None:  # what the budget cannot take is not reserved either
+            room, fits = saver.room(), 0
+            for i in todo:
+                room -= layout.nbytes((spans[i][1] - spans[i][0]) // bs)
+                if room < 0 and (fits or saver.pending):
+                    break
+                fits += 1
+            todo, skipped = todo[:fits], len(todo) - fits
+        dtype = str(layout.dtype).removeprefix("torch.")
+        got = self.writer.reserve([
+            unsealed_header(keys[i], keys[i - 1] if i else ROOT, fp,
+                            raw[spans[i][0] * 4 : spans[i][1] * 4], dtype,
+                            layout.payload_shape((spans[i][1] - spans[i][0]) // bs))
+            for i in todo]) if todo else []
+        if got is None:  # no shared memory, or the server is down: ask, then put
+            got = [PutStatus.EXISTS if here else None
+                   for here in self.backend.exists([keys[i] for i in todo])]
+        for i, res in zip(todo, got, strict=True):
+            seen.add(keys[i])
+            if res == PutStatus.EXISTS:
+                continue
+            s, e = spans[i]
+            n = (e - s) // bs
+            ids = spec.block_ids[s // bs : e // bs]
+            held = res if isinstance(res, Reservation) else None  # FULL/TOO_LARGE: put
+
+            def copy_out(i: int = i, s: int = s, n: int = n, ids: list[int] = ids,
+                         held: Reservation | None = held) -> SaveJob:
+                try:
+                    into = self._in_place(held)
+                    buf = into if into is not None else layout.host_buffer(layout.nbytes(n))
+                    ready = layout.gather(ids, buf)
+                except BaseException:
+                    if held is not None:
+                        held.abort()
+                    raise
+                return SaveJob(keys[i], keys[i - 1] if i else ROOT, fp,
+                               raw[s * 4 : spans[i][1] * 4], n, buf, ready, held,
+                               staged=held is not None and into is None)
+
+            if saver is None:
+                jobs.append(copy_out())
+            elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
+                skipped += 1
+                if held is not None:
+                    held.abort()
+        return skipped
+
+    def _in_place(self, res: Reservation | None) -> torch.Tensor | None:
+        """The reserved pages as a tensor the gather can write into, or None (staged)."""
+        view = res.contiguous() if res is not None else None
+        if view is None or res is None:
+            return None
+        if self.layout.device.type == "cuda" and not self._pins.pin(res.arena):
+            return None
+        return torch.from_numpy(view)
+
+    # -- storing, in the step (sync) or on the saver thread (async) ----------------------
+    def store(self, job: SaveJob, backend: Backend) -> int:
+        """Store one chunk once its bytes are in place; the tokens stored (0: not)."""
+        job.ready()
+        tokens = len(job.token_bytes) // 4
+        if job.reservation is not None:
+            if job.staged:
+                job.reservation.write(job.buf.numpy())
+            return tokens if backend.commit(job.reservation) else 0
+        payload = job.buf.numpy()
+        header = make_header(
+            key=job.key, parent=job.parent, fingerprint=job.fingerprint,
+            token_bytes=job.token_bytes,
+            dtype=str(self.layout.dtype).removeprefix("torch."),
+            shape=self.layout.payload_shape(job.blocks), payload=memoryview(payload.data),
+        )
+        return tokens if backend.put(header, payload) else 0
+
+    def close(self, timeout: float) -> None:
+        saver = self.saver
+        if saver is not None and not saver.close(timeout=timeout):
+            log.warning("kvstore: %d queued save(s) dropped at shutdown", saver.pending)
+        if self.writer is not self.backend:
+            self.writer.close()  # closed: a save still running stores nothing more
+        self._pins.close()
