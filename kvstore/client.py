@@ -92,10 +92,12 @@ class Client(ClientBase):
 
     def __init__(self, url: str | None = None, *, token: str | None = None,
                  tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
-                 timeout: float = 10.0, shm: bool | None = None, verify: bool = False) -> None:
+                 timeout: float = 10.0, shm: bool | None = None, verify: bool = True) -> None:
         """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
-        instead of the server checking the pages before the lease (one pass either way;
-        this one also catches a rogue writer on the host changing pages mid-read)."""
+        instead of the server checking the pages before the lease. Both verify every
+        byte; here each piece is hashed while the copy has it in cache (cheaper than the
+        server's pass over the pages), and a rogue writer on the host changing pages
+        mid-read is caught too. ``verify=False`` leaves it to the server."""
         super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
                          timeout=timeout, shm=shm, verify=verify)
         ep = self.endpoint
@@ -399,10 +401,13 @@ class Client(ClientBase):
         got = self._acquire_or_stream(key, timeout)
         if isinstance(got, Lease):
             try:
-                got.read_into(dst)
+                if self.verify:
+                    digest = got.read_into_hashed(dst)
+                else:
+                    got.read_into(dst)
             finally:
                 ok = self._done_with(got)
-            if ok and self._verified(got.header, dst[: got.header.raw_size].data):
+            if ok and (not self.verify or digest == got.header.payload_checksum):
                 return got.header
             got = "stream"  # expired while we read, or corrupt: the server decides
         if got is None:

@@ -424,6 +424,24 @@ class ArenaView:
         for off, pos, n in spans(extents, start, size):
             dst[pos : pos + n] = arr[off : off + n]
 
+    def read_into_hashed(self, extents: Sequence[Extent], start: int, out: object,
+                         piece: int = 512 << 10) -> int:
+        """``read_into``, returning the xxh3_64 of the bytes delivered into ``out``.
+
+        Each piece is hashed right after it is copied, while it is still in the cache, so
+        verifying a read costs much less than a second pass over memory. What is hashed is
+        what the caller got, even if a rogue writer changes the arena meanwhile.
+        """
+        arr, dst = self.array, as_u8(out, writable=True)
+        h = xxhash.xxh3_64()
+        for off, pos, n in spans(extents, start, dst.size):
+            for o in range(0, n, piece):
+                m = min(piece, n - o)
+                got = dst[pos + o : pos + o + m]
+                got[:] = arr[off + o : off + o + m]
+                h.update(got.data)
+        return h.intdigest()
+
     def read(self, extents: Sequence[Extent], start: int, length: int) -> bytes:
         """A bytes copy of record bytes [start, start+length): one memcpy per extent."""
         mv = self._view()

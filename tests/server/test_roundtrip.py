@@ -272,3 +272,27 @@ def test_commit_refuses_bytes_that_do_not_match_a_checksum_given_up_front(
         with pytest.raises(CorruptRecord):
             res.commit()
         assert c.get(h.key) is None, "bytes that fail their checksum must never be served"
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
+def test_a_payload_changed_in_the_arena_is_never_served(server: KVServer, verify: bool) -> None:
+    """A rogue writer on the host flips a byte of a committed chunk: whichever side checks,
+    the reader gets a miss or a good copy from a lower tier, and the L1 copy is dropped."""
+    from kvstore.tiers.arena import ArenaView
+
+    ns = namespace(f"rogue-{verify}", 4096)
+    data = payload(256 * 4096, seed=77)
+    with kvstore.Client(server.unix_url, shm=True, timeout=30, verify=verify) as c:
+        key, status = c.put_chunk(ns, ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096))
+        assert status == PutStatus.STORED
+        lease = c.acquire(key)
+        assert lease is not None
+        extents, start = lease._extents, lease._offset
+        lease.release()
+        corrupt = c.stats().tiers[0].corrupt
+        with ArenaView.open(c.info().shm_path) as rogue:
+            rogue.write(extents, start + 12345, b"\x5a" if data[12345] != 0x5A else b"\xa5")
+        out = np.zeros(data.size, dtype=np.uint8)
+        got = c.get_into(key, out)
+        assert got is None or np.array_equal(out, data), "changed bytes were served"
+        assert c.stats().tiers[0].corrupt == corrupt + 1, "the bad L1 copy must be counted"
