@@ -65,7 +65,7 @@ class AsyncClient(ClientBase):
 
     def __init__(self, url: str | None = None, *, token: str | None = None,
                  tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
-                 timeout: float = 10.0, shm: bool | None = None, verify: bool = False) -> None:
+                 timeout: float = 10.0, shm: bool | None = None, verify: bool = True) -> None:
         super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
                          timeout=timeout, shm=shm, verify=verify)
         ep = self.endpoint
@@ -218,7 +218,8 @@ class AsyncClient(ClientBase):
         if arena is None:
             return "stream"
         t0 = time.monotonic()
-        a = await self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
+        a = await self._call("Acquire", self._stub.Acquire,
+                             pb.AcquireRequest(key=key, client_verifies=self.verify), timeout)
         if not a.found:
             return "stream" if a.use_get else None
         header = parse_header(a.header, expect_key=key)
@@ -251,9 +252,9 @@ class AsyncClient(ClientBase):
                 data = got.read()
             finally:
                 ok = await self._done_with(got, timeout)
-            if ok:
+            if ok and self._verified(got.header, data):
                 return got.header, data
-            got = "stream"
+            got = "stream"  # expired while we read, or corrupt: the server decides
         if got is None:
             return None
         return await self._get_stream(key, None, timeout)
@@ -265,12 +266,15 @@ class AsyncClient(ClientBase):
         got = await self._lease(key, timeout)
         if isinstance(got, Lease):
             try:
-                got.read_into(dst)
+                if self.verify:
+                    digest = got.read_into_hashed(dst)
+                else:
+                    got.read_into(dst)
             finally:
                 ok = await self._done_with(got, timeout)
-            if ok:
+            if ok and (not self.verify or digest == got.header.payload_checksum):
                 return got.header
-            got = "stream"
+            got = "stream"  # expired while we read, or corrupt: the server decides
         if got is None:
             return None
         found = await self._get_stream(key, dst, timeout)

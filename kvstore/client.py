@@ -67,6 +67,7 @@ from kvstore.tiers.base import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import (
+    MAX_RESERVE_BATCH,
     SERVICE_NAME,
     NamespaceInfo,
     ServerInfo,
@@ -76,8 +77,6 @@ from kvstore.wire import (
     stats_from_pb,
     status_from_pb,
 )
-
-MAX_RESERVE_BATCH = 1024  # reservations per ReserveMany (the server's limit)
 
 __all__ = ["Client", "Endpoint", "Lease", "Reservation", "chunk_header",
            "namespace_fingerprint", "parse_url", "prefault"]
@@ -168,6 +167,11 @@ class Client(ClientBase):
         return thread
 
     @property
+    def arena(self) -> ArenaView | None:
+        """This client's mapping of the server's arena, if it has one now (no setup)."""
+        return self._arena
+
+    @property
     def shm_active(self) -> bool:
         """True when chunk bytes travel through the server's shared memory."""
         return self._shm() is not None
@@ -225,16 +229,22 @@ class Client(ClientBase):
         if status != PutStatus.STORED:
             # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
             return status if status == PutStatus.EXISTS else None
+        checksum = None
         try:
             assert self._arena is not None
-            self._arena.write(self._check_extents(r.extents), r.payload_offset, src)
+            extents = self._check_extents(r.extents)
+            if sealed:
+                self._arena.write(extents, r.payload_offset, src)
+            else:  # hashed piece by piece as it is copied, while in cache
+                checksum = self._arena.write_hashed(extents, r.payload_offset, src)
         except BaseException:
             with contextlib.suppress(KVStoreError):  # else it expires on its own
                 self._call("Abort", self._stub.Abort,
                            pb.AbortRequest(reservation_id=r.reservation_id), timeout)
             raise
         c = self._call("Commit", self._stub.Commit,
-                       pb.CommitRequest(reservation_id=r.reservation_id), timeout)
+                       pb.CommitRequest(reservation_id=r.reservation_id,
+                                        payload_checksum=checksum), timeout)
         return status_from_pb(c.status)
 
     def _put_stream(self, header: RecordHeader, src: np.ndarray, timeout: float | None
@@ -271,13 +281,26 @@ class Client(ClientBase):
         the status a put would get without one: EXISTS (already stored: nothing to
         write), FULL or TOO_LARGE (L1 cannot take it now; ``put`` sends it below). With
         ``checksum_at_commit`` the headers' checksums are placeholders (``chunk_header``
-        with ``payload=None``) and the server hashes what was written at Commit.
+        with ``payload=None``) and the checksum of what was written goes with the commit
+        (``Reservation.commit``), where the server checks the pages against it.
         Only on the server's host; raises KVStoreError when shared memory is not in use.
         """
         arena = self._shm()
         if arena is None:
             raise KVStoreError("reserve needs the shared-memory data plane (same host)")
         out: builtins.list[Reservation | PutStatus] = []
+        try:
+            self._reserve_batches(arena, headers, checksum_at_commit, timeout, out)
+        except BaseException:
+            for res in out:  # a later batch failed: give back what earlier ones got
+                if isinstance(res, Reservation):
+                    res.abort()
+            raise
+        return out
+
+    def _reserve_batches(self, arena: ArenaView, headers: Sequence[RecordHeader],
+                         checksum_at_commit: bool, timeout: float | None,
+                         out: builtins.list[Reservation | PutStatus]) -> None:
         for i in range(0, len(headers), MAX_RESERVE_BATCH):
             batch = headers[i : i + MAX_RESERVE_BATCH]
             t0 = time.monotonic()
@@ -294,14 +317,14 @@ class Client(ClientBase):
                 out.append(Reservation(
                     h, one.reservation_id, self._check_extents(one.extents), one.payload_offset,
                     arena, functools.partial(self._finish, timeout=timeout),
-                    t0 + one.expires_ms / 1000 * LEASE_MARGIN))
-        return out
+                    t0 + one.expires_ms / 1000 * LEASE_MARGIN, checksum_at_commit))
 
-    def _finish(self, reservation_id: int, commit: bool, *, timeout: float | None
-                ) -> PutStatus:
+    def _finish(self, reservation_id: int, commit: bool, checksum: int | None, *,
+                timeout: float | None) -> PutStatus:
         if commit:
             c = self._call("Commit", self._stub.Commit,
-                           pb.CommitRequest(reservation_id=reservation_id), timeout)
+                           pb.CommitRequest(reservation_id=reservation_id,
+                                            payload_checksum=checksum), timeout)
             return status_from_pb(c.status)
         with contextlib.suppress(KVStoreError):  # else it expires on its own
             self._call("Abort", self._stub.Abort,
@@ -369,14 +392,6 @@ class Client(ClientBase):
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return True
-
-    def _verified(self, header: RecordHeader, data: Any) -> bool:
-        """The payload read from shared memory hashes right (the server left it to us).
-
-        False sends the read to Get, where the server verifies the record itself and,
-        if it is corrupt, deletes and counts it: the caller gets a miss or a good copy
-        from a lower tier, never these bytes."""
-        return not self.verify or xxhash.xxh3_64_intdigest(data) == header.payload_checksum
 
     def get(self, key: bytes, *, timeout: float | None = None
             ) -> tuple[RecordHeader, bytes] | None:

@@ -204,12 +204,15 @@ class Reservation:
 
     def __init__(self, header: RecordHeader, reservation_id: int,
                  extents: list[tuple[int, int]], payload_offset: int, arena: ArenaView,
-                 finish: Callable[[int, bool], PutStatus], valid_until: float) -> None:
+                 finish: Callable[[int, bool, int | None], PutStatus], valid_until: float,
+                 checksum_at_commit: bool) -> None:
         self.header = header
         self.id = reservation_id
         self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
+        self.checksum_at_commit = checksum_at_commit
         self._extents, self._offset, self._arena = extents, payload_offset, arena
-        self._finish = finish  # (id, commit?) -> status
+        self._finish = finish  # (id, commit?, checksum) -> status
+        self._written: int | None = None  # checksum of what ``write`` put there
         self.done = False
 
     @property
@@ -231,27 +234,39 @@ class Reservation:
         return views[0] if len(views) == 1 else None
 
     def write(self, data: Any) -> None:
-        """Copy the whole payload into place."""
+        """Copy the whole payload into place (hashing it as it goes, for ``commit``)."""
         src = as_u8(data)
         if src.size != self.header.stored_size:
             raise InvalidArgument(f"payload is {src.size} bytes, the reservation holds "
                                   f"{self.header.stored_size}")
-        self._arena.write(self._extents, self._offset, src)
+        if self.checksum_at_commit:
+            self._written = self._arena.write_hashed(self._extents, self._offset, src)
+        else:
+            self._arena.write(self._extents, self._offset, src)
 
-    def commit(self) -> PutStatus:
+    def checksum(self) -> int:
+        """The xxh3_64 of the payload as it is in the arena now (read in place)."""
+        return self._arena.checksum(self._extents, self._offset, self.header.stored_size)
+
+    def commit(self, checksum: int | None = None) -> PutStatus:
         """Publish the chunk: STORED, or EXISTS if another writer stored it first.
 
-        Raises ``CorruptRecord`` if the bytes do not verify against a checksum given up
-        front, and ``NotFound`` if the reservation expired."""
+        With ``checksum_at_commit`` the payload's checksum goes with it: ``checksum`` if
+        given, else the one ``write`` computed, else ``checksum()`` hashes the pages now
+        (after the last write into them has finished: wait for a device copy first). The
+        server checks the pages against it. Raises ``CorruptRecord`` if they do not match
+        and ``NotFound`` if the reservation expired."""
         if self.done:
             raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
+        if self.checksum_at_commit and checksum is None:
+            checksum = self._written if self._written is not None else self.checksum()
         self.done = True
-        return self._finish(self.id, True)
+        return self._finish(self.id, True, checksum)
 
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self._finish(self.id, False)
+            self._finish(self.id, False, None)
 
     def __enter__(self) -> Reservation:
         return self
@@ -414,6 +429,14 @@ class ClientBase:
                         "will expire on their own", self.url, e.details())
         else:
             log.debug("session stream ended: %s", e)
+
+    def _verified(self, header: RecordHeader, data: Any) -> bool:
+        """The payload read from shared memory hashes right (the server left it to us).
+
+        False sends the read to Get, where the server verifies the record itself and,
+        if it is corrupt, deletes and counts it: the caller gets a miss or a good copy
+        from a lower tier, never these bytes."""
+        return not self.verify or xxhash.xxh3_64_intdigest(data) == header.payload_checksum
 
     def _check_extents(self, extents: Iterable[pb.Extent]) -> list[tuple[int, int]]:
         assert self._arena is not None

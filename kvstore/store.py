@@ -261,18 +261,20 @@ class TieredStore:
                 self._reservations[res.id] = header
         return res
 
-    def commit(self, reservation_id: int) -> PutStatus:
+    def commit(self, reservation_id: int, checksum: int | None = None) -> PutStatus:
+        """Publish a reservation (``MemoryTier.commit``; ``checksum`` for one made with
+        ``checksum_at_commit``)."""
         self._check_open()
         with self._lock:
             header = self._reservations.pop(reservation_id, None)
         if header is not None:
             self._begin(header.key)
         try:
-            status = self.memory.commit(reservation_id)
+            status = self.memory.commit(reservation_id, checksum)
         finally:
             evicted = header is not None and self._end(header.key)
         if status == PutStatus.STORED and header is not None and not evicted:
-            # As sealed: a checksum_at_commit header got its checksum only now.
+            # As sealed: a checksum_at_commit header gets its checksum only at commit.
             self._committed(self.memory.header(header.key) or header)
         self._count("puts" if status.ok else "rejected_puts")
         return status

@@ -28,6 +28,7 @@ DEFAULT_PORT = 50551
 SESSION_HEADER = "x-kvstore-session"  # metadata: the client's session id (lease owner)
 AUTH_HEADER = "authorization"  # metadata: "Bearer <token>"
 SERVICE_NAME = "kvstore.v1.KVStore"
+MAX_RESERVE_BATCH = 1024  # reservations in one ReserveMany (the .proto says so too)
 
 
 def default_socket_path() -> str:

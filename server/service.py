@@ -43,6 +43,7 @@ from kvstore.tiers.base import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import (
+    MAX_RESERVE_BATCH,
     SESSION_HEADER,
     boot_id,
     chunk_to_pb,
@@ -79,7 +80,6 @@ class _Status(Exception):
         self.code = code
 
 
-MAX_RESERVE_BATCH = 1024  # reservations in one ReserveMany (the proto says so too)
 _MAX_NAMES = 100_000  # namespaces remembered by name (Lookup requests that carry one)
 
 # Calls that finish work a client already began; still served while draining.
@@ -435,7 +435,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
         hold = self.holds.claim(request.reservation_id, self._owner(context), "reservation")
-        status = self.store.commit(request.reservation_id)
+        checksum = request.payload_checksum if request.HasField("payload_checksum") else None
+        status = self.store.commit(request.reservation_id, checksum)
         if status == PutStatus.STORED:
             self._moved("in", "shm", hold.nbytes)
         return pb.CommitResponse(status=status_to_pb(status))

@@ -424,6 +424,20 @@ class ArenaView:
         for off, pos, n in spans(extents, start, size):
             dst[pos : pos + n] = arr[off : off + n]
 
+    def write_hashed(self, extents: Sequence[Extent], start: int, data: object,
+                     piece: int = 512 << 10) -> int:
+        """``write``, returning the xxh3_64 of the bytes as they are in the arena after
+        the copy (each piece hashed right after it is copied, while still in cache)."""
+        arr, src = self.array, as_u8(data)
+        h = xxhash.xxh3_64()
+        for off, pos, n in spans(extents, start, src.size):
+            for o in range(0, n, piece):
+                m = min(piece, n - o)
+                put = arr[off + o : off + o + m]
+                put[:] = src[pos + o : pos + o + m]
+                h.update(put.data)
+        return h.intdigest()
+
     def read_into_hashed(self, extents: Sequence[Extent], start: int, out: object,
                          piece: int = 512 << 10) -> int:
         """``read_into``, returning the xxh3_64 of the bytes delivered into ``out``.

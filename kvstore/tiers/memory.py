@@ -318,10 +318,11 @@ class MemoryTier(Tier):
                 checksum_at_commit: bool = False) -> Reservation | PutStatus:
         """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put.
 
-        ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; ``commit``
-        hashes the bytes written and seals the record with that checksum. The writer
-        then never hashes its bytes itself (a device-to-host copy straight into the
-        arena), and the bytes are hashed once instead of twice.
+        ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; the writer
+        hashes its bytes once they are in place (after a device-to-host copy straight
+        into the arena, or piece by piece as it copies) and gives the checksum to
+        ``commit``, which seals the header with it and verifies the pages against it as
+        for any reservation: a stray write into the pages before the commit is caught.
         """
         self._check_raw(header)
         with self._lock:
@@ -337,38 +338,50 @@ class MemoryTier(Tier):
             self._reservations[rid].checksum_at_commit = checksum_at_commit
         return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
-    def commit(self, reservation_id: int) -> PutStatus:
+    def commit(self, reservation_id: int, checksum: int | None = None) -> PutStatus:
         """Verify what the client wrote and publish it: STORED, or EXISTS if the key won a race.
 
-        Raises ``LeaseError`` for an unknown or expired reservation and
-        ``CorruptRecord`` (pages freed, counted) if the bytes do not verify.
+        ``checksum``: the payload's xxh3_64, required for a ``checksum_at_commit``
+        reservation; otherwise optional and it must equal the header's. Raises
+        ``LeaseError`` for an unknown or expired reservation, ``InvalidArgument`` for a
+        missing or contradicting checksum (pages freed), and ``CorruptRecord``
+        (pages freed, counted) if the bytes do not verify.
         """
         with self._lock:
             self._check_open()
             if self._expired_locked(reservation_id):
                 raise LeaseError(f"reservation {reservation_id} expired before commit")
             hold = self._reservations.pop(reservation_id, None)
-        if hold is None:
-            raise LeaseError(f"unknown reservation {reservation_id}")
+            if hold is None:
+                raise LeaseError(f"unknown reservation {reservation_id}")
+            bad = ""
+            if hold.checksum_at_commit and checksum is None:
+                bad = "was made with checksum_at_commit: commit needs the payload checksum"
+            elif not hold.checksum_at_commit and checksum not in (
+                    None, hold.entry.header.payload_checksum):
+                bad = "the checksum at commit differs from the header's"
+            if bad:  # a used reservation either way: its pages go back
+                self._free_locked(hold.entry)
+                raise InvalidArgument(f"reservation {reservation_id} {bad}")
         entry = hold.entry
-        if not (self._seal(entry) if hold.checksum_at_commit else self._in_place_ok(entry)):
+        header_ok = self._header_ok(entry)
+        if header_ok and hold.checksum_at_commit:
+            assert checksum is not None
+            self._seal(entry, checksum)
+        if not (header_ok and self._payload_ok(entry)):
             with self._lock:
                 self._free_locked(entry)
                 self._stats.corrupt += 1
-            what = "header overwritten" if hold.checksum_at_commit else "payload checksum mismatch"
+            what = "payload checksum mismatch" if header_ok else "header overwritten"
             raise CorruptRecord(f"reservation {reservation_id}: {what}")
         return self._publish(entry)
 
-    def _seal(self, entry: _Entry) -> bool:
-        """Hash the payload written in place and rewrite the header with that checksum
-        (same size: only the checksum fields change); False if the header was touched."""
-        if not self._header_ok(entry):
-            return False
-        checksum = self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size)
+    def _seal(self, entry: _Entry, checksum: int) -> None:
+        """Rewrite the header with the payload checksum the writer gave at commit (same
+        size: only the checksum fields change)."""
         entry.header = replace(entry.header, payload_checksum=checksum)
         entry.packed = entry.header.pack()
         self._arena.write(entry.extents, 0, entry.packed)
-        return True
 
     def header(self, key: ChunkKey) -> RecordHeader | None:
         """The header of a committed chunk (as sealed), or None."""
@@ -482,9 +495,11 @@ class MemoryTier(Tier):
 
     def _in_place_ok(self, entry: _Entry) -> bool:
         """The header bytes are the ones we wrote and the payload hashes right, read in place."""
+        return self._header_ok(entry) and self._payload_ok(entry)
+
+    def _payload_ok(self, entry: _Entry) -> bool:
         want = entry.header.payload_checksum
-        return (self._header_ok(entry)
-                and self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size) == want)
+        return self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size) == want
 
     def _blob_ok(self, entry: _Entry, blob: bytes) -> bool:
         hs, want = entry.hs, entry.header.payload_checksum

@@ -238,10 +238,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reservation_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id",)
+    __slots__ = ("reservation_id", "payload_checksum")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+    payload_checksum: int
+    def __init__(self, reservation_id: _Optional[int] = ..., payload_checksum: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status",)

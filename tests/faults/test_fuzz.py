@@ -84,9 +84,9 @@ def _method(channel: grpc.Channel, name: str, kind: str) -> Callable[..., Any]:
     return make(f"/{SERVICE_NAME}/{name}", request_serializer=None, response_deserializer=None)
 
 
-def call(channel: grpc.Channel, name: str, kind: str, request: Any, what: str) -> None:
+def call(channel: grpc.Channel, name: str, kind: str, request: Any, what: str) -> Any:
     """Send one fuzzed request (a message, raw bytes, or an iterable of them); check the
-    answer's status."""
+    answer's status. A unary answer comes back (raw bytes), None after an error."""
     counts[name] += 1
 
     def raw(m: Any) -> bytes:
@@ -106,6 +106,7 @@ def call(channel: grpc.Channel, name: str, kind: str, request: Any, what: str) -
         bad.append(f"{name} ({what}): {code.name} {details[:300]!r}")
         if len(bad) > 30:
             pytest.fail("\n".join(bad))
+    return got if code == grpc.StatusCode.OK and kind == "uu" else None
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -235,12 +236,29 @@ def test_fuzz_put_and_reserve(channel: grpc.Channel, stored: list[ChunkKey]) -> 
         call(channel, "Put", "su", frames, "put stream")
 
     @FUZZ
-    @given(header=st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])))
-    def reserve(header: bytes) -> None:
-        call(channel, "Reserve", "uu", pb.ReserveRequest(header=header), "reserve")
+    @given(header=st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])),
+           at_commit=st.booleans())
+    def reserve(header: bytes, at_commit: bool) -> None:
+        call(channel, "Reserve", "uu",
+             pb.ReserveRequest(header=header, checksum_at_commit=at_commit), "reserve")
+
+    @FUZZ
+    @given(headers_=st.lists(st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])),
+                             max_size=6),
+           at_commit=st.booleans(), commit_sum=st.one_of(st.none(), u64))
+    def reserve_many(headers_: list[bytes], at_commit: bool, commit_sum: int | None) -> None:
+        reqs = [pb.ReserveRequest(header=h, checksum_at_commit=at_commit) for h in headers_]
+        got = call(channel, "ReserveMany", "uu", pb.ReserveManyRequest(requests=reqs),
+                   "reserve_many")
+        answer = pb.ReserveManyResponse.FromString(got) if got else pb.ReserveManyResponse()
+        for r in answer.responses:  # commit what was reserved, with any checksum
+            if r.reservation_id:
+                call(channel, "Commit", "uu", pb.CommitRequest(
+                    reservation_id=r.reservation_id, payload_checksum=commit_sum), "commit")
 
     put()
     reserve()
+    reserve_many()
     assert not bad, "\n".join(bad)
 
 

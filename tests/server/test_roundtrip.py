@@ -296,3 +296,53 @@ def test_a_payload_changed_in_the_arena_is_never_served(server: KVServer, verify
         got = c.get_into(key, out)
         assert got is None or np.array_equal(out, data), "changed bytes were served"
         assert c.stats().tiers[0].corrupt == corrupt + 1, "the bad L1 copy must be counted"
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
+def test_async_client_never_serves_a_payload_changed_in_the_arena(server: KVServer,
+                                                                  verify: bool) -> None:
+    from kvstore.tiers.arena import ArenaView
+
+    ns = namespace(f"rogue-aio-{verify}", 4096)
+    data = payload(256 * 4096, seed=78)
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        key, status = c.put_chunk(ns, ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096))
+        assert status == PutStatus.STORED
+        lease = c.acquire(key)
+        assert lease is not None
+        extents, start = lease._extents, lease._offset
+        lease.release()
+        with ArenaView.open(c.info().shm_path) as rogue:
+            rogue.write(extents, start + 999, b"\x5a" if data[999] != 0x5A else b"\xa5")
+
+    async def read() -> tuple[object, object]:
+        async with kvstore.AsyncClient(server.unix_url, shm=True, timeout=30,
+                                       verify=verify) as ac:
+            out = np.zeros(data.size, dtype=np.uint8)
+            return await ac.get_into(key, out), out
+
+    got, out = asyncio.run(read())
+    assert got is None or np.array_equal(out, data), "changed bytes were served"
+
+
+def test_a_stray_write_before_commit_is_caught_with_checksum_at_commit(server: KVServer) -> None:
+    """The writer hashes what it wrote and commits with that checksum: bytes changed in
+    the pages after that (another process writing where it should not) fail the commit."""
+    import xxhash
+
+    from kvstore.client import chunk_header
+    from kvstore.errors import CorruptRecord
+
+    ns = namespace("reserve-stray", 512)
+    data = payload(64 * 512, seed=9)
+    h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        (res,) = c.reserve([h])
+        assert isinstance(res, kvstore.client.Reservation)
+        view = res.contiguous()
+        assert view is not None
+        view[:] = data
+        view[100] ^= 0xFF  # the stray write
+        with pytest.raises(CorruptRecord):
+            res.commit(xxhash.xxh3_64_intdigest(data))
+        assert c.get(h.key) is None, "bytes that fail the writer's checksum must never be served"

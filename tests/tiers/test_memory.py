@@ -369,34 +369,55 @@ def test_commit_rejects_bad_bytes_from_an_untrusted_client(
     assert tier.contains([h.key]) == [False]
 
 
-@pytest.mark.parametrize("tamper", [False, True], ids=["clean", "header"])
-def test_checksum_at_commit_seals_the_record_with_the_written_bytes(
-    make_tier: Callable[..., MemoryTier], tamper: bool,
+@pytest.mark.parametrize("tamper", ["clean", "header", "payload", "no-checksum"])
+def test_checksum_at_commit_seals_the_record_with_the_writers_checksum(
+    make_tier: Callable[..., MemoryTier], tamper: str,
 ) -> None:
-    """A writer that never hashed its bytes (a device copy into the arena): commit hashes
-    them and rewrites the header, so reads verify against what was really written."""
+    """A writer that could not hash before writing (a device copy into the arena) gives
+    the checksum at commit: the header is sealed with it, and the pages are still checked
+    against it, so a stray write into them before the commit is caught."""
     tier = make_tier(pages=8)
     h, p = record(10, 2 * PAGE + 100)
-    unsealed = replace(h, payload_checksum=0)
-    res = tier.reserve(unsealed, checksum_at_commit=True)
+    res = tier.reserve(replace(h, payload_checksum=0), checksum_at_commit=True)
     assert isinstance(res, Reservation)
     with ArenaView.open(tier.path) as client:
         client.write(res.extents, HS, p)
-        if tamper:
+        if tamper == "header":
             client.write(res.extents, 8, b"\xff")
-    if tamper:
-        with pytest.raises(CorruptRecord, match="header"):
+        if tamper == "payload":  # after the writer hashed what it wrote
+            client.write(res.extents, HS + 5000, bytes([p[5000] ^ 1]))
+    if tamper == "no-checksum":
+        with pytest.raises(InvalidArgument, match="checksum"):
             tier.commit(res.id)
+        assert detail(tier, "pages_used") == 0, "a refused commit gives the pages back"
+        return
+    if tamper != "clean":
+        with pytest.raises(CorruptRecord, match=tamper):
+            tier.commit(res.id, h.payload_checksum)
         assert (tier.stats().corrupt, detail(tier, "pages_used")) == (1, 0)
         return
-    assert tier.commit(res.id) is PutStatus.STORED
+    assert tier.commit(res.id, h.payload_checksum) is PutStatus.STORED
     sealed = tier.header(h.key)
     assert sealed is not None and sealed.payload_checksum == h.payload_checksum, (
-        "the sealed header must carry the checksum of the payload as written")
+        "the sealed header must carry the writer's checksum")
     assert tier.get(h.key) == h.pack() + p, "the arena must hold the sealed header"
     flip_bit(tier, h.key, HS + 7)
     assert tier.get(h.key) is None and tier.stats().corrupt == 1, (
         "a sealed record must verify on read like any other")
+
+
+def test_a_checksum_at_commit_must_match_a_header_that_has_one(
+    make_tier: Callable[..., MemoryTier],
+) -> None:
+    tier = make_tier(pages=8)
+    h, p = record(11, 3000)
+    res = tier.reserve(h)
+    assert isinstance(res, Reservation)
+    with ArenaView.open(tier.path) as client:
+        client.write(res.extents, HS, p)
+    with pytest.raises(InvalidArgument, match="differs"):
+        tier.commit(res.id, h.payload_checksum ^ 1)
+    assert tier.contains([h.key]) == [False] and detail(tier, "pages_used") == 0
 
 
 def test_racing_reservations_of_one_key_store_it_once(make_tier: Callable[..., MemoryTier]) -> None:
