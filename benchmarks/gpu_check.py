@@ -15,7 +15,8 @@
    - the load path (get into pinned memory, scatter) in GB/s against pinned host-to-device;
    - saves written in place, as the connector does on the server's host: a batch
      reserved in one round trip, the device copying straight into the registered arena,
-     the server checksumming at Commit; checked byte for byte.
+     the pages hashed once the copy landed and checked by the server at Commit;
+     checked byte for byte.
 3. ``tests/connectors/test_blocks.py`` on CUDA: byte-exact round trips in three layouts,
    and the ordering of the side stream with the compute stream.
 4. The connector inside vLLM on CUDA (skipped with --skip-vllm or without vLLM): a small
@@ -315,7 +316,8 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
 def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
     """What the connector does on the server's host: a step's chunks reserved in one
     round trip, the blocks copied by the device straight into the registered arena,
-    the server checksumming at Commit. Checked byte for byte against a staged copy."""
+    the pages hashed once the copy landed, the server checking them at Commit.
+    Checked byte for byte against a staged copy."""
     import numpy as np
     import torch
     from kvstore.connectors.vllm_blocks import PinnedArenas

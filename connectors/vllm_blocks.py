@@ -98,8 +98,12 @@ class BlockLayout:
         """A host buffer for chunk bytes: pinned for a CUDA cache, so copies run asynchronously."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> Callable[[], None]:
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor, hasher: Any = None
+               ) -> Callable[[], None]:
         """Start copying blocks into ``out`` (uint8, ``layers * len(block_ids) * block_bytes``).
+
+        ``hasher`` (CPU only, an ``xxhash.xxh3_64``) is fed each layer's bytes right after
+        they are gathered, while they are still in cache: the payload's checksum in order.
 
         Returns a function that waits until the bytes are in ``out``. On CPU the copy is done
         on return. On CUDA the blocks are gathered on a side stream once the step's kernels
@@ -116,7 +120,11 @@ class BlockLayout:
                     torch.index_select(view, 0, idx, out=dst[i])
                 else:  # another accelerator: gather there, then one copy
                     dst[i].copy_(torch.index_select(view, 0, idx))
+                if hasher is not None:
+                    hasher.update(dst[i].numpy().data)
             return _done
+        if hasher is not None:
+            raise InvalidArgument("a CUDA gather cannot hash its bytes on the way")
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
@@ -179,8 +187,9 @@ class PinnedArenas:
     A device-to-host copy into pageable memory makes the host wait for the GPU; into
     registered memory it is asynchronous and runs at pinned speed. Each client maps
     the arena on its own, so registration is per mapping (a reconnect brings a new
-    one). Registered mappings are kept referenced until ``close``: the memory must
-    stay mapped while registered, and an id must not be reused meanwhile.
+    one). A registered mapping is kept referenced (the memory must stay mapped while
+    registered, and its id must not be reused) until its client has closed and the
+    next registration finds it so, or ``close``.
     """
 
     def __init__(self) -> None:
@@ -191,6 +200,7 @@ class PinnedArenas:
         entry = self._done.get(id(arena))
         if entry is not None:
             return entry[1] is not None
+        self._release_closed()
         whole = arena.array
         try:
             rc = torch.cuda.cudart().cudaHostRegister(whole.ctypes.data, whole.size, 0)
@@ -199,6 +209,19 @@ class PinnedArenas:
             ok = False
         self._done[id(arena)] = (arena, whole if ok else None)
         return ok
+
+    def _release_closed(self) -> None:
+        """Unregister mappings whose client has closed (a reconnect), once no copy into
+        them can still be running: a device-wide sync, on this rare path only."""
+        stale = [k for k, (arena, _) in self._done.items() if arena.closed]
+        if not stale:
+            return
+        torch.cuda.synchronize()
+        for k in stale:
+            _, whole = self._done.pop(k)
+            if whole is not None:
+                with contextlib.suppress(Exception):
+                    torch.cuda.cudart().cudaHostUnregister(whole.ctypes.data)
 
     def close(self) -> None:
         for _, whole in self._done.values():

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -121,6 +121,9 @@ class Backend:
         self._info: Any = None
         self._closed = False
         self._lock = threading.RLock()  # _connect and failed may race with close
+        # Called with the client just before a failure closes it (Saves waits there for
+        # device copies into that client's reservations).
+        self.before_close: Callable[[Any], None] | None = None
 
     def sibling(self, role: str) -> Backend:
         """A Backend with its own client to the same server, for another thread: a
@@ -184,6 +187,8 @@ class Backend:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
+                if self.before_close is not None:
+                    self.before_close(client)
                 client.close()
 
     def chunk_tokens(self, block_size: int) -> int:
@@ -257,11 +262,14 @@ class Backend:
             self.failed("save", e)
             return None
 
-    def commit(self, reservation: Any) -> bool:
+    def commit(self, reservation: Any, checksum: int | None = None) -> bool:
+        if reservation.arena.closed:
+            return False  # made by a client closed since (a reconnect): nothing to commit
         try:
-            return bool(reservation.commit().ok)
+            return bool(reservation.commit(checksum).ok)
         except Exception as e:
-            self.failed("save", e)
+            if not reservation.arena.closed:  # else closing the new client would not help
+                self.failed("save", e)
             return False
 
     def put(self, header: RecordHeader, payload: Any) -> bool:

@@ -6,8 +6,13 @@ round trip (``Client.reserve``, which also says which chunks are stored already:
 it replaces the existence check) and the blocks are gathered straight into the
 reserved pages: on CPU by ``index_select`` into the arena, on CUDA by one
 device-to-host copy into the arena registered with ``cudaHostRegister``. The
-server hashes the bytes at Commit (``checksum_at_commit``), so the engine's
-process never reads them back. A payload split over several extents, a CUDA
+checksum goes with the Commit (``checksum_at_commit``): on CPU each layer's
+blocks are hashed right after they are gathered, while in cache; on CUDA the
+pages are hashed once the copy has landed. The server checks the pages against
+it, so a stray write into them before the commit is caught. Copies into a
+client's reservations are waited for before that client is closed (a failure
+elsewhere), so a late device copy never lands in pages the server has handed
+to another writer. A payload split over several extents, a CUDA
 arena that cannot be registered, a chunk L1 cannot take now (FULL: the server
 puts it below), or a server on another host take the staged path: the blocks
 go to a host buffer and the chunk is stored with ``put``.
@@ -15,10 +20,15 @@ go to a host buffer and the chunk is stored with ``put``.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import xxhash
 from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_runtime import Backend, EngineNamespace
 from vllm.logger import init_logger
@@ -53,6 +63,15 @@ class SaveJob:
     ready: Callable[[], None]  # waits until ``buf`` holds the blocks
     reservation: Reservation | None = None  # written in place: commit it
     staged: bool = False  # a reservation whose bytes are in a host buffer: write, commit
+    hasher: Any = None  # xxh3_64 of the payload, fed as the gather wrote it (CPU)
+
+
+class _Closing(Exception):
+    """The client holding a reservation is being closed: do not start a copy into it."""
+
+
+def _nothing() -> None:
+    return None
 
 
 class Saves:
@@ -73,6 +92,10 @@ class Saves:
             writer = self.writer
             self.saver = BackgroundSaver(lambda job: self.store(job, writer), save_buffer_bytes)
         self._pins = PinnedArenas()
+        self._lock = threading.Lock()
+        self._copying: dict[int, SaveJob] = {}  # copies into reservations that may still run
+        self._closing: weakref.WeakSet[Any] = weakref.WeakSet()  # arenas of closing clients
+        self.writer.before_close = self._settle
 
     # -- starting saves, on the engine thread --------------------------------------------
     def start(self, spec: SaveSpec, seen: set[ChunkKey], jobs: list[SaveJob]) -> int:
@@ -105,39 +128,56 @@ class Saves:
         if got is None:  # no shared memory, or the server is down: ask, then put
             got = [PutStatus.EXISTS if here else None
                    for here in self.backend.exists([keys[i] for i in todo])]
-        for i, res in zip(todo, got, strict=True):
-            seen.add(keys[i])
-            if res == PutStatus.EXISTS:
-                continue
-            s, e = spans[i]
-            n = (e - s) // bs
-            ids = spec.block_ids[s // bs : e // bs]
-            held = res if isinstance(res, Reservation) else None  # FULL/TOO_LARGE: put
+        handed: set[int] = set()  # reservations now owned by a job
+        try:
+            for i, res in zip(todo, got, strict=True):
+                seen.add(keys[i])
+                if res == PutStatus.EXISTS:
+                    continue
+                s, e = spans[i]
+                n = (e - s) // bs
+                ids = spec.block_ids[s // bs : e // bs]
+                held = res if isinstance(res, Reservation) else None  # FULL/TOO_LARGE: put
 
-            def copy_out(i: int = i, s: int = s, n: int = n, ids: list[int] = ids,
-                         held: Reservation | None = held) -> SaveJob:
+                def copy_out(i: int = i, s: int = s, n: int = n, ids: list[int] = ids,
+                             held: Reservation | None = held) -> SaveJob:
+                    job = SaveJob(keys[i], keys[i - 1] if i else ROOT, fp,
+                                  raw[s * 4 : spans[i][1] * 4], n, torch.empty(0), _nothing,
+                                  held)
+                    with self._lock:  # so that _settle sees every copy it must wait for
+                        into = self._in_place(held)
+                        job.buf = into if into is not None else layout.host_buffer(
+                            layout.nbytes(n))
+                        job.staged = held is not None and into is None
+                        if into is not None and layout.device.type != "cuda":
+                            job.hasher = xxhash.xxh3_64()
+                        job.ready = layout.gather(ids, job.buf, job.hasher)
+                        if into is not None:
+                            self._copying[id(job)] = job
+                    return job
+
                 try:
-                    into = self._in_place(held)
-                    buf = into if into is not None else layout.host_buffer(layout.nbytes(n))
-                    ready = layout.gather(ids, buf)
-                except BaseException:
-                    if held is not None:
-                        held.abort()
-                    raise
-                return SaveJob(keys[i], keys[i - 1] if i else ROOT, fp,
-                               raw[s * 4 : spans[i][1] * 4], n, buf, ready, held,
-                               staged=held is not None and into is None)
-
-            if saver is None:
-                jobs.append(copy_out())
-            elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
-                skipped += 1
+                    if saver is None:
+                        jobs.append(copy_out())
+                    elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
+                        skipped += 1
+                        continue
+                except _Closing:
+                    continue  # its client is going away: a failed save, given back below
                 if held is not None:
-                    held.abort()
+                    handed.add(held.id)
+        finally:
+            for res in got:  # whatever no job took is given back, whatever happened
+                if isinstance(res, Reservation) and res.id not in handed:
+                    with contextlib.suppress(Exception):
+                        res.abort()
         return skipped
 
     def _in_place(self, res: Reservation | None) -> torch.Tensor | None:
-        """The reserved pages as a tensor the gather can write into, or None (staged)."""
+        """The reserved pages as a tensor the gather can write into, or None (staged).
+        Caller holds ``_lock``."""
+        if res is not None and (res.arena.closed or res.arena in self._closing):
+            raise _Closing()
         view = res.contiguous() if res is not None else None
         if view is None or res is None:
             return None
@@ -148,12 +188,26 @@ class Saves:
     # -- storing, in the step (sync) or on the saver thread (async) ----------------------
     def store(self, job: SaveJob, backend: Backend) -> int:
         """Store one chunk once its bytes are in place; the tokens stored (0: not)."""
-        job.ready()
+        res = job.reservation
+        try:
+            job.ready()
+        except BaseException:
+            if res is not None:
+                res.abort()
+            raise
+        finally:
+            with self._lock:
+                self._copying.pop(id(job), None)
         tokens = len(job.token_bytes) // 4
-        if job.reservation is not None:
-            if job.staged:
-                job.reservation.write(job.buf.numpy())
-            return tokens if backend.commit(job.reservation) else 0
+        if res is not None:
+            try:
+                if job.staged:
+                    res.write(job.buf.numpy())
+            except BaseException:
+                res.abort()
+                raise
+            checksum = job.hasher.intdigest() if job.hasher is not None else None
+            return tokens if backend.commit(res, checksum) else 0
         payload = job.buf.numpy()
         header = make_header(
             key=job.key, parent=job.parent, fingerprint=job.fingerprint,
@@ -162,6 +216,21 @@ class Saves:
             shape=self.layout.payload_shape(job.blocks), payload=memoryview(payload.data),
         )
         return tokens if backend.put(header, payload) else 0
+
+    def _settle(self, client: Any) -> None:
+        """The writer's client is about to be closed (its reservations dropped by the
+        server, their pages handed out again): no new copy into its arena may start, and
+        the copies already under way must land first."""
+        arena = getattr(client, "arena", None)
+        if arena is None:
+            return
+        with self._lock:
+            self._closing.add(arena)
+            running = [j for j in self._copying.values()
+                       if j.reservation is not None and j.reservation.arena is arena]
+        for job in running:
+            with contextlib.suppress(Exception):
+                job.ready()
 
     def close(self, timeout: float) -> None:
         saver = self.saver

@@ -21,6 +21,7 @@ from kvstore.client import Client
 from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
+from kvstore.tiers.base import PutStatus
 from tests.server.conftest import KVServer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -99,6 +100,43 @@ def test_blocks_round_trip_through_server(device: str, order: str, client: Clien
             assert torch.equal(src[name][s], dst[name][t]), f"{name}: block {s} -> {t} differs"
         untouched = [i for i in range(48) if i not in targets]
         assert not dst[name][untouched].any(), f"{name}: a block that was not loaded changed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_gathered_straight_into_a_reservation(device: str, client: Client) -> None:
+    """The connector's in-place save: blocks gathered into reserved arena pages (CPU:
+    hashed layer by layer as they land; CUDA: into the registered arena, hashed once the
+    copy is done), committed with that checksum, read back byte for byte."""
+    import xxhash
+    from kvstore.connectors.vllm_blocks import PinnedArenas
+
+    from kvstore.client import Reservation
+    from kvstore.sdk import unsealed_header
+
+    layout = BlockLayout(make_cache(device, "LBNHC"))
+    picked = [5, 9, 2, 33]
+    tokens = tokens_to_bytes(list(range(7000 + DEVICES.index(device), 7000 + 64)))[:256]
+    key = chunk_key(ROOT, NS.fingerprint, tokens)
+    header = unsealed_header(key, ROOT, NS.fingerprint, tokens, "bfloat16",
+                             layout.payload_shape(len(picked)))
+    (res,) = client.reserve([header])
+    assert isinstance(res, Reservation), f"no reservation: {res}"
+    pins = PinnedArenas()
+    try:
+        view = res.contiguous()
+        assert view is not None, "a fresh arena hands out one extent per record"
+        if device == "cuda":
+            assert pins.pin(res.arena), "cudaHostRegister of the arena failed"
+        hasher = xxhash.xxh3_64() if device == "cpu" else None
+        layout.gather(picked, torch.from_numpy(view), hasher)()
+        assert res.commit(hasher.intdigest() if hasher else None) == PutStatus.STORED
+        want = layout.host_buffer(layout.nbytes(len(picked)))
+        layout.gather(picked, want)()
+        got = torch.empty_like(want)
+        assert client.get_into(key, got.numpy()) is not None, "the committed chunk is gone"
+        assert torch.equal(got, want), "the chunk read back differs from the blocks gathered"
+    finally:
+        pins.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
