@@ -389,15 +389,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if skipped:
             self.stats.add(save_skipped_chunks=skipped)
             self._warn_busy(skipped)
-        saved = failed = 0
-        for job in jobs:  # sync: every copy is already under way, each put overlaps the next
-            try:
-                tokens = saves.store(job, self.backend)
-            except Exception as e:
-                tokens = 0
-                self.backend.failed("save", e)
-            saved += tokens
-            failed += not tokens
+        stored = saves.store_all(jobs, self.backend) if jobs else []
+        saved, failed = sum(stored), sum(1 for t in stored if not t)
         if jobs:
             self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         self.stats.add(save_s=time.perf_counter() - t0)

@@ -272,6 +272,25 @@ class Backend:
                 self.failed("save", e)
             return False
 
+    def commit_many(self, reservations: Sequence[Any], checksums: Sequence[int | None]
+                    ) -> list[bool]:
+        """Commit a step's reservations in one round trip; which were stored."""
+        client = self._client
+        if client is None:
+            return [False] * len(reservations)
+        # Reservations of a client closed since are gone with it: nothing to commit.
+        mine = [i for i, r in enumerate(reservations)
+                if r.arena is client.arena and not r.arena.closed]
+        out = [False] * len(reservations)
+        try:
+            got = client.commit([reservations[i] for i in mine], [checksums[i] for i in mine])
+        except Exception as e:
+            self.failed("save", e)
+            return out
+        for i, status in zip(mine, got, strict=True):
+            out[i] = bool(getattr(status, "ok", False))
+        return out
+
     def put(self, header: RecordHeader, payload: Any) -> bool:
         client = self._connect()
         if client is None:

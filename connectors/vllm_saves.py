@@ -35,7 +35,8 @@ from vllm.logger import init_logger
 
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_bytes
 from kvstore.records import make_header
-from kvstore.sdk import Reservation, unsealed_header
+from kvstore.sdk import unsealed_header
+from kvstore.shm import Reservation
 from kvstore.tiers.base import PutStatus
 
 log = init_logger("vllm.kvstore.connector")
@@ -188,26 +189,11 @@ class Saves:
     # -- storing, in the step (sync) or on the saver thread (async) ----------------------
     def store(self, job: SaveJob, backend: Backend) -> int:
         """Store one chunk once its bytes are in place; the tokens stored (0: not)."""
-        res = job.reservation
-        try:
-            job.ready()
-        except BaseException:
-            if res is not None:
-                res.abort()
-            raise
-        finally:
-            with self._lock:
-                self._copying.pop(id(job), None)
         tokens = len(job.token_bytes) // 4
-        if res is not None:
-            try:
-                if job.staged:
-                    res.write(job.buf.numpy())
-            except BaseException:
-                res.abort()
-                raise
-            checksum = job.hasher.intdigest() if job.hasher is not None else None
-            return tokens if backend.commit(res, checksum) else 0
+        if job.reservation is not None:
+            checksum = self._landed(job)
+            return tokens if backend.commit(job.reservation, checksum) else 0
+        job.ready()
         payload = job.buf.numpy()
         header = make_header(
             key=job.key, parent=job.parent, fingerprint=job.fingerprint,
@@ -216,6 +202,42 @@ class Saves:
             shape=self.layout.payload_shape(job.blocks), payload=memoryview(payload.data),
         )
         return tokens if backend.put(header, payload) else 0
+
+    def store_all(self, jobs: list[SaveJob], backend: Backend) -> list[int]:
+        """Store a step's jobs (sync mode), the ones written in place with one CommitMany;
+        the tokens each stored (0: not). Failures are counted, never raised."""
+        out = [0] * len(jobs)
+        batch: list[tuple[int, Reservation, int | None]] = []
+        for k, job in enumerate(jobs):
+            try:
+                if job.reservation is None:
+                    out[k] = self.store(job, backend)
+                else:
+                    batch.append((k, job.reservation, self._landed(job)))
+            except Exception as e:  # a failed save only costs a future hit
+                backend.failed("save", e)
+        if batch:
+            stored = backend.commit_many([r for _, r, _ in batch], [c for _, _, c in batch])
+            for (k, _, _), ok in zip(batch, stored, strict=True):
+                out[k] = len(jobs[k].token_bytes) // 4 if ok else 0
+        return out
+
+    def _landed(self, job: SaveJob) -> int | None:
+        """Wait until the job's bytes are in its reservation; the checksum for its commit
+        (None: the pages are hashed at commit). The reservation is given back on failure."""
+        res = job.reservation
+        assert res is not None
+        try:
+            job.ready()
+            if job.staged:
+                res.write(job.buf.numpy())
+        except BaseException:
+            res.abort()
+            raise
+        finally:
+            with self._lock:
+                self._copying.pop(id(job), None)
+        return job.hasher.intdigest() if job.hasher is not None else None
 
     def _settle(self, client: Any) -> None:
         """The writer's client is about to be closed (its reservations dropped by the

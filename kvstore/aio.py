@@ -36,11 +36,11 @@ from kvstore.sdk import (
     TENANT_UNPROVED,
     ClientBase,
     GetAssembler,
-    Lease,
     NamespaceLike,
     Tokens,
     chunk_header,
 )
+from kvstore.shm import Lease
 from kvstore.store import ChunkView, StoreStats
 from kvstore.tiers.arena import ArenaView, as_u8
 from kvstore.tiers.base import PutStatus

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import KVStoreError, NotFound, ServerError, Unauthenticated
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ServerError, Unauthenticated
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -52,15 +52,13 @@ from kvstore.sdk import (
     ClientBase,
     Endpoint,
     GetAssembler,
-    Lease,
     NamespaceLike,
-    Reservation,
     Tokens,
     chunk_header,
     namespace_fingerprint,
     parse_url,
-    prefault,
 )
+from kvstore.shm import Lease, Reservation, prefault
 from kvstore.store import ChunkView, StoreStats
 from kvstore.tiers.arena import ArenaView, as_u8
 from kvstore.tiers.base import PutStatus
@@ -72,6 +70,7 @@ from kvstore.wire import (
     NamespaceInfo,
     ServerInfo,
     chunk_from_pb,
+    error_from_code,
     info_from_pb,
     lookup_from_pb,
     stats_from_pb,
@@ -318,6 +317,33 @@ class Client(ClientBase):
                     h, one.reservation_id, self._check_extents(one.extents), one.payload_offset,
                     arena, functools.partial(self._finish, timeout=timeout),
                     t0 + one.expires_ms / 1000 * LEASE_MARGIN, checksum_at_commit))
+
+    def commit(self, reservations: Sequence[Reservation],
+               checksums: Sequence[int | None] | None = None, *, timeout: float | None = None
+               ) -> builtins.list[PutStatus | KVStoreError]:
+        """Commit several reservations of this client in one round trip.
+
+        ``checksums[i]`` as for ``reservations[i].commit``. For each, its status, or the
+        error its own ``commit`` would have raised (that chunk is not stored; the others
+        are not affected). Raises only if the call itself fails.
+        """
+        sums = list(checksums) if checksums is not None else [None] * len(reservations)
+        if len(sums) != len(reservations):
+            raise InvalidArgument(f"{len(sums)} checksums for {len(reservations)} reservations")
+        if any(res.arena is not self._arena for res in reservations):
+            raise InvalidArgument("a reservation of another client (or an earlier connection)")
+        reqs = [pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(c))
+                for res, c in zip(reservations, sums, strict=True)]
+        out: builtins.list[PutStatus | KVStoreError] = []
+        for i in range(0, len(reqs), MAX_RESERVE_BATCH):
+            batch = reqs[i : i + MAX_RESERVE_BATCH]
+            r = self._call("CommitMany", self._stub.CommitMany,
+                           pb.CommitManyRequest(commits=batch), timeout)
+            if len(r.responses) != len(batch):
+                raise ServerError(f"CommitMany answered {len(r.responses)} of {len(batch)}")
+            out += [error_from_code(one.error_code, one.error, "Commit", self.url)
+                    if one.error_code else status_from_pb(one.status) for one in r.responses]
+        return out
 
     def _finish(self, reservation_id: int, commit: bool, checksum: int | None, *,
                 timeout: float | None) -> PutStatus:

@@ -1,8 +1,9 @@
-"""What the blocking and the asyncio clients share: URLs, leases, frames, arena checks.
+"""What the blocking and the asyncio clients share: URLs, frames, requests, arena checks.
 
 ``kvstore.client.Client`` and ``kvstore.aio.AsyncClient`` differ only in how they
 wait; everything else (which URL means what, when shared memory can be used,
-how a Get stream is put back together, how requests are built) lives here.
+how a Get stream is put back together, how requests are built) lives here; leases
+and reservations in the arena are ``kvstore.shm``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -25,8 +26,8 @@ from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ServerE
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
-from kvstore.tiers.arena import ArenaView, as_u8, spans
-from kvstore.tiers.base import PutStatus
+from kvstore.shm import prefault
+from kvstore.tiers.arena import ArenaView, as_u8
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import (
     AUTH_HEADER,
@@ -122,183 +123,6 @@ def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
             return f.read()
     except OSError as e:
         raise InvalidArgument(f"tls_ca={tls_ca!r}: cannot read it: {e}") from e
-
-
-class Lease:
-    """A read lease on a chunk in the server's arena: read in place, then release.
-
-    The views stay valid (the pages cannot move or be reused) until ``release``;
-    after that they may show another chunk's bytes.
-    """
-
-    def __init__(self, header: RecordHeader, lease_id: int, extents: list[tuple[int, int]],
-                 payload_offset: int, arena: ArenaView,
-                 release: Callable[[int], bool], valid_until: float = 0.0) -> None:
-        self.header = header
-        self.id = lease_id
-        # Monotonic time before which the lease surely holds: measured from before the
-        # Acquire was sent, with a margin, so no answer from the server is needed.
-        self.valid_until = valid_until
-        self._extents, self._offset, self._arena = extents, payload_offset, arena
-        self._release = release
-        self.released = False
-
-    def views(self) -> list[memoryview]:
-        """The payload as memoryviews into the arena, in order (zero copy)."""
-        arr = self._arena.array
-        return [arr[off : off + n].data for off, _, n in
-                spans(self._extents, self._offset, self.header.raw_size)]
-
-    def read_into(self, out: Any) -> None:
-        if self.released:
-            raise InvalidArgument("lease already released")
-        dst = as_u8(out, writable=True)
-        if dst.size < self.header.raw_size:
-            raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
-                                  f"{self.header.raw_size}")
-        self._arena.read_into(self._extents, self._offset, dst[: self.header.raw_size])
-
-    def read_into_hashed(self, out: Any) -> int:
-        """``read_into``, returning the xxh3_64 of what was copied (to compare with
-        ``header.payload_checksum``); cheaper than copying, then hashing."""
-        if self.released:
-            raise InvalidArgument("lease already released")
-        dst = as_u8(out, writable=True)
-        if dst.size < self.header.raw_size:
-            raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
-                                  f"{self.header.raw_size}")
-        return self._arena.read_into_hashed(self._extents, self._offset,
-                                            dst[: self.header.raw_size])
-
-    def read(self) -> bytes:
-        if self.released:
-            raise InvalidArgument("lease already released")
-        return self._arena.read(self._extents, self._offset, self.header.raw_size)
-
-    def release(self) -> bool:
-        """End the lease; False if it had expired (then discard what was read)."""
-        if self.released:
-            return True
-        self.released = True
-        return self._release(self.id)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class Reservation:
-    """Arena space reserved for one chunk (``Client.reserve``): write the payload in
-    place, then ``commit``, or ``abort``.
-
-    ``views()`` are writable arrays over the payload's bytes in the server's arena, in
-    order; ``contiguous()`` is the one array when the payload is not split across
-    extents (the usual case), so a device-to-host copy or a gather can land there
-    directly. Nobody can read the chunk until ``commit``; the pages go back on
-    ``abort``, when the reservation expires (the server's ``lease_ms``), or when this
-    client goes away. Used as a context manager, a reservation not committed by the
-    end of the block is aborted.
-    """
-
-    def __init__(self, header: RecordHeader, reservation_id: int,
-                 extents: list[tuple[int, int]], payload_offset: int, arena: ArenaView,
-                 finish: Callable[[int, bool, int | None], PutStatus], valid_until: float,
-                 checksum_at_commit: bool) -> None:
-        self.header = header
-        self.id = reservation_id
-        self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
-        self.checksum_at_commit = checksum_at_commit
-        self._extents, self._offset, self._arena = extents, payload_offset, arena
-        self._finish = finish  # (id, commit?, checksum) -> status
-        self._written: int | None = None  # checksum of what ``write`` put there
-        self.done = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.header.stored_size
-
-    @property
-    def arena(self) -> ArenaView:
-        """This client's mapping of the server's arena (to register it with CUDA once)."""
-        return self._arena
-
-    def views(self) -> list[np.ndarray]:
-        arr = self._arena.array
-        return [arr[off : off + n] for off, _, n in
-                spans(self._extents, self._offset, self.header.stored_size)]
-
-    def contiguous(self) -> np.ndarray | None:
-        views = self.views()
-        return views[0] if len(views) == 1 else None
-
-    def write(self, data: Any) -> None:
-        """Copy the whole payload into place (hashing it as it goes, for ``commit``)."""
-        src = as_u8(data)
-        if src.size != self.header.stored_size:
-            raise InvalidArgument(f"payload is {src.size} bytes, the reservation holds "
-                                  f"{self.header.stored_size}")
-        if self.checksum_at_commit:
-            self._written = self._arena.write_hashed(self._extents, self._offset, src)
-        else:
-            self._arena.write(self._extents, self._offset, src)
-
-    def checksum(self) -> int:
-        """The xxh3_64 of the payload as it is in the arena now (read in place)."""
-        return self._arena.checksum(self._extents, self._offset, self.header.stored_size)
-
-    def commit(self, checksum: int | None = None) -> PutStatus:
-        """Publish the chunk: STORED, or EXISTS if another writer stored it first.
-
-        With ``checksum_at_commit`` the payload's checksum goes with it: ``checksum`` if
-        given, else the one ``write`` computed, else ``checksum()`` hashes the pages now
-        (after the last write into them has finished: wait for a device copy first). The
-        server checks the pages against it. Raises ``CorruptRecord`` if they do not match
-        and ``NotFound`` if the reservation expired."""
-        if self.done:
-            raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
-        if self.checksum_at_commit and checksum is None:
-            checksum = self._written if self._written is not None else self.checksum()
-        self.done = True
-        return self._finish(self.id, True, checksum)
-
-    def abort(self) -> None:
-        if not self.done:
-            self.done = True
-            self._finish(self.id, False, None)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-
-
-def prefault(arena: ArenaView, stop: threading.Event, step: int = 32 << 20) -> None:
-    """Map every page of the arena into this process ahead of use (run on a daemon thread).
-
-    The first write to a page of a fresh mapping costs a page fault, several
-    times the copy itself; MADV_POPULATE_WRITE takes them all up front. ctypes
-    drops the GIL around the call, so the client's own work goes on meanwhile.
-    Where the kernel lacks it, pages are faulted on first use as before.
-    """
-    import ctypes
-
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        base = arena.array.ctypes.data
-    except (OSError, AttributeError, KVStoreError):
-        return
-    for off in range(0, arena.size, step):
-        if stop.is_set() or arena.closed:
-            return
-        if madvise(base + off, min(step, arena.size - off), _MADV_POPULATE_WRITE) != 0:
-            return
 
 
 LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side

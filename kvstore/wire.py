@@ -28,7 +28,7 @@ DEFAULT_PORT = 50551
 SESSION_HEADER = "x-kvstore-session"  # metadata: the client's session id (lease owner)
 AUTH_HEADER = "authorization"  # metadata: "Bearer <token>"
 SERVICE_NAME = "kvstore.v1.KVStore"
-MAX_RESERVE_BATCH = 1024  # reservations in one ReserveMany (the .proto says so too)
+MAX_RESERVE_BATCH = 1024  # items in one ReserveMany or CommitMany (as the .proto says)
 
 
 def default_socket_path() -> str:
@@ -295,6 +295,19 @@ def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreEr
     """The kvstore error a client raises for a failed call (chain it with ``from e``)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else "") or str(code)
+    return error_from_status(code, details, what, target)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_from_code(code: int, details: str, what: str, target: str) -> errors.KVStoreError:
+    """The error of one failed item of a batch call (``CommitResponse.error_code``)."""
+    return error_from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, what, target)
+
+
+def error_from_status(code: grpc.StatusCode, details: str, what: str, target: str
+                      ) -> errors.KVStoreError:
     cls = _ERRORS.get(code, errors.ServerError)
     if details.startswith(f"{what}: "):  # the server already named the method
         details = details[len(what) + 2 :]

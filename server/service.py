@@ -434,7 +434,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
                ) -> pb.CommitResponse:
-        hold = self.holds.claim(request.reservation_id, self._owner(context), "reservation")
+        return self._commit(request, self._owner(context))
+
+    @_rpc
+    def CommitMany(self, request: pb.CommitManyRequest, context: grpc.ServicerContext
+                   ) -> pb.CommitManyResponse:
+        if len(request.commits) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(f"{len(request.commits)} commits in one CommitMany; "
+                                  f"at most {MAX_RESERVE_BATCH}")
+        owner = self._owner(context)
+        out = pb.CommitManyResponse()
+        for c in request.commits:
+            try:
+                out.responses.append(self._commit(c, owner))
+            except KVStoreError as e:  # each commit stands alone
+                code, msg = status_of(e)
+                out.responses.append(pb.CommitResponse(error_code=code.value[0], error=msg))
+        return out
+
+    def _commit(self, request: pb.CommitRequest, owner: str) -> pb.CommitResponse:
+        hold = self.holds.claim(request.reservation_id, owner, "reservation")
         checksum = request.payload_checksum if request.HasField("payload_checksum") else None
         status = self.store.commit(request.reservation_id, checksum)
         if status == PutStatus.STORED:

@@ -246,10 +246,26 @@ class CommitRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., payload_checksum: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("status",)
+    __slots__ = ("status", "error_code", "error")
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     status: PutStatus
-    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ...) -> None: ...
+    error_code: int
+    error: str
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CommitManyRequest(_message.Message):
+    __slots__ = ("commits",)
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[CommitResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[CommitResponse, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)

@@ -67,6 +67,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.FromString,
                 _registered_method=True)
+        self.CommitMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/CommitMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/kvstore.v1.KVStore/Commit',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
@@ -170,6 +175,13 @@ class KVStoreServicer:
     def ReserveMany(self, request, context):
         """Several Reserves in one round trip (a writer that knows a batch of chunks up front,
         such as an engine saving one step's chunks); each answered as Reserve would be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitMany(self, request, context):
+        """Several Commits in one round trip; each succeeds or fails on its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -282,6 +294,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReserveMany,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.SerializeToString,
+            ),
+            'CommitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -506,6 +523,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ReserveMany',
             kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CommitMany',
+            kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -171,6 +171,8 @@ def test_prefix_hits_under_chunked_prefill_match_recompute(
     calls = json.loads(done[-1]) if done else {}
     assert calls.get("ReserveMany", 0) >= 1 and calls.get("Put", 0) == 0, (
         f"saves on the server's host must be written in place into the arena, not put: {calls}")
+    assert calls.get("CommitMany", 0) >= 1 and calls.get("Commit", 0) == 0, (
+        f"sync saves must commit a step's chunks in one round trip: {calls}")
 
 
 def test_pd_consumer_loads_from_disk_after_restart(

@@ -288,10 +288,14 @@ def test_fuzz_key_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
 
 def test_fuzz_lease_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
     @FUZZ
-    @given(rid=u64, ids=st.lists(u64, max_size=50), which=st.sampled_from(["Commit", "Abort"]))
+    @given(rid=u64, ids=st.lists(u64, max_size=50),
+           which=st.sampled_from(["Commit", "Abort", "CommitMany"]))
     def holds(rid: int, ids: list[int], which: str) -> None:
-        msg = (pb.CommitRequest(reservation_id=rid) if which == "Commit"
-               else pb.AbortRequest(reservation_id=rid))
+        msg = {"Commit": pb.CommitRequest(reservation_id=rid),
+               "Abort": pb.AbortRequest(reservation_id=rid),
+               "CommitMany": pb.CommitManyRequest(commits=[
+                   pb.CommitRequest(reservation_id=i, payload_checksum=rid) for i in ids])
+               }[which]
         call(channel, which, "uu", msg, which.lower())
         call(channel, "Release", "uu", pb.ReleaseRequest(lease_ids=ids), "release")
 

@@ -95,6 +95,10 @@ def _cases(stub: pb_grpc.KVStoreStub) -> list[tuple[str, Callable[[], Any], grpc
          lambda: stub.ReserveMany(pb.ReserveManyRequest(
              requests=[pb.ReserveRequest(header=FRESH), pb.ReserveRequest(header=b"\0" * 9)])),
          C.INVALID_ARGUMENT, "malformed"),
+        ("commit_many over the batch limit",
+         lambda: stub.CommitMany(pb.CommitManyRequest(
+             commits=[pb.CommitRequest(reservation_id=1)] * 1025)),
+         C.INVALID_ARGUMENT, "at most 1024"),
         ("commit unknown", lambda: stub.Commit(pb.CommitRequest(reservation_id=424242)),
          C.NOT_FOUND, "unknown reservation"),
         ("abort unknown", lambda: stub.Abort(pb.AbortRequest(reservation_id=424243)),

@@ -346,3 +346,36 @@ def test_a_stray_write_before_commit_is_caught_with_checksum_at_commit(server: K
         with pytest.raises(CorruptRecord):
             res.commit(xxhash.xxh3_64_intdigest(data))
         assert c.get(h.key) is None, "bytes that fail the writer's checksum must never be served"
+
+
+def test_commit_many_stores_each_chunk_on_its_own(server: KVServer) -> None:
+    """One CommitMany for a batch: the good chunks are stored, the one whose bytes do not
+    match its checksum is refused alone, with the error a single commit would raise."""
+    import xxhash
+
+    from kvstore.client import chunk_header
+    from kvstore.errors import CorruptRecord
+
+    ns = namespace("commit-many", 512)
+    datas = [payload(64 * 512, seed=200 + i) for i in range(3)]
+    headers = [chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", shape_for(64, 512))
+               for i in range(3)]
+    with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
+        held = c.reserve(headers)
+        assert all(isinstance(r, kvstore.client.Reservation) for r in held), held
+        sums = []
+        for res, data in zip(held, datas, strict=True):
+            assert isinstance(res, kvstore.client.Reservation)
+            view = res.contiguous()
+            assert view is not None
+            view[:] = data
+            sums.append(xxhash.xxh3_64_intdigest(data))
+        view = held[1].contiguous()  # type: ignore[union-attr]
+        assert view is not None
+        view[7] ^= 1  # changed after its writer hashed it
+        got = c.commit(held, sums)  # type: ignore[arg-type]
+        assert got[0] == got[2] == PutStatus.STORED, got
+        assert isinstance(got[1], CorruptRecord), f"the damaged chunk must fail alone: {got}"
+        assert c.get(headers[0].key) is not None and c.get(headers[2].key) is not None
+        assert c.get(headers[1].key) is None
+        assert memory_detail(c)["reservations"] == 0
