@@ -10,7 +10,8 @@ for the CPU with what is measured), the clients in this process.
    Commit, which checksums the bytes) and ``Client.get_into`` (Acquire, which
    verifies them, copy out, Release) of 64 KiB-64 MiB chunks (quick: 64 KiB,
    1 and 32 MiB), against a single-thread memcpy of the same bytes into a
-   touched buffer.
+   touched buffer; and, up to 4 MiB, puts of 16 chunks at once (``Client.reserve``,
+   each chunk hashed as it is copied in, ``Client.commit``: two RPCs per batch).
 2. Remote streaming over loopback TCP: ``Client(shm=False).put/get`` against raw
    grpcio streaming of the same bytes in the same 1 MiB pieces, to and from a
    minimal sink/source service in another process (no kvstore code on its path);
@@ -192,6 +193,7 @@ def _gbs(nbytes: int, seconds: list[float]) -> float:
 # -- 1. shared memory vs memcpy ---------------------------------------------------------------
 def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> list[Record]:
     import kvstore
+    from kvstore.tiers.base import PutStatus
 
     out = []
     with kvstore.Client(s.unix, shm=True, timeout=60) as c:
@@ -214,6 +216,18 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
 
             cases: dict[str, Case] = {"memcpy": memcpy(src, dst), "put": (put, undo),
                                       "get_into": get_into}
+            batch = _unsealed("shm-batch", src, BATCH) if size <= 4 * MiB else []
+            if batch:
+                def put_batch(hs: list[Any] = batch, src: np.ndarray = src) -> None:
+                    held = c.reserve(hs)
+                    for res in held:
+                        res.write(src)  # type: ignore[union-attr]
+                    assert all(st == PutStatus.STORED for st in c.commit(held))  # type: ignore[arg-type]
+
+                def undo_batch(hs: list[Any] = batch) -> None:
+                    c.delete([h.key for h in hs])
+
+                cases["put_batch"] = (put_batch, undo_batch)
             t = interleaved(cases, reps, progress, f"shm {size_label(size)}")
             if not np.array_equal(dst, src):
                 raise RuntimeError("shared-memory get_into delivered other bytes")
@@ -222,8 +236,26 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
                 out.append(Record(f"server.shm.{case}.{size_label(size)}", _gbs(size, t[case]),
                                   "GB/s", limit, limit_name=MEMCPY,
                                   notes="Unix socket; 2 RPCs per put, 1 per get"))
+            if batch:
+                out.append(Record(f"server.shm.put_batch.{size_label(size)}",
+                                  _gbs(BATCH * size, t["put_batch"]), "GB/s", limit,
+                                  limit_name=MEMCPY,
+                                  notes=f"{BATCH} chunks per ReserveMany + CommitMany, each "
+                                        "hashed while copied in (Client.reserve / commit)"))
             c.delete([get_h.key])
     return out
+
+
+BATCH = 16  # chunks per batched put
+
+
+def _unsealed(tag: str, src: np.ndarray, n: int) -> list[Any]:
+    from kvstore.client import chunk_header
+    from kvstore.keys import ROOT, Namespace
+
+    ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
+    return [chunk_header(ns, ROOT, np.arange(256) + 256 * i, None, "bfloat16",
+                         (256, src.size // 512)) for i in range(n)]
 
 
 # -- 2. remote streaming vs raw grpcio ---------------------------------------------------------
