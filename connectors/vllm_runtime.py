@@ -118,6 +118,7 @@ class Backend:
         self._client: Any = None
         self._down_until = 0.0
         self._last_warning = 0.0
+        self._last_note = 0.0
         self._info: Any = None
         self._closed = False
         self._lock = threading.RLock()  # _connect and failed may race with close
@@ -289,7 +290,19 @@ class Backend:
             return out
         for i, status in zip(mine, got, strict=True):
             out[i] = bool(getattr(status, "ok", False))
+            if isinstance(status, Exception):  # this chunk only: the connection is fine
+                self._note(f"save of one chunk ({type(status).__name__}: {status}); "
+                           "it will be recomputed when needed")
         return out
+
+    def _note(self, message: str) -> None:
+        """A warning about one operation, at most one every 5 s per process."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_note <= 5:
+                return
+            self._last_note = now
+        log.warning("kvstore %s: %s", self.role, message)
 
     def put(self, header: RecordHeader, payload: Any) -> bool:
         client = self._connect()

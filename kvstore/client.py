@@ -325,20 +325,38 @@ class Client(ClientBase):
 
         ``checksums[i]`` as for ``reservations[i].commit``. For each, its status, or the
         error its own ``commit`` would have raised (that chunk is not stored; the others
-        are not affected). Raises only if the call itself fails.
+        are not affected). Raises ``InvalidArgument`` before using any reservation if one
+        cannot be committed (another client's, used already, twice in the list), and the
+        call's error if a round trip fails: then every reservation passed in is used up
+        (those of batches not sent are aborted; those sent may be stored).
         """
         sums = list(checksums) if checksums is not None else [None] * len(reservations)
         if len(sums) != len(reservations):
             raise InvalidArgument(f"{len(sums)} checksums for {len(reservations)} reservations")
-        if any(res.arena is not self._arena for res in reservations):
-            raise InvalidArgument("a reservation of another client (or an earlier connection)")
+        if len({id(res) for res in reservations}) != len(reservations):
+            raise InvalidArgument("the same reservation twice in one commit")
+        for res, c in zip(reservations, sums, strict=True):  # refused before any is used
+            if res.arena is not self._arena:
+                raise InvalidArgument("a reservation of another client (or an earlier connection)")
+            if res.done:
+                raise InvalidArgument(f"reservation {res.id} was already committed or aborted")
+            if c is not None and not 0 <= c < 1 << 64:
+                raise InvalidArgument(f"checksum {c} of reservation {res.id} is not a u64")
         reqs = [pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(c))
                 for res, c in zip(reservations, sums, strict=True)]
+        base = timeout if timeout is not None else self.timeout
         out: builtins.list[PutStatus | KVStoreError] = []
         for i in range(0, len(reqs), MAX_RESERVE_BATCH):
             batch = reqs[i : i + MAX_RESERVE_BATCH]
-            r = self._call("CommitMany", self._stub.CommitMany,
-                           pb.CommitManyRequest(commits=batch), timeout)
+            # The server hashes every payload of the batch: allow for it (1 GB/s at worst).
+            nbytes = sum(r.header.stored_size for r in reservations[i : i + MAX_RESERVE_BATCH])
+            try:
+                r = self._call("CommitMany", self._stub.CommitMany,
+                               pb.CommitManyRequest(commits=batch), base + nbytes / 1e9)
+            except BaseException:
+                for rid in [q.reservation_id for q in reqs[i + len(batch) :]]:
+                    self._finish(rid, False, None, timeout=timeout)  # never sent: give back
+                raise
             if len(r.responses) != len(batch):
                 raise ServerError(f"CommitMany answered {len(r.responses)} of {len(batch)}")
             out += [error_from_code(one.error_code, one.error, "Commit", self.url)

@@ -83,7 +83,7 @@ class _Status(Exception):
 _MAX_NAMES = 100_000  # namespaces remembered by name (Lookup requests that carry one)
 
 # Calls that finish work a client already began; still served while draining.
-_FINISHING = frozenset({"Commit", "Abort", "Release"})
+_FINISHING = frozenset({"Commit", "CommitMany", "Abort", "Release"})
 
 
 def _rpc(fn: F) -> F:
@@ -447,8 +447,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         for c in request.commits:
             try:
                 out.responses.append(self._commit(c, owner))
-            except KVStoreError as e:  # each commit stands alone
+            except Exception as e:  # each commit stands alone
                 code, msg = status_of(e)
+                if not isinstance(e, KVStoreError):
+                    log.exception("CommitMany: reservation %d failed", c.reservation_id)
+                with self._lock:
+                    self.counts[("Commit", code.name)] += 1  # as a single Commit would count
                 out.responses.append(pb.CommitResponse(error_code=code.value[0], error=msg))
         return out
 

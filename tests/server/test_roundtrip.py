@@ -379,3 +379,12 @@ def test_commit_many_stores_each_chunk_on_its_own(server: KVServer) -> None:
         assert c.get(headers[0].key) is not None and c.get(headers[2].key) is not None
         assert c.get(headers[1].key) is None
         assert memory_detail(c)["reservations"] == 0
+        with pytest.raises(InvalidArgument, match="already committed"):
+            c.commit([held[0]])  # type: ignore[list-item]
+        (again,) = c.reserve([chunk_header(ns, ROOT, tokens(64, 999), None, "bfloat16",
+                                           shape_for(64, 512))])
+        assert isinstance(again, kvstore.client.Reservation)
+        with pytest.raises(InvalidArgument, match="twice"):
+            c.commit([again, again])
+        assert not again.done, "a refused batch must not use up its reservations"
+        again.abort()
