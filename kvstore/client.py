@@ -205,8 +205,9 @@ class Client(InPlaceWrites, ClientBase):
 
     def _put(self, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
              ) -> PutStatus:
-        """``sealed=False``: the header's checksum is a placeholder, for the server to fill
-        in at Commit; a put that must stream hashes the payload here first."""
+        """``sealed=False``: the header's checksum is a placeholder; the payload is hashed
+        as it is copied into the arena and the checksum goes with the Commit, and a put
+        that must stream hashes the payload here first."""
         src = self._check_put(header, payload)
         arena = self._shm()
         if arena is not None:
@@ -219,30 +220,13 @@ class Client(InPlaceWrites, ClientBase):
 
     def _put_shm(self, header: RecordHeader, src: np.ndarray, timeout: float | None,
                  sealed: bool) -> PutStatus | None:
-        r = self._call("Reserve", self._stub.Reserve,
-                       pb.ReserveRequest(header=header.pack(), checksum_at_commit=not sealed),
-                       timeout)
-        status = status_from_pb(r.status)
-        if status != PutStatus.STORED:
+        (res,) = self.reserve([header], checksum_at_commit=not sealed, timeout=timeout)
+        if isinstance(res, PutStatus):
             # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
-            return status if status == PutStatus.EXISTS else None
-        checksum = None
-        try:
-            assert self._arena is not None
-            extents = self._check_extents(r.extents)
-            if sealed:
-                self._arena.write(extents, r.payload_offset, src)
-            else:  # hashed piece by piece as it is copied, while in cache
-                checksum = self._arena.write_hashed(extents, r.payload_offset, src)
-        except BaseException:
-            with contextlib.suppress(KVStoreError):  # else it expires on its own
-                self._call("Abort", self._stub.Abort,
-                           pb.AbortRequest(reservation_id=r.reservation_id), timeout)
-            raise
-        c = self._call("Commit", self._stub.Commit,
-                       pb.CommitRequest(reservation_id=r.reservation_id,
-                                        payload_checksum=checksum), timeout)
-        return status_from_pb(c.status)
+            return res if res == PutStatus.EXISTS else None
+        with res:  # given back if the copy fails
+            res.write(src)  # unsealed: hashed piece by piece as it is copied, while in cache
+            return res.commit()
 
     def _put_stream(self, header: RecordHeader, src: np.ndarray, timeout: float | None
                     ) -> PutStatus:

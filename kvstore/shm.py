@@ -46,25 +46,23 @@ class Lease:
                 spans(self._extents, self._offset, self.header.raw_size)]
 
     def read_into(self, out: Any) -> None:
-        if self.released:
-            raise InvalidArgument("lease already released")
-        dst = as_u8(out, writable=True)
-        if dst.size < self.header.raw_size:
-            raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
-                                  f"{self.header.raw_size}")
-        self._arena.read_into(self._extents, self._offset, dst[: self.header.raw_size])
+        self._arena.read_into(self._extents, self._offset, self._destination(out))
 
     def read_into_hashed(self, out: Any) -> int:
         """``read_into``, returning the xxh3_64 of what was copied (to compare with
         ``header.payload_checksum``); cheaper than copying, then hashing."""
+        return self._arena.read_into_hashed(self._extents, self._offset,
+                                            self._destination(out))
+
+    def _destination(self, out: Any) -> np.ndarray:
+        """The first ``raw_size`` bytes of ``out``, checked to hold the payload."""
         if self.released:
             raise InvalidArgument("lease already released")
         dst = as_u8(out, writable=True)
         if dst.size < self.header.raw_size:
             raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
                                   f"{self.header.raw_size}")
-        return self._arena.read_into_hashed(self._extents, self._offset,
-                                            dst[: self.header.raw_size])
+        return dst[: self.header.raw_size]
 
     def read(self) -> bytes:
         if self.released:

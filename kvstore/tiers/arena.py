@@ -428,15 +428,7 @@ class ArenaView:
                      piece: int = 512 << 10) -> int:
         """``write``, returning the xxh3_64 of the bytes as they are in the arena after
         the copy (each piece hashed right after it is copied, while still in cache)."""
-        arr, src = self.array, as_u8(data)
-        h = xxhash.xxh3_64()
-        for off, pos, n in spans(extents, start, src.size):
-            for o in range(0, n, piece):
-                m = min(piece, n - o)
-                put = arr[off + o : off + o + m]
-                put[:] = src[pos + o : pos + o + m]
-                h.update(put.data)
-        return h.intdigest()
+        return self._copy_hashed(extents, start, as_u8(data), True, piece)
 
     def read_into_hashed(self, extents: Sequence[Extent], start: int, out: object,
                          piece: int = 512 << 10) -> int:
@@ -446,14 +438,21 @@ class ArenaView:
         verifying a read costs much less than a second pass over memory. What is hashed is
         what the caller got, even if a rogue writer changes the arena meanwhile.
         """
-        arr, dst = self.array, as_u8(out, writable=True)
+        return self._copy_hashed(extents, start, as_u8(out, writable=True), False, piece)
+
+    def _copy_hashed(self, extents: Sequence[Extent], start: int, buf: np.ndarray,
+                     into_arena: bool, piece: int) -> int:
+        """Copy between ``buf`` and record bytes from ``start``, piece by piece, hashing
+        each piece where it landed."""
+        arr = self.array
         h = xxhash.xxh3_64()
-        for off, pos, n in spans(extents, start, dst.size):
+        for off, pos, n in spans(extents, start, buf.size):
             for o in range(0, n, piece):
                 m = min(piece, n - o)
-                got = dst[pos + o : pos + o + m]
-                got[:] = arr[off + o : off + o + m]
-                h.update(got.data)
+                mine, theirs = arr[off + o : off + o + m], buf[pos + o : pos + o + m]
+                landed, source = (mine, theirs) if into_arena else (theirs, mine)
+                landed[:] = source
+                h.update(landed.data)
         return h.intdigest()
 
     def read(self, extents: Sequence[Extent], start: int, length: int) -> bytes:

@@ -274,24 +274,31 @@ def test_commit_refuses_bytes_that_do_not_match_a_checksum_given_up_front(
         assert c.get(h.key) is None, "bytes that fail their checksum must never be served"
 
 
+def _stored_then_changed(c: kvstore.Client, tag: str, data: np.ndarray, at: int) -> bytes:
+    """Store ``data`` as a chunk, then change its byte ``at`` in the arena, as a rogue
+    writer on the host would; the chunk's key."""
+    from kvstore.tiers.arena import ArenaView
+
+    key, status = c.put_chunk(namespace(tag, 4096), ROOT, tokens(256), data, "bfloat16",
+                              shape_for(256, 4096))
+    assert status == PutStatus.STORED
+    lease = c.acquire(key)
+    assert lease is not None
+    extents, start = lease._extents, lease._offset
+    lease.release()
+    with ArenaView.open(c.info().shm_path) as rogue:
+        rogue.write(extents, start + at, b"\x5a" if data[at] != 0x5A else b"\xa5")
+    return key
+
+
 @pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
 def test_a_payload_changed_in_the_arena_is_never_served(server: KVServer, verify: bool) -> None:
     """A rogue writer on the host flips a byte of a committed chunk: whichever side checks,
     the reader gets a miss or a good copy from a lower tier, and the L1 copy is dropped."""
-    from kvstore.tiers.arena import ArenaView
-
-    ns = namespace(f"rogue-{verify}", 4096)
     data = payload(256 * 4096, seed=77)
     with kvstore.Client(server.unix_url, shm=True, timeout=30, verify=verify) as c:
-        key, status = c.put_chunk(ns, ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096))
-        assert status == PutStatus.STORED
-        lease = c.acquire(key)
-        assert lease is not None
-        extents, start = lease._extents, lease._offset
-        lease.release()
         corrupt = c.stats().tiers[0].corrupt
-        with ArenaView.open(c.info().shm_path) as rogue:
-            rogue.write(extents, start + 12345, b"\x5a" if data[12345] != 0x5A else b"\xa5")
+        key = _stored_then_changed(c, f"rogue-{verify}", data, 12345)
         out = np.zeros(data.size, dtype=np.uint8)
         got = c.get_into(key, out)
         assert got is None or np.array_equal(out, data), "changed bytes were served"
@@ -301,19 +308,9 @@ def test_a_payload_changed_in_the_arena_is_never_served(server: KVServer, verify
 @pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
 def test_async_client_never_serves_a_payload_changed_in_the_arena(server: KVServer,
                                                                   verify: bool) -> None:
-    from kvstore.tiers.arena import ArenaView
-
-    ns = namespace(f"rogue-aio-{verify}", 4096)
     data = payload(256 * 4096, seed=78)
     with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
-        key, status = c.put_chunk(ns, ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096))
-        assert status == PutStatus.STORED
-        lease = c.acquire(key)
-        assert lease is not None
-        extents, start = lease._extents, lease._offset
-        lease.release()
-        with ArenaView.open(c.info().shm_path) as rogue:
-            rogue.write(extents, start + 999, b"\x5a" if data[999] != 0x5A else b"\xa5")
+        key = _stored_then_changed(c, f"rogue-aio-{verify}", data, 999)
 
     async def read() -> tuple[object, object]:
         async with kvstore.AsyncClient(server.unix_url, shm=True, timeout=30,
