@@ -14,9 +14,11 @@ key(i)     = SHA-256(block("kvstore-chunk-v2") || fingerprint || key(i-1)
 SHA-256 rather than BLAKE2b or BLAKE3: this CPU (like most x86-64 and ARMv8
 servers) has SHA instructions, which OpenSSL uses, so the 512 chained 1 KiB
 hashes of a 128k-token lookup cost about 0.7 of what the same loop costs with
-BLAKE2b (measured in docs/keys.md). Every hash starts with its tag block, which
-a hasher prepared at import time has already absorbed: each call copies that
-state instead of hashing the tag again, so domain separation costs nothing.
+BLAKE2b (measured in docs/keys.md). Every hash starts with its tag block: a
+64-byte block the hash absorbs first, so domain separation costs one block per
+call (and nothing per call where a hasher that absorbed it is copied).
+
+The loops over a prompt's chunks run in ``kvstore.accel`` (C where it was built).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import NewType, cast
 
 import numpy as np
 
+from kvstore import accel
 from kvstore.errors import InvalidArgument
 
 KEY_SCHEME = "kvstore-chunk-v2"
@@ -49,14 +52,15 @@ ROOT = ChunkKey(bytes(KEY_BYTES))
 _MAX_TOKEN = 2**32 - 1
 
 
-def _tagged(tag: str) -> hashlib._Hash:
-    """A SHA-256 hasher that has absorbed block(tag): copy it, never feed it."""
-    return hashlib.sha256(tag.encode().ljust(64, b"\0"))
+def _block(tag: str) -> bytes:
+    """block(tag): the ASCII tag zero-padded to one 64-byte SHA-256 block."""
+    return tag.encode().ljust(64, b"\0")
 
 
-_CHUNK_HASHER = _tagged(KEY_SCHEME)
-_NS_HASHER = _tagged("kvstore-ns-v2")
-_SUB_HASHER = _tagged("kvstore-sub-v2")
+_CHUNK_BLOCK = _block(KEY_SCHEME)
+_SUB_BLOCK = _block("kvstore-sub-v2")
+_CHUNK_HASHER = hashlib.sha256(_CHUNK_BLOCK)  # copied, never fed
+_NS_HASHER = hashlib.sha256(_block("kvstore-ns-v2"))
 
 
 @dataclass(frozen=True)
@@ -150,14 +154,12 @@ def bytes_to_tokens(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<u4")
 
 
-def chunk_hasher(fingerprint: Fingerprint) -> hashlib._Hash:
-    """The state every key of a namespace starts from: block(KEY_SCHEME) || fingerprint.
+def chunk_prefix(fingerprint: Fingerprint) -> bytes:
+    """What every key of a namespace hashes first: block(KEY_SCHEME) || fingerprint.
 
-    Copy it per chunk and feed it the parent key and the chunk's tokens.
+    ``accel.chain_keys``/``chain_probe`` take it with the parent key and the tokens.
     """
-    h = _CHUNK_HASHER.copy()
-    h.update(fingerprint)
-    return h
+    return _CHUNK_BLOCK + fingerprint
 
 
 def chunk_key(
@@ -193,17 +195,7 @@ def chunk_keys(
     raw = token_view(tokens)
     step = chunk_tokens * 4
     end = len(raw) - len(raw) % step if full_only else len(raw)
-    # The hot loop of every lookup: four C calls per chunk, nothing else.
-    copy = chunk_hasher(fingerprint).copy
-    keys: list[bytes] = []
-    append = keys.append
-    parent: bytes = ROOT
-    for s in range(0, end, step):
-        h = copy()
-        h.update(parent)
-        h.update(raw[s : s + step])
-        parent = h.digest()
-        append(parent)
+    keys = accel.chain_keys(chunk_prefix(fingerprint), ROOT, raw[:end], step)
     return cast(list[ChunkKey], keys)
 
 
@@ -217,15 +209,7 @@ def sub_hashes(token_bytes: bytes | memoryview, granularity: int) -> bytes:
     """
     if granularity <= 0:
         raise InvalidArgument(f"granularity must be positive, got {granularity}")
-    view = memoryview(token_bytes)
-    step = granularity * 4
-    h = _SUB_HASHER.copy()
-    update, digest = h.update, h.digest  # digest() leaves the running state as it was
-    out = []
-    for off in range(0, len(view) - step + 1, step):
-        update(view[off : off + step])
-        out.append(digest()[:SUBHASH_BYTES])
-    return b"".join(out)
+    return accel.prefix_digests(_SUB_BLOCK, token_bytes, granularity * 4, SUBHASH_BYTES)
 
 
 def common_units(a: bytes, b: bytes) -> int:

@@ -26,14 +26,15 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
+from kvstore import accel
 from kvstore.errors import InvalidArgument
-from kvstore.index import FASTEST, Entry, Index
+from kvstore.index import FASTEST, Index
 from kvstore.keys import (
     ROOT,
     ChunkKey,
     Fingerprint,
     Namespace,
-    chunk_hasher,
+    chunk_prefix,
     common_units,
     family,
     sub_hashes,
@@ -119,38 +120,16 @@ def lookup(
     n, ct = len(tb) // 4, chunk_tokens
     step = ct * 4
     n_chunks = -(-n // ct)
-    copy = chunk_hasher(fingerprint).copy
-    get = cast(Callable[[bytes], Entry | None], index.entries.get)
-    keys: list[bytes] = []
-    masks: list[int] = []  # Entry.tiers of each matched chunk
-    parent: bytes = ROOT
-    stop_key: bytes | None = None
-
-    # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep. No
-    # Python-level call per chunk; the ChunkMatch rows are built below, in C.
-    for s in range(0, len(tb), step):
-        h = copy()
-        h.update(parent)
-        h.update(tb[s : s + step])
-        key = h.digest()
-        entry = get(key)
-        if entry is None:
-            stop_key = key
-            break
-        keys.append(key)
-        masks.append(entry.tiers)
-        parent = key
+    prefix = chunk_prefix(fingerprint)
+    # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep, in one C
+    # call (accel); the ChunkMatch rows are built below, in C too.
+    keys, masks, stop_key = accel.chain_probe(prefix, ROOT, tb, step, index.entries, "tiers")
     tiers = bytearray(masks).translate(_FASTEST_BY_MASK)  # the fastest tier of each chunk
+    parent: bytes = keys[-1] if keys else ROOT
 
     if remote is not None and stop_key is not None:
         rest = [stop_key]
-        p = stop_key
-        for s in range((len(keys) + 1) * step, len(tb), step):
-            h = copy()
-            h.update(p)
-            h.update(tb[s : s + step])
-            p = h.digest()
-            rest.append(p)
+        rest += accel.chain_keys(prefix, stop_key, tb[(len(keys) + 1) * step :], step)
         present = remote.contains(cast(list[ChunkKey], rest))
         stop_key = None
         for key, here in zip(rest, present, strict=True):

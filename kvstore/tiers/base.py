@@ -139,6 +139,8 @@ class Tier(ABC):
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
         """Copy the decoded (raw) payload into ``out``; the header, or None on a miss.
 
+        On a miss ``out`` may have been written (a record that fails verification is
+        found out while it is copied): its contents are then undefined.
         Tiers that can read in place override this to skip the intermediate copy.
         """
         blob = self.get(key)

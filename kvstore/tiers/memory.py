@@ -537,9 +537,10 @@ class MemoryTier(Tier):
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
         """Copy the payload straight from the extents into ``out``.
 
-        Verification hashes ``out`` after the copy: that checks exactly the bytes
-        delivered (if they do not verify, ``out`` holds garbage and this is a miss).
-        ``_ref``/``_read`` inlined, no closure: at 1 MiB the copy and hash take ~60 us
+        Verification hashes the bytes as they are copied (one pass with the native
+        module): that checks exactly the bytes delivered (if they do not verify,
+        ``out`` holds garbage and this is a miss).
+        ``_ref``/``_read`` inlined, no closure: at 1 MiB the copy and hash take ~40 us
         and each microsecond of bookkeeping around them is ~1.5% of the call.
         """
         dst = as_u8(out, writable=True)
@@ -564,8 +565,7 @@ class MemoryTier(Tier):
                 arena.read_into(entry.extents, entry.hs, dst)
                 ok = True
             elif arena.equals(entry.extents, 0, entry.packed):
-                arena.read_into(entry.extents, entry.hs, dst)
-                ok = xxhash.xxh3_64_intdigest(dst) == header.payload_checksum  # type: ignore[arg-type]
+                ok = arena.read_into_hashed(entry.extents, entry.hs, dst) == header.payload_checksum
             else:
                 ok = False
         except BaseException:

@@ -1,0 +1,148 @@
+"""The loops kvstore runs per chunk and per byte: native when it can, Python when not.
+
+``kvstore._native`` (C, in ``kvstore/csrc/``) is built by ``pip install`` where a C
+compiler and the Python headers are present; the build is optional, and without it
+every function here falls back to a pure-Python twin that gives the same answer
+(``tests/test_accel.py`` runs both against each other and against hashlib/xxhash).
+``IMPL`` says which is in use; ``kvstore info``, the server's ``Info`` and the
+benchmarks report it. ``KVSTORE_PURE_PYTHON=1`` forces the Python twins.
+
+What the native module buys (docs/performance.md has the figures):
+
+- ``chain_probe``/``chain_keys``: a 128k-token lookup hashes 512 chained ~1 KiB
+  messages. hashlib spends more per call than the SHA instructions spend on the
+  bytes; one C loop does the chain and the dict probes with no Python call per chunk.
+- ``copy_xxh3``/``scatter_xxh3``: a verified copy. With AVX2 each 64-byte stripe is
+  loaded once, stored, and fed to XXH3 from the same registers: one pass over the
+  bytes instead of a copy and a hash pass. What is hashed is exactly what was stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+Spans = Sequence[tuple[int, int, int]]
+"""(arena offset, buffer offset, length) triples, in record order."""
+
+_native: Any = None
+if os.environ.get("KVSTORE_PURE_PYTHON", "") in ("", "0"):
+    try:
+        from kvstore import _native  # type: ignore[attr-defined,no-redef]
+    except ImportError:  # not built here (no compiler at install time)
+        _native = None
+
+NATIVE = _native is not None
+IMPL = (f"native (sha256 {_native.sha256_impl()}, copies {_native.copies_impl()})"
+        if NATIVE else "python")
+
+
+# -- pure-Python twins ---------------------------------------------------------------
+def _py_chain_keys(prefix: bytes, parent: bytes, data: Any, step: int) -> list[bytes]:
+    view = memoryview(data).cast("B")
+    copy = hashlib.sha256(prefix).copy
+    keys: list[bytes] = []
+    for s in range(0, len(view), step):
+        h = copy()
+        h.update(parent)
+        h.update(view[s : s + step])
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def _py_chain_probe(prefix: bytes, parent: bytes, data: Any, step: int,
+                    mapping: dict[bytes, Any], attr: str
+                    ) -> tuple[list[bytes], list[Any], bytes | None]:
+    view = memoryview(data).cast("B")
+    copy = hashlib.sha256(prefix).copy
+    get = mapping.get
+    keys: list[bytes] = []
+    values: list[Any] = []
+    for s in range(0, len(view), step):
+        h = copy()
+        h.update(parent)
+        h.update(view[s : s + step])
+        key = h.digest()
+        value = get(key)
+        if value is None:
+            return keys, values, key
+        keys.append(key)
+        values.append(getattr(value, attr))
+        parent = key
+    return keys, values, None
+
+
+def _py_prefix_digests(prefix: bytes, data: Any, unit: int, size: int) -> bytes:
+    view = memoryview(data).cast("B")
+    h = hashlib.sha256(prefix)
+    update, digest = h.update, h.digest  # digest() leaves the running state as it was
+    out = []
+    for off in range(0, len(view) - unit + 1, unit):
+        update(view[off : off + unit])
+        out.append(digest()[:size])
+    return b"".join(out)
+
+
+def _py_copy_xxh3(dst: Any, src: Any) -> int:
+    d, s = memoryview(dst).cast("B"), memoryview(src).cast("B")
+    if len(d) != len(s):
+        raise ValueError(f"dst is {len(d)} bytes, src {len(s)}")
+    d[:] = s
+    return xxhash.xxh3_64_intdigest(d)
+
+
+def _py_scatter_xxh3(arena: Any, buf: Any, spans: Spans, into_arena: bool,
+                     piece: int = 512 << 10) -> int:
+    a, b = memoryview(arena).cast("B"), memoryview(buf).cast("B")
+    h = xxhash.xxh3_64()
+    for off, pos, n in spans:
+        if off < 0 or pos < 0 or n < 0 or off + n > len(a) or pos + n > len(b):
+            raise ValueError(f"span ({off}, {pos}, {n}) is outside the buffers")
+        for o in range(0, n, piece):  # hash each piece right after it lands, in cache
+            m = min(piece, n - o)
+            mine, theirs = a[off + o : off + o + m], b[pos + o : pos + o + m]
+            landed, source = (mine, theirs) if into_arena else (theirs, mine)
+            landed[:] = source
+            h.update(landed)
+    return h.intdigest()
+
+
+chain_keys: Callable[[bytes, bytes, Any, int], list[bytes]]
+"""chain_keys(prefix, parent, data, step): keys of data's step-byte chunks (the last
+may be shorter), key = SHA-256(prefix || previous key || chunk), the first chained
+on ``parent``."""
+
+chain_probe: Callable[[bytes, bytes, Any, int, dict[bytes, Any], str],
+                      tuple[list[bytes], list[Any], bytes | None]]
+"""chain_probe(prefix, parent, data, step, mapping, attr): as chain_keys, stopping at
+the first key not in ``mapping``: (keys found, getattr(value, attr) of each, the
+missing key or None)."""
+
+prefix_digests: Callable[[bytes, Any, int, int], bytes]
+"""prefix_digests(prefix, data, unit, size): for each whole ``unit`` bytes, the first
+``size`` bytes of SHA-256(prefix || data up to the end of that unit)."""
+
+copy_xxh3: Callable[[Any, Any], int]
+"""copy_xxh3(dst, src): copy src into dst (same length); the xxh3_64 of dst after."""
+
+scatter_xxh3: Callable[[Any, Any, Spans, bool], int]
+"""scatter_xxh3(arena, buf, spans, into_arena): copy between buf and the arena along
+``spans`` (into the arena or out of it); the xxh3_64 of the bytes where they landed."""
+
+if NATIVE:
+    chain_keys = _native.chain_keys
+    chain_probe = _native.chain_probe
+    prefix_digests = _native.prefix_digests
+    copy_xxh3 = _native.copy_xxh3
+    scatter_xxh3 = _native.scatter_xxh3
+else:
+    chain_keys = _py_chain_keys
+    chain_probe = _py_chain_probe
+    prefix_digests = _py_prefix_digests
+    copy_xxh3 = _py_copy_xxh3
+    scatter_xxh3 = _py_scatter_xxh3

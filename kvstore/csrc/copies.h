@@ -1,0 +1,23 @@
+/* Copies that return the xxh3_64 of the bytes they wrote (see copies.c). */
+#ifndef KVSTORE_COPIES_H
+#define KVSTORE_COPIES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Pick the implementations: 0 = best the CPU has, 1 = baseline (for tests). */
+void kv_copies_select(int baseline);
+/* "avx2-fused" or "blocks". */
+const char *kv_copies_impl(void);
+
+/* Copy n bytes and return XXH3_64bits of them, in one pass where the CPU allows. */
+uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n);
+
+/* The same over several (dst, src, n) pieces, hashed as one stream in order. */
+typedef struct kv_stream kv_stream;
+kv_stream *kv_stream_new(void);
+void kv_stream_copy(kv_stream *s, uint8_t *dst, const uint8_t *src, size_t n);
+uint64_t kv_stream_digest(kv_stream *s);
+void kv_stream_free(kv_stream *s);
+
+#endif

@@ -1,0 +1,311 @@
+/* kvstore._native: the loops kvstore runs per chunk and per byte, in C.
+ *
+ * Each function has a pure-Python twin in kvstore/accel.py that gives the same
+ * answer (tests/test_accel.py checks both against each other and against
+ * hashlib/xxhash); kvstore imports whichever is available, so the package works
+ * without a compiler, only slower.
+ *
+ * - chain_keys / chain_probe: the chained SHA-256 chunk keys of a prompt (and, for
+ *   lookup, the dict probe of each key) in one loop, with no Python call per chunk.
+ * - prefix_digests: the cumulative sub-hashes partial matching compares.
+ * - copy_xxh3 / scatter_xxh3: a copy that hashes each block right after it lands,
+ *   while it is still in L1, so a verified copy costs about one pass over memory
+ *   instead of two. The GIL is released for large copies.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#include "sha256.h"
+
+#include "copies.h"
+
+/* Below this a copy takes less than releasing and retaking the GIL can cost. */
+#define NOGIL_BYTES (64 * 1024)
+
+/* -- SHA-256 ------------------------------------------------------------------------ */
+
+static int absorb_prefix(kv_sha256 *base, Py_buffer *prefix) {
+    kv_sha256_init(base);
+    kv_sha256_update(base, prefix->buf, (size_t)prefix->len);
+    return 0;
+}
+
+static PyObject *py_sha256(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    kv_sha256 s;
+    uint8_t out[32];
+    kv_sha256_init(&s);
+    kv_sha256_update(&s, b.buf, (size_t)b.len);
+    kv_sha256_digest(&s, out);
+    PyBuffer_Release(&b);
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
+static PyObject *py_sha256_impl(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(kv_sha256_impl());
+}
+
+static PyObject *py_sha256_select(PyObject *self, PyObject *arg) {
+    int generic = PyObject_IsTrue(arg);
+    if (generic < 0) return NULL;
+    kv_sha256_select(generic);
+    return PyUnicode_FromString(kv_sha256_impl());
+}
+
+/* The key of the chunk at data[off:off+n]: SHA-256(prefix || parent || chunk), where
+ * ``base`` has absorbed the prefix already. */
+static void chunk_key(const kv_sha256 *base, const uint8_t parent[32], const uint8_t *chunk,
+                      size_t n, uint8_t out[32]) {
+    kv_sha256 s = *base;
+    kv_sha256_update(&s, parent, 32);
+    kv_sha256_update(&s, chunk, n);
+    kv_sha256_digest(&s, out);
+}
+
+/* chain_keys(prefix, parent, data, step) -> list[bytes]
+ * chain_probe(prefix, parent, data, step, mapping, attr) -> (keys, attrs, stop_key)
+ *
+ * The keys of data's step-byte chunks (the last may be shorter), each chained on the
+ * one before, the first on ``parent``. chain_probe stops at the first key not in
+ * ``mapping`` (a dict), returning the keys found, getattr(value, attr) of each, and
+ * the missing key (None when every chunk was found). */
+static PyObject *chain(PyObject *args, int probe) {
+    Py_buffer prefix, parent, data;
+    Py_ssize_t step;
+    PyObject *mapping = NULL, *attr = NULL;
+    if (probe) {
+        if (!PyArg_ParseTuple(args, "y*y*y*nO!U:chain_probe", &prefix, &parent, &data, &step,
+                              &PyDict_Type, &mapping, &attr))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "y*y*y*n:chain_keys", &prefix, &parent, &data, &step)) {
+        return NULL;
+    }
+    PyObject *keys = NULL, *attrs = NULL, *stop = NULL, *result = NULL;
+    if (parent.len != 32 || step <= 0) {
+        PyErr_SetString(PyExc_ValueError, "parent must be 32 bytes and step positive");
+        goto done;
+    }
+    kv_sha256 base;
+    absorb_prefix(&base, &prefix);
+    keys = PyList_New(0);
+    if (!keys || (probe && !(attrs = PyList_New(0)))) goto done;
+    uint8_t key[32];
+    const uint8_t *p = parent.buf, *buf = data.buf;
+    for (Py_ssize_t off = 0; off < data.len; off += step) {
+        Py_ssize_t n = data.len - off < step ? data.len - off : step;
+        chunk_key(&base, p, buf + off, (size_t)n, key);
+        PyObject *k = PyBytes_FromStringAndSize((const char *)key, 32);
+        if (!k) goto done;
+        if (probe) {
+            PyObject *value = PyDict_GetItemWithError(mapping, k); /* borrowed */
+            if (!value) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(k);
+                    goto done;
+                }
+                stop = k;
+                break;
+            }
+            PyObject *a = PyObject_GetAttr(value, attr);
+            if (!a || PyList_Append(attrs, a) < 0) {
+                Py_XDECREF(a);
+                Py_DECREF(k);
+                goto done;
+            }
+            Py_DECREF(a);
+        }
+        if (PyList_Append(keys, k) < 0) {
+            Py_DECREF(k);
+            goto done;
+        }
+        p = (const uint8_t *)PyBytes_AS_STRING(k);
+        Py_DECREF(k); /* the list holds it, so p stays valid */
+    }
+    if (!probe) {
+        result = keys;
+        keys = NULL;
+    } else {
+        result = Py_BuildValue("(OOO)", keys, attrs, stop ? stop : Py_None);
+    }
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(attrs);
+    Py_XDECREF(stop);
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+static PyObject *py_chain_keys(PyObject *self, PyObject *args) { return chain(args, 0); }
+static PyObject *py_chain_probe(PyObject *self, PyObject *args) { return chain(args, 1); }
+
+/* prefix_digests(prefix, data, unit, size) -> bytes
+ * One entry per whole ``unit`` bytes of data: the first ``size`` bytes of
+ * SHA-256(prefix || data[:(j+1)*unit]). */
+static PyObject *py_prefix_digests(PyObject *self, PyObject *args) {
+    Py_buffer prefix, data;
+    Py_ssize_t unit, size;
+    if (!PyArg_ParseTuple(args, "y*y*nn:prefix_digests", &prefix, &data, &unit, &size))
+        return NULL;
+    PyObject *result = NULL;
+    if (unit <= 0 || size <= 0 || size > 32) {
+        PyErr_SetString(PyExc_ValueError, "unit must be positive and size in [1, 32]");
+        goto done;
+    }
+    Py_ssize_t count = data.len / unit;
+    result = PyBytes_FromStringAndSize(NULL, count * size);
+    if (!result) goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result), digest[32];
+    kv_sha256 s;
+    absorb_prefix(&s, &prefix);
+    for (Py_ssize_t j = 0; j < count; j++) {
+        kv_sha256_update(&s, (const uint8_t *)data.buf + j * unit, (size_t)unit);
+        kv_sha256_digest(&s, digest);
+        memcpy(out + j * size, digest, (size_t)size);
+    }
+done:
+    PyBuffer_Release(&prefix);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* -- copies that hash what landed (copies.c) ---------------------------------------- */
+
+static PyObject *py_copies_impl(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(kv_copies_impl());
+}
+
+static PyObject *py_copies_select(PyObject *self, PyObject *arg) {
+    int baseline = PyObject_IsTrue(arg);
+    if (baseline < 0) return NULL;
+    kv_copies_select(baseline);
+    return PyUnicode_FromString(kv_copies_impl());
+}
+
+/* copy_xxh3(dst, src) -> int: copy src into dst (same length), returning the xxh3_64
+ * of the bytes as they are in dst. */
+static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_xxh3", &dst, &src)) return NULL;
+    PyObject *result = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
+    } else {
+        uint64_t h;
+        if (dst.len >= NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            h = kv_copy_xxh3(dst.buf, src.buf, (size_t)dst.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            h = kv_copy_xxh3(dst.buf, src.buf, (size_t)dst.len);
+        }
+        result = PyLong_FromUnsignedLongLong(h);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+/* scatter_xxh3(arena, buf, spans, into_arena) -> int
+ * Copy between ``buf`` and the arena along ``spans``, (arena offset, buf offset,
+ * length) triples: into the arena when ``into_arena``, out of it otherwise. Returns
+ * the xxh3_64 of the bytes where they landed, in span order. */
+static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
+    Py_buffer arena, buf;
+    PyObject *spans_obj;
+    int into;
+    if (!PyArg_ParseTuple(args, "y*y*Op:scatter_xxh3", &arena, &buf, &spans_obj, &into))
+        return NULL;
+    PyObject *result = NULL, *spans = NULL;
+    Py_ssize_t (*trip)[3] = NULL;
+    if (into ? arena.readonly : buf.readonly) {
+        PyErr_SetString(PyExc_ValueError, into ? "the arena is read-only" : "buf is read-only");
+        goto done;
+    }
+    spans = PySequence_Fast(spans_obj, "spans must be a sequence");
+    if (!spans) goto done;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(spans);
+    trip = PyMem_Malloc(sizeof *trip * (size_t)(count ? count : 1));
+    if (!trip) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(spans, i);
+        if (!PyArg_ParseTuple(t, "nnn", &trip[i][0], &trip[i][1], &trip[i][2])) goto done;
+        Py_ssize_t off = trip[i][0], pos = trip[i][1], n = trip[i][2];
+        if (off < 0 || pos < 0 || n < 0 || off > arena.len - n || pos > buf.len - n) {
+            PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
+                         pos, n);
+            goto done;
+        }
+    }
+    uint64_t h = 0;
+    uint8_t *a = arena.buf, *b = buf.buf;
+    if (count == 1) { /* one extent (most records): the one-pass copy */
+        uint8_t *mine = a + trip[0][0], *theirs = b + trip[0][1];
+        size_t n = (size_t)trip[0][2];
+        Py_BEGIN_ALLOW_THREADS
+        h = into ? kv_copy_xxh3(mine, theirs, n) : kv_copy_xxh3(theirs, mine, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        kv_stream *st = kv_stream_new();
+        if (!st) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint8_t *mine = a + trip[i][0], *theirs = b + trip[i][1];
+            size_t n = (size_t)trip[i][2];
+            if (into)
+                kv_stream_copy(st, mine, theirs, n);
+            else
+                kv_stream_copy(st, theirs, mine, n);
+        }
+        h = kv_stream_digest(st);
+        Py_END_ALLOW_THREADS
+        kv_stream_free(st);
+    }
+    result = PyLong_FromUnsignedLongLong(h);
+done:
+    PyMem_Free(trip);
+    Py_XDECREF(spans);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"sha256", py_sha256, METH_O, "SHA-256 of a buffer (for tests of the block function)."},
+    {"sha256_impl", py_sha256_impl, METH_NOARGS, "The SHA-256 block function in use."},
+    {"sha256_select", py_sha256_select, METH_O,
+     "Use the portable block function when true, the best one otherwise."},
+    {"chain_keys", py_chain_keys, METH_VARARGS, "Chained SHA-256 keys of a prompt's chunks."},
+    {"chain_probe", py_chain_probe, METH_VARARGS,
+     "Chained keys up to the first one missing from a dict."},
+    {"prefix_digests", py_prefix_digests, METH_VARARGS,
+     "Truncated SHA-256 of each whole-unit prefix."},
+    {"copies_impl", py_copies_impl, METH_NOARGS, "The copy+hash implementation in use."},
+    {"copies_select", py_copies_select, METH_O,
+     "Use the baseline copy+hash when true, the best one otherwise."},
+    {"copy_xxh3", py_copy_xxh3, METH_VARARGS, "Copy, returning the xxh3_64 of the copy."},
+    {"scatter_xxh3", py_scatter_xxh3, METH_VARARGS,
+     "Copy along arena spans, returning the xxh3_64 of what landed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvstore._native",
+    "Native loops for kvstore (see kvstore/accel.py for their pure-Python twins).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    kv_sha256_select(0);
+    kv_copies_select(0);
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,161 @@
+"""kvstore.accel: the native loops give the same answers as their Python twins, and
+both give what hashlib and xxhash give.
+
+Every native function is run with each implementation the CPU can pick (SHA-NI and
+portable C for SHA-256; the one-pass AVX2 copy and the block copy), over the
+lengths where the algorithms change path (SHA-256 padding at 55/56/64 bytes; XXH3
+at 16/128/240 bytes and at its 1 KiB blocks) and at misaligned addresses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import accel
+
+native = pytest.mark.skipif(not accel.NATIVE, reason="kvstore._native is not built here")
+
+LENGTHS = sorted({*range(0, 300), 511, 512, 513, 1023, 1024, 1025, 1087, 1088, 1089,
+                  4095, 4096, 4097, 16383, 16384, 16385, 65536 + 7, (1 << 20) + 63})
+
+
+def test_native_is_built() -> None:
+    """CI builds the extension (setup.sh installs with a C compiler); without it kvstore
+    still works, at a fraction of the speed: this says so rather than passing."""
+    if os.environ.get("KVSTORE_PURE_PYTHON", "") not in ("", "0"):
+        assert not accel.NATIVE and accel.IMPL == "python"
+        return
+    assert accel.NATIVE, (
+        "kvstore._native was not built: install a C compiler and the Python headers "
+        "(apt install gcc python3-dev), then `pip install -e .` again"
+    )
+    assert accel.IMPL.startswith("native")
+
+
+@pytest.fixture(params=["best", "portable"])
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each native implementation in turn (restored to the best one after)."""
+    if not accel.NATIVE:
+        pytest.skip("kvstore._native is not built here")
+    n = accel._native
+    generic = request.param == "portable"
+    n.sha256_select(generic)
+    n.copies_select(generic)
+    try:
+        yield f"{n.sha256_impl()}/{n.copies_impl()}"
+    finally:
+        n.sha256_select(False)
+        n.copies_select(False)
+
+
+def test_sha256_matches_hashlib(impl: str) -> None:
+    data = os.urandom(max(LENGTHS))
+    for n in LENGTHS:
+        assert accel._native.sha256(data[:n]) == hashlib.sha256(data[:n]).digest(), (impl, n)
+
+
+def test_chain_keys_match_the_python_twin(impl: str) -> None:
+    prefix = b"kvstore-chunk-v2".ljust(64, b"\0") + os.urandom(16)
+    data = os.urandom(4 * 1000)
+    for parent in (bytes(32), os.urandom(32)):
+        for step in (4, 64, 1024, 1088):
+            want = accel._py_chain_keys(prefix, parent, data, step)
+            assert accel._native.chain_keys(prefix, parent, data, step) == want, (impl, step)
+    assert accel._native.chain_keys(prefix, bytes(32), b"", 64) == []
+
+
+def test_chain_probe_stops_at_the_first_missing_key(impl: str) -> None:
+    class Entry:
+        def __init__(self, tiers: int) -> None:
+            self.tiers = tiers
+
+    prefix = os.urandom(80)
+    data = os.urandom(4 * 256 * 6)
+    keys = accel._py_chain_keys(prefix, bytes(32), data, 1024)
+    for stored in (0, 1, 3, 6):
+        mapping = {k: Entry(i + 2) for i, k in enumerate(keys[:stored])}
+        mapping[os.urandom(32)] = Entry(0)  # a key of another prompt: never found
+        got = accel._native.chain_probe(prefix, bytes(32), data, 1024, mapping, "tiers")
+        want = accel._py_chain_probe(prefix, bytes(32), data, 1024, mapping, "tiers")
+        assert got == want, (impl, stored)
+        assert got[0] == keys[:stored] and got[1] == list(range(2, stored + 2))
+        assert got[2] == (keys[stored] if stored < len(keys) else None)
+    with pytest.raises(AttributeError):
+        accel._native.chain_probe(prefix, bytes(32), data, 1024, {keys[0]: object()}, "tiers")
+
+
+def test_prefix_digests_match_the_python_twin(impl: str) -> None:
+    prefix = b"kvstore-sub-v2".ljust(64, b"\0")
+    data = os.urandom(4 * 300)
+    for unit in (4, 60, 64, 100, 1200, 2000):
+        for size in (1, 8, 32):
+            got = accel._native.prefix_digests(prefix, data, unit, size)
+            assert got == accel._py_prefix_digests(prefix, data, unit, size), (impl, unit)
+            assert len(got) == len(data) // unit * size
+
+
+def _buffers(n: int, src_off: int, dst_off: int) -> tuple[np.ndarray, np.ndarray]:
+    src = np.frombuffer(os.urandom(n + 64), np.uint8)[src_off : src_off + n]
+    dst = np.zeros(n + 64, np.uint8)[dst_off : dst_off + n]
+    return src, dst
+
+
+def test_copy_xxh3_is_a_copy_and_its_hash(impl: str) -> None:
+    for n in LENGTHS:
+        for src_off, dst_off in ((0, 0), (1, 3), (33, 16)):
+            src, dst = _buffers(n, src_off, dst_off)
+            got = accel._native.copy_xxh3(dst, src)
+            assert got == xxhash.xxh3_64_intdigest(src), (impl, n, src_off, dst_off)
+            assert np.array_equal(dst, src), (impl, n, src_off, dst_off)
+
+
+def test_scatter_xxh3_over_several_spans(impl: str) -> None:
+    arena = np.zeros(1 << 20, np.uint8)
+    payload = np.frombuffer(os.urandom(300_001), np.uint8)
+    spans = [(4096, 0, 100_000), (500_003, 100_000, 1), (200_000, 100_001, 200_000)]
+    h = accel._native.scatter_xxh3(arena, payload, spans, True)
+    assert h == xxhash.xxh3_64_intdigest(payload), impl
+    for off, pos, n in spans:
+        assert np.array_equal(arena[off : off + n], payload[pos : pos + n])
+    out = np.zeros_like(payload)
+    assert accel._native.scatter_xxh3(arena, out, spans, False) == h
+    assert np.array_equal(out, payload)
+    assert accel._py_scatter_xxh3(arena, out, spans, False) == h
+
+
+def test_bad_arguments_raise() -> None:
+    arena, buf = np.zeros(100, np.uint8), np.zeros(10, np.uint8)
+    fns = [accel._py_scatter_xxh3] + ([accel._native.scatter_xxh3] if accel.NATIVE else [])
+    for fn in fns:
+        for span in ((95, 0, 10), (0, 5, 10), (-1, 0, 1)):
+            with pytest.raises(ValueError, match="outside"):
+                fn(arena, buf, [span], True)
+    copies = [accel._py_copy_xxh3] + ([accel._native.copy_xxh3] if accel.NATIVE else [])
+    for copy in copies:
+        with pytest.raises(ValueError):
+            copy(np.zeros(3, np.uint8), b"ab")
+        with pytest.raises((TypeError, ValueError)):
+            copy(b"abc", b"abc")  # a read-only destination
+    if accel.NATIVE:
+        with pytest.raises(ValueError, match="read-only"):
+            accel._native.scatter_xxh3(arena, b"0123456789", [(0, 0, 10)], False)
+        with pytest.raises(ValueError):
+            accel._native.chain_keys(b"", b"short", b"1234", 4)
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=5000), src_off=st.integers(0, 63), dst_off=st.integers(0, 63))
+def test_copy_xxh3_property(data: bytes, src_off: int, dst_off: int) -> None:
+    src = np.frombuffer(bytes(src_off) + data, np.uint8)[src_off:]
+    dst = np.zeros(len(data) + dst_off, np.uint8)[dst_off:]
+    assert accel._native.copy_xxh3(dst, src) == xxhash.xxh3_64_intdigest(data)
+    assert dst.tobytes() == data
