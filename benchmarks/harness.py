@@ -28,6 +28,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from kvstore import accel
+
 T = TypeVar("T")
 
 GB = 1e9  # throughputs are decimal GB/s, like every memory bandwidth figure
@@ -344,6 +346,7 @@ def machine_info() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "numpy": np.__version__,
+        "native": accel.IMPL,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:

@@ -205,7 +205,7 @@ def _l1_size(
         "tier.put": "MemoryTier.put; " + PUT_NOTE,
         "store.put": "TieredStore.put, memory only, write-back (adds key check, index update)",
         "tier.get_into": GET_NOTE + "; verify_reads=true (the default): xxh3 of the "
-        "delivered bytes after the copy",
+        "delivered bytes, hashed as they are copied (one pass with the native module)",
         "tier.get_into.noverify": "verify_reads=false: the copy alone",
         "store.get_into": "TieredStore.get_into, L1 hit, verify_reads=true",
     }
@@ -292,8 +292,8 @@ def _lmdb_size(
             nbytes,
             t,
             "disk.get_into",
-            "DiskTier (LMDB, raw codec), warm page cache: parse the header, xxh3 of the "
-            "payload in the map, copy",
+            "DiskTier (LMDB, raw codec), warm page cache: parse the header, copy the "
+            "payload out of the map, hashing it as it is copied",
         ),
         throughput(
             f"l2.get_into.vs_lmdb.{label}",

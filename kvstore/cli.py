@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore import __version__, cli_bench
+from kvstore import __version__, accel, cli_bench
 from kvstore import cli_format as fmt
 from kvstore.cli_format import CLIError, Doc
 from kvstore.errors import (
@@ -266,6 +266,7 @@ def cmd_info(args: argparse.Namespace) -> Doc:
         except OSError as e:
             why = f"cannot open {info.shm_path}: {e.strerror}"
     return {"url": c.url, **dataclasses.asdict(info), "client_version": __version__,
+            "client_native": accel.IMPL,
             "shm_usable": not why, "shm_unusable_reason": why}
 
 

@@ -390,6 +390,7 @@ def _render_info(d: dict[str, Any]) -> str:
     return key_values([
         ("server", d["url"]),
         ("version", f"kvstore-server {d['server_version']} (this client {d['client_version']})"),
+        ("native loops", f"server {d['native'] or 'unknown'}, this client {d['client_native']}"),
         ("record format", d["record_format"]), ("key scheme", d["key_scheme"]),
         ("chunk tokens", d["chunk_tokens"]), ("granularity", f"{d['granularity']} tokens"),
         ("tiers", ", ".join(d["tiers"])),

@@ -64,6 +64,7 @@ class ServerInfo:
     lease_ms: int
     tiers: tuple[str, ...]
     auth_required: bool
+    native: str = ""  # the server's kvstore.accel.IMPL ("" from servers before it was sent)
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
         max_chunk_bytes=m.max_chunk_bytes, piece_bytes=m.piece_bytes,
         max_message_bytes=m.max_message_bytes, shm_path=m.shm_path, shm_size=m.shm_size,
         boot_id=m.boot_id, shm_inode=m.shm_inode, lease_ms=m.lease_ms, tiers=tuple(m.tiers),
-        auth_required=m.auth_required,
+        auth_required=m.auth_required, native=m.native,
     )
 
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvstore import __version__
+from kvstore import __version__, accel
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
@@ -167,7 +167,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             shm_path=mem.path if shm else "", shm_size=mem.capacity_bytes if shm else 0,
             boot_id=boot_id() if shm else "", shm_inode=os.stat(mem.path).st_ino if shm else 0,
             lease_ms=cfg.memory.lease_ms, tiers=[t.name for t in self.store.tiers],
-            auth_required=auth_required,
+            auth_required=auth_required, native=accel.IMPL,
         )
 
     # -- bookkeeping of calls ----------------------------------------------------------------------
