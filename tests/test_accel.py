@@ -117,6 +117,16 @@ def test_copy_xxh3_is_a_copy_and_its_hash(impl: str) -> None:
             assert np.array_equal(dst, src), (impl, n, src_off, dst_off)
 
 
+def test_copy_copies_at_every_length_and_alignment(impl: str) -> None:
+    for n in LENGTHS:
+        for src_off, dst_off in ((0, 0), (0, 16), (5, 2055 % 64)):
+            src, dst = _buffers(n, src_off, dst_off)
+            assert accel._native.copy(dst, src) is None
+            assert np.array_equal(dst, src), (impl, n, src_off, dst_off)
+    with pytest.raises(ValueError):
+        accel._native.copy(np.zeros(3, np.uint8), b"ab")
+
+
 def test_scatter_xxh3_over_several_spans(impl: str) -> None:
     arena = np.zeros(1 << 20, np.uint8)
     payload = np.frombuffer(os.urandom(300_001), np.uint8)
@@ -138,7 +148,8 @@ def test_bad_arguments_raise() -> None:
         for span in ((95, 0, 10), (0, 5, 10), (-1, 0, 1)):
             with pytest.raises(ValueError, match="outside"):
                 fn(arena, buf, [span], True)
-    copies = [accel._py_copy_xxh3] + ([accel._native.copy_xxh3] if accel.NATIVE else [])
+    copies = [accel._py_copy_xxh3, accel._py_copy]
+    copies += [accel._native.copy_xxh3, accel._native.copy] if accel.NATIVE else []
     for copy in copies:
         with pytest.raises(ValueError):
             copy(np.zeros(3, np.uint8), b"ab")

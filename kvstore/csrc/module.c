@@ -185,6 +185,28 @@ static PyObject *py_copies_select(PyObject *self, PyObject *arg) {
     return PyUnicode_FromString(kv_copies_impl());
 }
 
+/* copy(dst, src): copy src into dst (same length). */
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src)) return NULL;
+    PyObject *result = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
+    } else {
+        if (dst.len >= NOGIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            kv_copy(dst.buf, src.buf, (size_t)dst.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            kv_copy(dst.buf, src.buf, (size_t)dst.len);
+        }
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 /* copy_xxh3(dst, src) -> int: copy src into dst (same length), returning the xxh3_64
  * of the bytes as they are in dst. */
 static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) {
@@ -292,6 +314,7 @@ static PyMethodDef methods[] = {
     {"copies_impl", py_copies_impl, METH_NOARGS, "The copy+hash implementation in use."},
     {"copies_select", py_copies_select, METH_O,
      "Use the baseline copy+hash when true, the best one otherwise."},
+    {"copy", py_copy, METH_VARARGS, "Copy one buffer into another of the same length."},
     {"copy_xxh3", py_copy_xxh3, METH_VARARGS, "Copy, returning the xxh3_64 of the copy."},
     {"scatter_xxh3", py_scatter_xxh3, METH_VARARGS,
      "Copy along arena spans, returning the xxh3_64 of what landed."},

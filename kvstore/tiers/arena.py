@@ -407,11 +407,11 @@ class ArenaView:
             for off, pos, n in spans(extents, start, len(data)):
                 mv[off : off + n] = view[pos : pos + n]
             return
-        arr, src = self.array, as_u8(data)
-        size = src.size
+        size = memoryview(data).nbytes  # type: ignore[arg-type]
         if (off := _one_extent(extents, start, size)) >= 0:
-            arr[off : off + size] = src
+            accel.copy(self._view()[off : off + size], data)
             return
+        arr, src = self.array, as_u8(data)
         for off, pos, n in spans(extents, start, size):
             arr[off : off + n] = src[pos : pos + n]
 
