@@ -21,6 +21,15 @@ SRC
   $SUDO apt-get install -y -q --no-install-recommends redis-server redis-tools
   $SUDO apt-get install -y -q --no-install-recommends -t bookworm-backports valkey-server
 fi
+# A C compiler for kvstore's native extension (optional: without one, pip builds
+# the rest and kvstore runs its pure-Python loops, slower).
+headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))')
+if ! command -v gcc >/dev/null || [ "$headers" != True ]; then
+  pkgs="gcc libc6-dev"; [ "$headers" != True ] && pkgs="$pkgs python3-dev"
+  # shellcheck disable=SC2086
+  $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends $pkgs \
+    || echo "no C compiler or Python headers: kvstore will run without its native extension"
+fi
 # kvstore starts its own servers (tests on free ports); the packaged services are not needed.
 for svc in redis-server valkey-server; do
   ($SUDO systemctl disable --now "$svc" || $SUDO service "$svc" stop) >/dev/null 2>&1 || true
