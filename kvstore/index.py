@@ -77,8 +77,13 @@ class Index:
         pinned: bool = False,
         last_access_ms: int = 0,
         hits: int = 0,
+        prepared: Entry | None = None,
     ) -> Entry:
-        """Record that tier ``level`` holds the chunk described by ``header``."""
+        """Record that tier ``level`` holds the chunk described by ``header``.
+
+        ``prepared``: the result of ``prepare(header, level)`` for this header, made
+        earlier (a put builds it before its copy, while the caches are warm).
+        """
         key = header.key
         entry = self.entries.get(key)
         if entry is not None:
@@ -87,7 +92,18 @@ class Index:
             entry.hits = max(entry.hits, hits)
             entry.last_access_ms = max(entry.last_access_ms, last_access_ms)
             return entry
-        entry = Entry(
+        entry = prepared or self.prepare(header, level, pinned=pinned,
+                                         last_access_ms=last_access_ms, hits=hits)
+        self.entries[key] = entry
+        self.children.setdefault(family(header.parent, header.fingerprint), []).append(key)
+        self.by_ns.setdefault(header.fingerprint, set()).add(key)
+        self.gone.pop(key, None)
+        return entry
+
+    def prepare(self, header: RecordHeader, level: int, *, pinned: bool = False,
+                last_access_ms: int = 0, hits: int = 0) -> Entry:
+        """The entry ``add`` would create for ``header``, without adding it."""
+        return Entry(
             parent=header.parent,
             fingerprint=header.fingerprint,
             n_tokens=header.n_tokens,
@@ -101,11 +117,6 @@ class Index:
             hits=hits,
             last_access_ms=last_access_ms or header.created_ms,
         )
-        self.entries[key] = entry
-        self.children.setdefault(family(header.parent, header.fingerprint), []).append(key)
-        self.by_ns.setdefault(header.fingerprint, set()).add(key)
-        self.gone.pop(key, None)
-        return entry
 
     def drop_tier(self, key: ChunkKey, level: int, reason: str = "evicted") -> Entry | None:
         """Tier ``level`` no longer holds ``key``; forget the key when no tier does."""

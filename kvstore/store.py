@@ -180,6 +180,9 @@ class TieredStore:
         key = header.key
         if key in self.index:
             return PutStatus.EXISTS
+        # Built before the copy: a 1 MiB copy flushes this core's L2, and what runs after
+        # it runs from L3 (measured: every step after the copy ~2x slower).
+        prepared = self.index.prepare(header, self.memory.level)
         self._begin(key)
         try:
             status = self.memory.put(header, payload)
@@ -189,7 +192,7 @@ class TieredStore:
         if status == PutStatus.STORED:  # the common case: one trip through the lock
             with self._lock:
                 if not self._end_locked(key):  # else evicted meanwhile: the callback indexed it
-                    self._index_locked(header, self.memory.level)
+                    self._index_locked(header, self.memory.level, prepared)
                 self._counters["puts"] += 1
             if self.config.write_policy == "write-through":
                 self._writer.submit_copy(key, tuple(t.level for t in self._lower(1)))
@@ -236,8 +239,9 @@ class TieredStore:
                 return st
         return status
 
-    def _index_locked(self, header: RecordHeader, level: int) -> None:
-        self.index.add(header, level)
+    def _index_locked(self, header: RecordHeader, level: int,
+                      prepared: Entry | None = None) -> None:
+        self.index.add(header, level, prepared=prepared)
         if header.fingerprint not in self._layouts:
             self._layouts[header.fingerprint] = _layout(header)
 

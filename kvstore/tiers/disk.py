@@ -467,9 +467,18 @@ class DiskTier(Tier):
 
     def _read(self, key: bytes, out: memoryview | None) -> bytes | RecordHeader | None:
         self._check_open()
-        if key not in self._index:
-            self._count(misses=1)
-            return None
+        # The LRU bookkeeping comes first: a 1 MiB copy flushes this core's L2, and
+        # what runs after it runs from L3. Should the read then miss (evicted
+        # meanwhile, or damaged and deleted), the entry it touched is gone too.
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._n["misses"] += 1
+                return None
+            self._index.move_to_end(key)
+            self._seq += 1
+            entry.seq, entry.last_ms, entry.hits = self._seq, self._now_ms(), entry.hits + 1
+            self._dirty.add(key)
         result: bytes | RecordHeader | None = None
         damaged: str | None = None
         nbytes = 0
@@ -492,12 +501,6 @@ class DiskTier(Tier):
             self._drop_corrupt(key, damaged)
             return None
         with self._lock:
-            entry = self._index.get(key)
-            if entry is not None:
-                self._index.move_to_end(key)
-                self._seq += 1
-                entry.seq, entry.last_ms, entry.hits = self._seq, self._now_ms(), entry.hits + 1
-                self._dirty.add(key)
             self._n["hits"] += 1
             self._n["bytes_out"] += nbytes
         return result
