@@ -19,9 +19,11 @@ What the native module buys (docs/performance.md has the figures):
 
 from __future__ import annotations
 
+import array
 import hashlib
 import importlib
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,6 +91,13 @@ def _py_prefix_digests(prefix: bytes, data: Any, unit: int, size: int) -> bytes:
     return b"".join(out)
 
 
+def _py_u32le(ids: Any) -> bytes:
+    arr = array.array("I", ids)  # C unsigned int: 32 bits wherever kvstore runs
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
 def _py_copy(dst: Any, src: Any) -> None:
     d, s = memoryview(dst).cast("B"), memoryview(src).cast("B")
     if len(d) != len(s):
@@ -135,6 +144,11 @@ prefix_digests: Callable[[bytes, Any, int, int], bytes]
 """prefix_digests(prefix, data, unit, size): for each whole ``unit`` bytes, the first
 ``size`` bytes of SHA-256(prefix || data up to the end of that unit)."""
 
+u32le: Callable[[Any], bytes]
+"""u32le(ids): a list or tuple of ints as little-endian u32 bytes (OverflowError for an
+id outside [0, 2**32), TypeError for one that is not an integer). Natively ~5x faster
+than array("I", ids): vLLM hands prompts over as lists."""
+
 copy: Callable[[Any, Any], None]
 """copy(dst, src): copy src into dst (same length in bytes). Natively a vector loop,
 not memcpy: glibc's "rep movsb" runs ~8x slower on AMD Zen for some relative
@@ -152,6 +166,7 @@ if NATIVE:
     chain_probe = _native.chain_probe
     prefix_digests = _native.prefix_digests
     copy = _native.copy
+    u32le = _native.u32le
     copy_xxh3 = _native.copy_xxh3
     scatter_xxh3 = _native.scatter_xxh3
 else:
@@ -159,5 +174,6 @@ else:
     chain_probe = _py_chain_probe
     prefix_digests = _py_prefix_digests
     copy = _py_copy
+    u32le = _py_u32le
     copy_xxh3 = _py_copy_xxh3
     scatter_xxh3 = _py_scatter_xxh3

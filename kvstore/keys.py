@@ -109,8 +109,9 @@ class Namespace:
         return Fingerprint(h.digest()[:FINGERPRINT_BYTES])
 
 
-# array("I") holds C unsigned ints: u32 on every platform Python supports; its
-# constructor converts a list of ints 5-6x faster than numpy and range-checks them.
+# Lists and tuples (how vLLM hands prompts over) go through accel.u32le: ~5x faster
+# than array("I"), which in turn is 5-6x faster than numpy and range-checks too.
+# array("I") holds C unsigned ints: u32 on every platform Python supports.
 _ARRAY_U32 = array.array("I").itemsize == 4
 _LITTLE = sys.byteorder == "little"
 
@@ -122,7 +123,12 @@ def token_view(tokens: Sequence[int] | np.ndarray) -> memoryview:
     not change it while the view is in use); anything else is converted once.
     Ids that do not fit in u32 are rejected.
     """
-    if isinstance(tokens, (list, tuple, range)) and _ARRAY_U32:
+    if isinstance(tokens, (list, tuple)):
+        try:
+            return memoryview(accel.u32le(tokens))
+        except (OverflowError, TypeError) as e:
+            raise InvalidArgument(f"token ids must be ints in [0, {_MAX_TOKEN}]: {e}") from e
+    if isinstance(tokens, range) and _ARRAY_U32:
         try:
             arr = array.array("I", tokens)
         except (OverflowError, TypeError) as e:

@@ -141,6 +141,21 @@ def test_scatter_xxh3_over_several_spans(impl: str) -> None:
     assert accel._py_scatter_xxh3(arena, out, spans, False) == h
 
 
+def test_u32le_matches_the_python_twin() -> None:
+    twins = [accel._py_u32le] + ([accel._native.u32le] if accel.NATIVE else [])
+    ids = [0, 1, 255, 256, 65535, 65536, 2**31, 2**32 - 1, *range(1000, 1100)]
+    want = np.array(ids, dtype="<u4").tobytes()
+    for u32le in twins:
+        assert u32le(ids) == want and u32le(tuple(ids)) == want
+        assert u32le([np.int64(7), np.uint32(8), True]) == np.array([7, 8, 1], "<u4").tobytes()
+        assert u32le([]) == b""
+        for bad in ([1, -1], [2**32], [10**30]):
+            with pytest.raises(OverflowError):
+                u32le(bad)
+        with pytest.raises(TypeError):
+            u32le([1, 1.5])
+
+
 def test_bad_arguments_raise() -> None:
     arena, buf = np.zeros(100, np.uint8), np.zeros(10, np.uint8)
     fns = [accel._py_scatter_xxh3] + ([accel._native.scatter_xxh3] if accel.NATIVE else [])

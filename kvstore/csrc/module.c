@@ -172,6 +172,50 @@ done:
     return result;
 }
 
+/* u32le(ids) -> bytes: a list or tuple of ints as little-endian u32, each checked to
+ * be in [0, 2**32). vLLM hands prompts over as lists; array("I", ids) spends ~13 ns
+ * an id (1.7 ms for 128k tokens) where this loop spends a few. */
+static PyObject *py_u32le(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "token ids must be a list or tuple of ints");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (!out) goto fail;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = items[i];
+        unsigned long x;
+        if (PyLong_Check(v)) {
+            x = PyLong_AsUnsignedLong(v);
+        } else { /* numpy integers and other __index__ types, as array("I") takes them */
+            PyObject *iv = PyNumber_Index(v);
+            if (!iv) {
+                PyErr_Format(PyExc_TypeError, "token id %zd is %.100s, not an int", i,
+                             Py_TYPE(v)->tp_name);
+                goto fail;
+            }
+            x = PyLong_AsUnsignedLong(iv);
+            Py_DECREF(iv);
+        }
+        if ((x == (unsigned long)-1 && PyErr_Occurred()) || x > 0xFFFFFFFFul) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError, "token id %zd is not in [0, 4294967295]", i);
+            goto fail;
+        }
+        p[4 * i] = (uint8_t)x;
+        p[4 * i + 1] = (uint8_t)(x >> 8);
+        p[4 * i + 2] = (uint8_t)(x >> 16);
+        p[4 * i + 3] = (uint8_t)(x >> 24);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* -- copies that hash what landed (copies.c) ---------------------------------------- */
 
 static PyObject *py_copies_impl(PyObject *self, PyObject *noargs) {
@@ -311,6 +355,7 @@ static PyMethodDef methods[] = {
      "Chained keys up to the first one missing from a dict."},
     {"prefix_digests", py_prefix_digests, METH_VARARGS,
      "Truncated SHA-256 of each whole-unit prefix."},
+    {"u32le", py_u32le, METH_O, "A list or tuple of ints as little-endian u32 bytes."},
     {"copies_impl", py_copies_impl, METH_NOARGS, "The copy+hash implementation in use."},
     {"copies_select", py_copies_select, METH_O,
      "Use the baseline copy+hash when true, the best one otherwise."},
