@@ -346,7 +346,7 @@ def machine_info() -> dict[str, str]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "native": accel.IMPL,
+        "kvstore loops": accel.IMPL,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
