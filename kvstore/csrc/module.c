@@ -108,7 +108,9 @@ static PyObject *chain(PyObject *args, int probe) {
                 stop = k;
                 break;
             }
+            Py_INCREF(value); /* borrowed from the dict: keep it while getattr runs */
             PyObject *a = PyObject_GetAttr(value, attr);
+            Py_DECREF(value);
             if (!a || PyList_Append(attrs, a) < 0) {
                 Py_XDECREF(a);
                 Py_DECREF(k);
@@ -301,6 +303,10 @@ static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(spans, i);
+        if (!PyTuple_Check(t)) {
+            PyErr_SetString(PyExc_TypeError, "each span is an (offset, position, length) tuple");
+            goto done;
+        }
         if (!PyArg_ParseTuple(t, "nnn", &trip[i][0], &trip[i][1], &trip[i][2])) goto done;
         Py_ssize_t off = trip[i][0], pos = trip[i][1], n = trip[i][2];
         if (off < 0 || pos < 0 || n < 0 || off > arena.len - n || pos > buf.len - n) {
