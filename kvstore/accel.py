@@ -150,12 +150,14 @@ id outside [0, 2**32), TypeError for one that is not an integer). Natively ~5x f
 than array("I", ids): vLLM hands prompts over as lists."""
 
 copy: Callable[[Any, Any], None]
-"""copy(dst, src): copy src into dst (same length in bytes). Natively a vector loop,
+"""copy(dst, src): copy src into dst (same length in bytes; overlapping buffers are
+copied as memmove would). Natively a vector loop,
 not memcpy: glibc's "rep movsb" runs ~8x slower on AMD Zen for some relative
 alignments of the two buffers (kvstore/csrc/copies.c)."""
 
 copy_xxh3: Callable[[Any, Any], int]
-"""copy_xxh3(dst, src): copy src into dst (same length); the xxh3_64 of dst after."""
+"""copy_xxh3(dst, src): copy src into dst (same length; overlapping as memmove); the
+xxh3_64 of dst after."""
 
 scatter_xxh3: Callable[[Any, Any, Spans, bool], int]
 """scatter_xxh3(arena, buf, spans, into_arena): copy between buf and the arena along

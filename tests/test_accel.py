@@ -156,6 +156,53 @@ def test_u32le_matches_the_python_twin() -> None:
             u32le([1, 1.5])
 
 
+@native
+def test_inputs_that_change_while_read_do_not_crash() -> None:
+    """An id's __index__ may clear the list being converted, or shrink the spans being
+    parsed: the native code must not read freed memory (it used to segfault)."""
+    ids: list[object] = []
+
+    class Clears:
+        def __index__(self) -> int:
+            ids.clear()
+            return 1
+
+    ids.extend([Clears(), *range(100_000)])
+    with pytest.raises(RuntimeError, match="changed"):
+        accel._native.u32le(ids)
+
+    spans: list[tuple[object, int, int]] = []
+
+    class Shrinks:
+        def __index__(self) -> int:
+            spans.clear()
+            return 0
+
+    spans.extend([(Shrinks(), 0, 8), *[(8 * i, 8 * i, 8) for i in range(1, 1000)]])
+    arena, buf = np.zeros(8000, np.uint8), np.frombuffer(os.urandom(8000), np.uint8)
+    assert accel._native.scatter_xxh3(arena, buf, spans, True) == xxhash.xxh3_64_intdigest(buf)
+
+
+def test_overlapping_copies_behave_like_memmove(impl: str) -> None:
+    for n in (100, 1000, 70_000):
+        for shift in (-16, 16, 3):
+            mem = np.frombuffer(bytearray(os.urandom(n + 64)), np.uint8)
+            want = mem.copy()
+            a, b = 32, 32 + shift
+            want[b : b + n] = want[a : a + n].copy()
+            twin = mem.copy()
+            accel._py_copy(twin[b : b + n], twin[a : a + n])
+            got = mem.copy()
+            accel._native.copy(got[b : b + n], got[a : a + n])
+            assert np.array_equal(got, want) and np.array_equal(twin, want), (impl, n, shift)
+            got = mem.copy()
+            h = accel._native.copy_xxh3(got[b : b + n], got[a : a + n])
+            assert np.array_equal(got, want) and h == xxhash.xxh3_64_intdigest(want[b : b + n])
+    arena = np.zeros(100, np.uint8)
+    with pytest.raises(ValueError, match="overlaps"):
+        accel._native.scatter_xxh3(arena, arena[50:], [(40, 0, 20)], True)
+
+
 def test_bad_arguments_raise() -> None:
     arena, buf = np.zeros(100, np.uint8), np.zeros(10, np.uint8)
     fns = [accel._py_scatter_xxh3] + ([accel._native.scatter_xxh3] if accel.NATIVE else [])

@@ -190,6 +190,8 @@ static void blocks(XXH3_state_t *st, uint8_t *dst, const uint8_t *src, size_t n)
 
 void kv_copy(uint8_t *dst, const uint8_t *src, size_t n) { copy_block(dst, src, n); }
 
+uint64_t kv_xxh3(const uint8_t *p, size_t n) { return XXH3_64bits(p, n); }
+
 uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n) {
 #if KV_X86
     if (fused) return fused_avx2(dst, src, n);

@@ -10,10 +10,13 @@ void kv_copies_select(int baseline);
 /* "avx2-fused" or "blocks". */
 const char *kv_copies_impl(void);
 
-/* Copy n bytes (our vector loop where the CPU has AVX2: see copies.c for why). */
+/* Copy n bytes, dst and src not overlapping (our vector loop where the CPU has AVX2: see copies.c for why). */
 void kv_copy(uint8_t *dst, const uint8_t *src, size_t n);
 
-/* Copy n bytes and return XXH3_64bits of them, in one pass where the CPU allows. */
+/* XXH3_64bits of n bytes. */
+uint64_t kv_xxh3(const uint8_t *p, size_t n);
+
+/* Copy n bytes (dst and src must not overlap) and return XXH3_64bits of them, in one pass where the CPU allows. */
 uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n);
 
 /* The same over several (dst, src, n) pieces, hashed as one stream in order. */

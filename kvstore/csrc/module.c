@@ -191,14 +191,25 @@ static PyObject *py_u32le(PyObject *self, PyObject *arg) {
         if (PyLong_Check(v)) {
             x = PyLong_AsUnsignedLong(v);
         } else { /* numpy integers and other __index__ types, as array("I") takes them */
-            PyObject *iv = PyNumber_Index(v);
+            Py_INCREF(v);
+            PyObject *iv = PyNumber_Index(v); /* Python code: may change a list under us */
             if (!iv) {
-                PyErr_Format(PyExc_TypeError, "token id %zd is %.100s, not an int", i,
-                             Py_TYPE(v)->tp_name);
+                if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_TypeError, "token id %zd is %.100s, not an int", i,
+                                 Py_TYPE(v)->tp_name);
+                }
+                Py_DECREF(v);
                 goto fail;
             }
+            Py_DECREF(v);
             x = PyLong_AsUnsignedLong(iv);
             Py_DECREF(iv);
+            if (PySequence_Fast_GET_SIZE(seq) != n) {
+                PyErr_SetString(PyExc_RuntimeError, "the token id list changed while it was read");
+                goto fail;
+            }
+            items = PySequence_Fast_ITEMS(seq); /* the list may have been reallocated */
         }
         if ((x == (unsigned long)-1 && PyErr_Occurred()) || x > 0xFFFFFFFFul) {
             PyErr_Clear();
@@ -231,7 +242,12 @@ static PyObject *py_copies_select(PyObject *self, PyObject *arg) {
     return PyUnicode_FromString(kv_copies_impl());
 }
 
-/* copy(dst, src): copy src into dst (same length). */
+/* Whether [a, a+n) and [b, b+n) share a byte. */
+static int overlap(const uint8_t *a, const uint8_t *b, Py_ssize_t n) {
+    return n > 0 && a < b + n && b < a + n;
+}
+
+/* copy(dst, src): copy src into dst (same length); overlapping buffers as memmove. */
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src)) return NULL;
@@ -239,7 +255,9 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     if (dst.len != src.len) {
         PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
     } else {
-        if (dst.len >= NOGIL_BYTES) {
+        if (overlap(dst.buf, src.buf, dst.len)) {
+            memmove(dst.buf, src.buf, (size_t)dst.len);
+        } else if (dst.len >= NOGIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS
             kv_copy(dst.buf, src.buf, (size_t)dst.len);
             Py_END_ALLOW_THREADS
@@ -263,7 +281,10 @@ static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
     } else {
         uint64_t h;
-        if (dst.len >= NOGIL_BYTES) {
+        if (overlap(dst.buf, src.buf, dst.len)) {
+            memmove(dst.buf, src.buf, (size_t)dst.len);
+            h = kv_xxh3(dst.buf, (size_t)dst.len);
+        } else if (dst.len >= NOGIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS
             h = kv_copy_xxh3(dst.buf, src.buf, (size_t)dst.len);
             Py_END_ALLOW_THREADS
@@ -293,16 +314,16 @@ static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, into ? "the arena is read-only" : "buf is read-only");
         goto done;
     }
-    spans = PySequence_Fast(spans_obj, "spans must be a sequence");
+    spans = PySequence_Tuple(spans_obj); /* a snapshot: parsing a span may run Python code */
     if (!spans) goto done;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(spans);
+    Py_ssize_t count = PyTuple_GET_SIZE(spans);
     trip = PyMem_Malloc(sizeof *trip * (size_t)(count ? count : 1));
     if (!trip) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(spans, i);
+        PyObject *t = PyTuple_GET_ITEM(spans, i);
         if (!PyTuple_Check(t)) {
             PyErr_SetString(PyExc_TypeError, "each span is an (offset, position, length) tuple");
             goto done;
@@ -312,6 +333,10 @@ static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
         if (off < 0 || pos < 0 || n < 0 || off > arena.len - n || pos > buf.len - n) {
             PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
                          pos, n);
+            goto done;
+        }
+        if (overlap((uint8_t *)arena.buf + off, (uint8_t *)buf.buf + pos, n)) {
+            PyErr_SetString(PyExc_ValueError, "the buffer overlaps the arena span");
             goto done;
         }
     }
