@@ -91,6 +91,12 @@ def _py_prefix_digests(prefix: bytes, data: Any, unit: int, size: int) -> bytes:
     return b"".join(out)
 
 
+def _py_xxh3_2(a: Any, b: Any) -> int:
+    h = xxhash.xxh3_64(a)
+    h.update(b)
+    return h.intdigest()
+
+
 def _py_u32le(ids: Any) -> bytes:
     arr = array.array("I", ids)  # C unsigned int: 32 bits wherever kvstore runs
     if sys.byteorder != "little":
@@ -144,6 +150,9 @@ prefix_digests: Callable[[bytes, Any, int, int], bytes]
 """prefix_digests(prefix, data, unit, size): for each whole ``unit`` bytes, the first
 ``size`` bytes of SHA-256(prefix || data up to the end of that unit)."""
 
+xxh3_2: Callable[[Any, Any], int]
+"""xxh3_2(a, b): the xxh3_64 of a followed by b, in one call."""
+
 u32le: Callable[[Any], bytes]
 """u32le(ids): a list or tuple of ints as little-endian u32 bytes (OverflowError for an
 id outside [0, 2**32), TypeError for one that is not an integer). Natively ~5x faster
@@ -169,6 +178,7 @@ if NATIVE:
     prefix_digests = _native.prefix_digests
     copy = _native.copy
     u32le = _native.u32le
+    xxh3_2 = _native.xxh3_2
     copy_xxh3 = _native.copy_xxh3
     scatter_xxh3 = _native.scatter_xxh3
 else:
@@ -177,5 +187,6 @@ else:
     prefix_digests = _py_prefix_digests
     copy = _py_copy
     u32le = _py_u32le
+    xxh3_2 = _py_xxh3_2
     copy_xxh3 = _py_copy_xxh3
     scatter_xxh3 = _py_scatter_xxh3

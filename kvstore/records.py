@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from kvstore import accel
 from kvstore.errors import CorruptRecord, InvalidArgument
 from kvstore.keys import (
     FINGERPRINT_BYTES,
@@ -77,7 +78,6 @@ _DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 _CODECS = tuple(Codec)  # by value: Codec(n) is an enum call, ~0.5 us on every header read
 assert all(c.value == i for i, c in enumerate(_CODECS))
 _PAD = bytes(ALIGN)
-_xxh3 = xxhash.xxh3_64
 _xxh3_int = xxhash.xxh3_64_intdigest
 
 
@@ -149,10 +149,8 @@ class RecordHeader:
             self.payload_checksum,
             self.created_ms,
         )
-        h = _xxh3(fixed)
-        h.update(tb)
         pad = self.header_size - FIXED_BYTES - len(tb)
-        return b"".join((fixed, _CHECK.pack(h.intdigest()), tb, _PAD[:pad]))
+        return b"".join((fixed, _CHECK.pack(accel.xxh3_2(fixed, tb)), tb, _PAD[:pad]))
 
 
 _NO_DIMS = (0,) * MAX_DIMS
@@ -267,9 +265,7 @@ def parse_header(buf: bytes | memoryview, *, expect_key: bytes | None = None) ->
     if len(view) < end:
         raise CorruptRecord("record truncated inside its token ids")
     token_bytes = view[FIXED_BYTES:end].tobytes()
-    h = _xxh3(view[: _FIXED.size])
-    h.update(token_bytes)
-    if h.intdigest() != _CHECK.unpack_from(view, _FIXED.size)[0]:
+    if accel.xxh3_2(view[: _FIXED.size], token_bytes) != _CHECK.unpack_from(view, _FIXED.size)[0]:
         raise CorruptRecord("header checksum mismatch")
     if expect_key is not None and f[6] != expect_key:
         raise CorruptRecord("record is stored under a key that is not its own")

@@ -141,6 +141,14 @@ def test_scatter_xxh3_over_several_spans(impl: str) -> None:
     assert accel._py_scatter_xxh3(arena, out, spans, False) == h
 
 
+def test_xxh3_2_is_the_hash_of_both_buffers() -> None:
+    data = os.urandom(3000)
+    twins = [accel._py_xxh3_2] + ([accel._native.xxh3_2] if accel.NATIVE else [])
+    for cut in (0, 1, 200, 1024, 2999, 3000):
+        for xxh3_2 in twins:
+            assert xxh3_2(data[:cut], memoryview(data)[cut:]) == xxhash.xxh3_64_intdigest(data)
+
+
 def test_u32le_matches_the_python_twin() -> None:
     twins = [accel._py_u32le] + ([accel._native.u32le] if accel.NATIVE else [])
     ids = [0, 1, 255, 256, 65535, 65536, 2**31, 2**32 - 1, *range(1000, 1100)]

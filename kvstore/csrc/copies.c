@@ -192,6 +192,14 @@ void kv_copy(uint8_t *dst, const uint8_t *src, size_t n) { copy_block(dst, src, 
 
 uint64_t kv_xxh3(const uint8_t *p, size_t n) { return XXH3_64bits(p, n); }
 
+uint64_t kv_xxh3_2(const uint8_t *a, size_t na, const uint8_t *b, size_t nb) {
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, a, na);
+    XXH3_64bits_update(&st, b, nb);
+    return XXH3_64bits_digest(&st);
+}
+
 uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n) {
 #if KV_X86
     if (fused) return fused_avx2(dst, src, n);

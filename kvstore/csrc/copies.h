@@ -15,6 +15,8 @@ void kv_copy(uint8_t *dst, const uint8_t *src, size_t n);
 
 /* XXH3_64bits of n bytes. */
 uint64_t kv_xxh3(const uint8_t *p, size_t n);
+/* XXH3_64bits of a followed by b (as if concatenated). */
+uint64_t kv_xxh3_2(const uint8_t *a, size_t na, const uint8_t *b, size_t nb);
 
 /* Copy n bytes (dst and src must not overlap) and return XXH3_64bits of them, in one pass where the CPU allows. */
 uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n);

@@ -247,6 +247,18 @@ static int overlap(const uint8_t *a, const uint8_t *b, Py_ssize_t n) {
     return n > 0 && a < b + n && b < a + n;
 }
 
+/* xxh3_2(a, b) -> int: the xxh3_64 of a followed by b, in one call (a record
+ * header's checksum covers its fixed fields and its token ids, which the stored
+ * checksum separates). */
+static PyObject *py_xxh3_2(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*:xxh3_2", &a, &b)) return NULL;
+    uint64_t h = kv_xxh3_2(a.buf, (size_t)a.len, b.buf, (size_t)b.len);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 /* copy(dst, src): copy src into dst (same length); overlapping buffers as memmove. */
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
@@ -390,6 +402,7 @@ static PyMethodDef methods[] = {
     {"copies_impl", py_copies_impl, METH_NOARGS, "The copy+hash implementation in use."},
     {"copies_select", py_copies_select, METH_O,
      "Use the baseline copy+hash when true, the best one otherwise."},
+    {"xxh3_2", py_xxh3_2, METH_VARARGS, "xxh3_64 of two buffers as if concatenated."},
     {"copy", py_copy, METH_VARARGS, "Copy one buffer into another of the same length."},
     {"copy_xxh3", py_copy_xxh3, METH_VARARGS, "Copy, returning the xxh3_64 of the copy."},
     {"scatter_xxh3", py_scatter_xxh3, METH_VARARGS,

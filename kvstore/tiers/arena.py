@@ -206,6 +206,18 @@ def _one_extent(extents: Sequence[Extent], start: int, length: int) -> int:
     return -1
 
 
+def flat_view(buf: object) -> memoryview:
+    """A flat byte view of any C-contiguous buffer, without numpy (a put's payload:
+    ~0.3 us against ~2 us for ``as_u8``, ~4 us with cold caches)."""
+    try:
+        mv = memoryview(buf)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise InvalidArgument(f"expected a buffer, got {type(buf).__name__}") from e
+    if not mv.c_contiguous:
+        raise InvalidArgument("buffer must be C-contiguous")
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
 def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
     """A flat uint8 view of any C-contiguous buffer (bytes, memoryview, numpy, ...)."""
     if isinstance(buf, np.ndarray):

@@ -66,6 +66,7 @@ from kvstore.tiers.arena import (
     Reservation,
     as_u8,
     default_arena_path,
+    flat_view,
     remove_stale_arenas,
 )
 from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
@@ -609,10 +610,10 @@ class MemoryTier(Tier):
                 raise InvalidArgument(f"record does not decode: {e}") from e
             header = parse_header(blob)
             payload = memoryview(blob)[header.header_size :]
-        src = as_u8(payload)
-        if src.size != header.stored_size:
+        src = flat_view(payload)
+        if src.nbytes != header.stored_size:
             raise InvalidArgument(
-                f"payload is {src.size} bytes, its header says {header.stored_size}"
+                f"payload is {src.nbytes} bytes, its header says {header.stored_size}"
             )
         entry = self._allocate(header, new_key=True)
         if isinstance(entry, PutStatus):
