@@ -172,7 +172,13 @@ def _header(
     created_ms: int,
 ) -> RecordHeader:
     """A RecordHeader from already validated fields, without the frozen dataclass
-    ``__init__`` (one ``object.__setattr__`` per field: ~2 us, paid on every record read)."""
+    ``__init__`` (one ``object.__setattr__`` per field: ~2 us, paid on every record read).
+
+    The derived sizes go in too: a ``cached_property``'s first read runs Python code
+    under a lock (~1-2 us each), and every read path asks for them.
+    """
+    n_tokens = len(token_bytes) // 4
+    hs = -(-(FIXED_BYTES + 4 * n_tokens) // ALIGN) * ALIGN  # header_size(n_tokens)
     h = _new(RecordHeader)
     _set(h, "__dict__", {
         "key": key,
@@ -186,12 +192,16 @@ def _header(
         "stored_size": stored_size,
         "payload_checksum": payload_checksum,
         "created_ms": created_ms,
+        "n_tokens": n_tokens,
+        "header_size": hs,
+        "record_size": hs + stored_size,
     })
     return h
 
 
-assert [f.name for f in fields(RecordHeader)] == list(_header(*range(11)).__dict__), (
-    "_header must set exactly the fields of RecordHeader"
+_FIELDS = [f.name for f in fields(RecordHeader)]
+assert list(_header(*range(3), b"", *range(4, 11)).__dict__)[: len(_FIELDS)] == _FIELDS, (
+    "_header must set exactly the fields of RecordHeader, first"
 )
 
 
