@@ -200,7 +200,8 @@ def _header(
 
 
 _FIELDS = [f.name for f in fields(RecordHeader)]
-assert list(_header(*range(3), b"", *range(4, 11)).__dict__)[: len(_FIELDS)] == _FIELDS, (
+_SAMPLE = _header(b"", b"", b"", b"", "", (), Codec.RAW, 0, 0, 0, 0)
+assert list(_SAMPLE.__dict__)[: len(_FIELDS)] == _FIELDS, (
     "_header must set exactly the fields of RecordHeader, first"
 )
 
