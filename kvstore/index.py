@@ -103,19 +103,20 @@ class Index:
     def prepare(self, header: RecordHeader, level: int, *, pinned: bool = False,
                 last_access_ms: int = 0, hits: int = 0) -> Entry:
         """The entry ``add`` would create for ``header``, without adding it."""
-        return Entry(
-            parent=header.parent,
-            fingerprint=header.fingerprint,
-            n_tokens=header.n_tokens,
-            subhashes=sub_hashes(header.token_bytes, self.granularity),
-            raw_size=header.raw_size,
-            record_size=header_size(header.n_tokens) + header.raw_size,
-            dtype=header.dtype,
-            tiers=1 << level,
-            pinned=pinned,
-            created_ms=header.created_ms,
-            hits=hits,
-            last_access_ms=last_access_ms or header.created_ms,
+        n, raw = header.n_tokens, header.raw_size
+        return Entry(  # positional, in field order: binding 12 keywords costs ~1 us a put
+            header.parent,  # parent
+            header.fingerprint,  # fingerprint
+            n,  # n_tokens
+            sub_hashes(header.token_bytes, self.granularity),  # subhashes
+            raw,  # raw_size
+            header_size(n) + raw,  # record_size
+            header.dtype,  # dtype
+            1 << level,  # tiers
+            pinned,  # pinned
+            header.created_ms,  # created_ms
+            hits,  # hits
+            last_access_ms or header.created_ms,  # last_access_ms
         )
 
     def drop_tier(self, key: ChunkKey, level: int, reason: str = "evicted") -> Entry | None:
