@@ -467,9 +467,10 @@ class DiskTier(Tier):
 
     def _read(self, key: bytes, out: memoryview | None) -> bytes | RecordHeader | None:
         self._check_open()
-        # The LRU bookkeeping comes first: a 1 MiB copy flushes this core's L2, and
-        # what runs after it runs from L3. Should the read then miss (evicted
-        # meanwhile, or damaged and deleted), the entry it touched is gone too.
+        # The bookkeeping comes first, counted as a hit: a 1 MiB copy flushes this
+        # core's L2, and what runs after it runs from L3. Should the read then miss
+        # (evicted meanwhile, or damaged and deleted), the counts are put right and
+        # the entry it touched is gone too.
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -479,30 +480,28 @@ class DiskTier(Tier):
             self._seq += 1
             entry.seq, entry.last_ms, entry.hits = self._seq, self._now_ms(), entry.hits + 1
             self._dirty.add(key)
+            self._n["hits"] += 1
+            self._n["bytes_out"] += entry.size
         result: bytes | RecordHeader | None = None
         damaged: str | None = None
-        nbytes = 0
         try:
             with self._env.begin(db=self._records, buffers=True) as txn:
                 view = txn.get(key)  # a view into the map, valid until the txn ends
                 if view is not None:
-                    nbytes = len(view)
                     try:
                         result = copy_out(key, view, out)
                     except CorruptRecord as e:
                         damaged = str(e)
-        except lmdb.Error as e:
-            raise self._backend_error("get", e) from e
-        if result is None and damaged is None:  # evicted since the index said it was here
-            self._count(misses=1)
+        except BaseException as e:
+            self._count(hits=-1, bytes_out=-entry.size)
+            if isinstance(e, lmdb.Error):
+                raise self._backend_error("get", e) from e
+            raise
+        if result is None:  # evicted since the index said it was here, or damaged
+            self._count(hits=-1, bytes_out=-entry.size, misses=1)
+            if damaged is not None:
+                self._drop_corrupt(key, damaged)
             return None
-        if damaged is not None:
-            self._count(misses=1)
-            self._drop_corrupt(key, damaged)
-            return None
-        with self._lock:
-            self._n["hits"] += 1
-            self._n["bytes_out"] += nbytes
         return result
 
     def _drop_corrupt(self, key: bytes, why: str) -> None:
