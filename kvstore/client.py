@@ -91,9 +91,9 @@ class Client(InPlaceWrites, ClientBase):
                  timeout: float = 10.0, shm: bool | None = None, verify: bool = True) -> None:
         """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
         instead of the server checking the pages before the lease. Both verify every
-        byte; here each piece is hashed while the copy has it in cache (cheaper than the
-        server's pass over the pages), and a rogue writer on the host changing pages
-        mid-read is caught too. ``verify=False`` leaves it to the server."""
+        byte; here the bytes are hashed as they are copied (one pass with the native
+        module; cheaper than the server's pass over the pages), and a rogue writer on the
+        host changing pages mid-read is caught too. ``verify=False`` leaves it to the server."""
         super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
                          timeout=timeout, shm=shm, verify=verify)
         ep = self.endpoint
@@ -225,7 +225,7 @@ class Client(InPlaceWrites, ClientBase):
             # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
             return res if res == PutStatus.EXISTS else None
         with res:  # given back if the copy fails
-            res.write(src)  # unsealed: hashed piece by piece as it is copied, while in cache
+            res.write(src)  # unsealed: hashed as it is copied (accel.scatter_xxh3)
             return res.commit()
 
     def _put_stream(self, header: RecordHeader, src: np.ndarray, timeout: float | None

@@ -28,8 +28,9 @@ bytes, and the cost would be a third of a copy on the hot path. Reads (``get``,
 a record that fails is deleted, counted in ``stats().corrupt`` and a miss.
 Header checks compare the arena's header bytes with the packed header kept in
 the index, which also catches flips in the padding. ``get_into`` hashes the
-destination after the copy: that checks exactly the bytes delivered, even if a
-rogue writer touches the arena meanwhile.
+bytes as it copies them (``accel.scatter_xxh3``; with AVX2 what is stored and what
+is hashed come from the same registers): that checks exactly the bytes
+delivered, even if a rogue writer touches the arena meanwhile.
 
 ``stats().used_bytes`` counts committed record bytes, as the contract says;
 page usage (including pages still held by reservations, evictions in flight and
