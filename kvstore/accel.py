@@ -24,7 +24,7 @@ import hashlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import xxhash
@@ -45,38 +45,34 @@ IMPL = (f"native (sha256 {_native.sha256_impl()}, copies {_native.copies_impl()}
 
 
 # -- pure-Python twins ---------------------------------------------------------------
-def _py_chain_keys(prefix: bytes, parent: bytes, data: Any, step: int) -> list[bytes]:
+def _py_chain(prefix: bytes, parent: bytes, data: Any, step: int) -> Iterator[bytes]:
+    """The chained keys, one at a time (chain_probe stops early)."""
     view = memoryview(data).cast("B")
     copy = hashlib.sha256(prefix).copy
-    keys: list[bytes] = []
     for s in range(0, len(view), step):
         h = copy()
         h.update(parent)
         h.update(view[s : s + step])
         parent = h.digest()
-        keys.append(parent)
-    return keys
+        yield parent
+
+
+def _py_chain_keys(prefix: bytes, parent: bytes, data: Any, step: int) -> list[bytes]:
+    return list(_py_chain(prefix, parent, data, step))
 
 
 def _py_chain_probe(prefix: bytes, parent: bytes, data: Any, step: int,
                     mapping: dict[bytes, Any], attr: str
                     ) -> tuple[list[bytes], list[Any], bytes | None]:
-    view = memoryview(data).cast("B")
-    copy = hashlib.sha256(prefix).copy
     get = mapping.get
     keys: list[bytes] = []
     values: list[Any] = []
-    for s in range(0, len(view), step):
-        h = copy()
-        h.update(parent)
-        h.update(view[s : s + step])
-        key = h.digest()
+    for key in _py_chain(prefix, parent, data, step):
         value = get(key)
         if value is None:
             return keys, values, key
         keys.append(key)
         values.append(getattr(value, attr))
-        parent = key
     return keys, values, None
 
 

@@ -259,56 +259,43 @@ static PyObject *py_xxh3_2(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
-/* copy(dst, src): copy src into dst (same length); overlapping buffers as memmove. */
-static PyObject *py_copy(PyObject *self, PyObject *args) {
+/* copy(dst, src): copy src into dst (same length); overlapping buffers as memmove.
+ * copy_xxh3(dst, src) -> int: the same, returning the xxh3_64 of the bytes as they are
+ * in dst. */
+static PyObject *copy_into(PyObject *args, int hash) {
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src)) return NULL;
+    if (!PyArg_ParseTuple(args, hash ? "w*y*:copy_xxh3" : "w*y*:copy", &dst, &src))
+        return NULL;
     PyObject *result = NULL;
     if (dst.len != src.len) {
         PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
     } else {
+        uint64_t h = 0;
+        size_t n = (size_t)dst.len;
         if (overlap(dst.buf, src.buf, dst.len)) {
-            memmove(dst.buf, src.buf, (size_t)dst.len);
+            memmove(dst.buf, src.buf, n);
+            if (hash) h = kv_xxh3(dst.buf, n);
         } else if (dst.len >= NOGIL_BYTES) {
             Py_BEGIN_ALLOW_THREADS
-            kv_copy(dst.buf, src.buf, (size_t)dst.len);
+            if (hash)
+                h = kv_copy_xxh3(dst.buf, src.buf, n);
+            else
+                kv_copy(dst.buf, src.buf, n);
             Py_END_ALLOW_THREADS
+        } else if (hash) {
+            h = kv_copy_xxh3(dst.buf, src.buf, n);
         } else {
-            kv_copy(dst.buf, src.buf, (size_t)dst.len);
+            kv_copy(dst.buf, src.buf, n);
         }
-        result = Py_NewRef(Py_None);
+        result = hash ? PyLong_FromUnsignedLongLong(h) : Py_NewRef(Py_None);
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
 }
 
-/* copy_xxh3(dst, src) -> int: copy src into dst (same length), returning the xxh3_64
- * of the bytes as they are in dst. */
-static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) {
-    Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy_xxh3", &dst, &src)) return NULL;
-    PyObject *result = NULL;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "dst is %zd bytes, src %zd", dst.len, src.len);
-    } else {
-        uint64_t h;
-        if (overlap(dst.buf, src.buf, dst.len)) {
-            memmove(dst.buf, src.buf, (size_t)dst.len);
-            h = kv_xxh3(dst.buf, (size_t)dst.len);
-        } else if (dst.len >= NOGIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            h = kv_copy_xxh3(dst.buf, src.buf, (size_t)dst.len);
-            Py_END_ALLOW_THREADS
-        } else {
-            h = kv_copy_xxh3(dst.buf, src.buf, (size_t)dst.len);
-        }
-        result = PyLong_FromUnsignedLongLong(h);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return result;
-}
+static PyObject *py_copy(PyObject *self, PyObject *args) { return copy_into(args, 0); }
+static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) { return copy_into(args, 1); }
 
 /* scatter_xxh3(arena, buf, spans, into_arena) -> int
  * Copy between ``buf`` and the arena along ``spans``, (arena offset, buf offset,

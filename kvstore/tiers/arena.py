@@ -229,16 +229,10 @@ def as_u8(buf: object, *, writable: bool = False) -> np.ndarray:
                 raise InvalidArgument("output buffer is read-only")
             return arr
     else:
-        try:
-            mv = memoryview(buf)  # type: ignore[arg-type]
-        except TypeError as e:
-            raise InvalidArgument(f"expected a buffer, got {type(buf).__name__}") from e
-        if not mv.c_contiguous:
-            raise InvalidArgument("buffer must be C-contiguous")
+        mv = flat_view(buf)
         if writable and mv.readonly:
             raise InvalidArgument("output buffer is read-only")
-        flat = mv.ndim == 1 and mv.format == "B"
-        return np.frombuffer(mv if flat else mv.cast("B"), np.uint8)
+        return np.frombuffer(mv, np.uint8)
     if not arr.flags.c_contiguous:
         raise InvalidArgument("buffer must be C-contiguous")
     if writable and not arr.flags.writeable:
