@@ -180,11 +180,14 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Si
         env = connector_env(p)
         (work / "example").mkdir()
         # Built side by side: startup is not measured, and it halves the wait.
-        configs = {"kvstore": kvstore_connector(server.url),
-                   "example": example_config(work / "example")}
+        configs = {
+            "kvstore": kvstore_connector(server.url),
+            "example": example_config(work / "example"),
+        }
         for name, kv in configs.items():
-            engines[name] = EngineProcess(name, DRIVER, {**base, "kv_transfer_config": kv},
-                                          work, env)
+            engines[name] = EngineProcess(
+                name, DRIVER, {**base, "kv_transfer_config": kv}, work, env
+            )
         for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
             e.wait_ready()
         # Warm-up: first forward passes, the shared-memory mapping, the data plane.

@@ -75,8 +75,9 @@ class EngineProcess:
     """One driver process (``python -m DRIVER --spec FILE``): its log goes to a file, its
     protocol lines to a queue."""
 
-    def __init__(self, name: str, driver: str, spec: dict[str, Any], work: Path,
-                 env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, driver: str, spec: dict[str, Any], work: Path, env: dict[str, str]
+    ) -> None:
         self.name = name
         spec_path = work / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))

@@ -65,10 +65,17 @@ def _median_s(fn: Callable[[], Any], reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
-def _rec(name: str, value: float, unit: str, limit: float | None, notes: str = ""
-         ) -> dict[str, Any]:
-    return {"name": name, "value": value, "unit": unit, "limit": limit,
-            "ratio": value / limit if limit else None, "notes": notes}
+def _rec(
+    name: str, value: float, unit: str, limit: float | None, notes: str = ""
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "value": value,
+        "unit": unit,
+        "limit": limit,
+        "ratio": value / limit if limit else None,
+        "notes": notes,
+    }
 
 
 def copy_bandwidth() -> list[dict[str, Any]]:
@@ -89,19 +96,33 @@ def copy_bandwidth() -> list[dict[str, Any]]:
         registered = int(rc[0] if isinstance(rc, tuple) else rc) == 0
         for n in (1 << 20, 8 << 20, 64 << 20):
             dev = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-            hosts = {"pinned": torch.empty(n, dtype=torch.uint8, pin_memory=True),
-                     "pageable": torch.empty(n, dtype=torch.uint8),
-                     "arena": arena[:n]}
+            hosts = {
+                "pinned": torch.empty(n, dtype=torch.uint8, pin_memory=True),
+                "pageable": torch.empty(n, dtype=torch.uint8),
+                "arena": arena[:n],
+            }
             for way in ("d2h", "h2d"):
+
                 def copy(h: torch.Tensor, way: str = way, d: torch.Tensor = dev) -> None:
-                    (h.copy_(d, non_blocking=True) if way == "d2h"
-                     else d.copy_(h, non_blocking=True))
+                    (
+                        h.copy_(d, non_blocking=True)
+                        if way == "d2h"
+                        else d.copy_(h, non_blocking=True)
+                    )
+
                 limit = n / _median_s(functools.partial(copy, hosts["pinned"])) / 1e9
                 for kind, h in hosts.items():
                     t = _median_s(functools.partial(copy, h))
                     v = limit if kind == "pinned" else n / t / 1e9
-                    records.append(_rec(f"{way} {kind} {n >> 20} MiB", v, "GB/s", limit,
-                                        f"arena registered: {registered}"))
+                    records.append(
+                        _rec(
+                            f"{way} {kind} {n >> 20} MiB",
+                            v,
+                            "GB/s",
+                            limit,
+                            f"arena registered: {registered}",
+                        )
+                    )
             arena[:n].copy_(dev)
             assert torch.equal(arena[:n].cuda(), dev), "bytes copied into the arena differ"
         if registered:
@@ -113,15 +134,34 @@ def copy_bandwidth() -> list[dict[str, Any]]:
     return records
 
 
-def _start_server(work: Path, memory: str, policy: str = "write-through"
-                  ) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(
+    work: Path, memory: str, policy: str = "write-through"
+) -> tuple[subprocess.Popen[bytes], str]:
     from kvstore.client import Client
 
     sock = work / "kv.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.main", "--listen", "",
-                             "--unix-socket", str(sock), "--data-dir", str(work / "data"),
-                             "--memory-capacity", memory, "--disk-capacity", "16GiB",
-                             "--write-policy", policy, "--log-level", "warning"], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.server.main",
+            "--listen",
+            "",
+            "--unix-socket",
+            str(sock),
+            "--data-dir",
+            str(work / "data"),
+            "--memory-capacity",
+            memory,
+            "--disk-capacity",
+            "16GiB",
+            "--write-policy",
+            policy,
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+    )
     url = f"unix://{sock}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -149,10 +189,12 @@ class _Cache:
 
         big = DEVICE == "cuda"
         self.layers, self.blocks = (32, 2048) if big else (4, 256)
-        base = torch.randn(self.layers, self.blocks, 16, 8, 256, dtype=torch.bfloat16,
-                           device=DEVICE)
-        self.layout = BlockLayout({f"l{i:02d}": base[i].transpose(1, 2)
-                                   for i in range(self.layers)})
+        base = torch.randn(
+            self.layers, self.blocks, 16, 8, 256, dtype=torch.bfloat16, device=DEVICE
+        )
+        self.layout = BlockLayout(
+            {f"l{i:02d}": base[i].transpose(1, 2) for i in range(self.layers)}
+        )
         self.per_chunk = 16  # blocks in a 256-token chunk: 32 MiB of KV
         self.nbytes = self.layout.nbytes(self.per_chunk)
         self.ns = Namespace(model="gpu-check", dtype="bfloat16", layout="LBNHC")
@@ -186,8 +228,15 @@ def gather_figures(c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
     buf = layout.host_buffer(nbytes)
     ids = list(range(0, 2 * c.per_chunk, 2))
     t = _median_s(lambda: layout.gather(ids, buf)())
-    records.append(_rec("save gather 32 MiB chunk", nbytes / t / 1e9, "GB/s", limits["d2h"],
-                        "side stream, LBNHC, into pinned memory; limit: pinned d2h"))
+    records.append(
+        _rec(
+            "save gather 32 MiB chunk",
+            nbytes / t / 1e9,
+            "GB/s",
+            limits["d2h"],
+            "side stream, LBNHC, into pinned memory; limit: pinned d2h",
+        )
+    )
     forward = _median_s(c.compute, reps=5)
     held = []
     for _ in range(5):
@@ -198,14 +247,22 @@ def gather_figures(c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
         held.append(time.perf_counter() - t0)
         wait()
     held.sort()
-    records.append(_rec("save start: engine thread held", held[2] * 1e3, "ms", forward * 1e3,
-                        "starting a 32 MiB save behind a queued forward; limit: the forward's "
-                        "time (a blocking save would hold the thread that long)"))
+    records.append(
+        _rec(
+            "save start: engine thread held",
+            held[2] * 1e3,
+            "ms",
+            forward * 1e3,
+            "starting a 32 MiB save behind a queued forward; limit: the forward's "
+            "time (a blocking save would hold the thread that long)",
+        )
+    )
     return records
 
 
-def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
-                   ) -> list[dict[str, Any]]:
+def server_figures(
+    work: Path, c: _Cache, limits: dict[str, float], policy: str
+) -> list[dict[str, Any]]:
     """Saves and loads through a real kvstore-server over shared memory."""
     import torch
     import xxhash
@@ -231,10 +288,15 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
                 key = chunk_key(KEY_ROOT, ns.fingerprint, tok)
                 payload = b.numpy()
                 t0 = time.perf_counter()
-                header = make_header(key=key, parent=KEY_ROOT, fingerprint=ns.fingerprint,
-                                     token_bytes=tok, dtype="bfloat16",
-                                     shape=layout.payload_shape(c.per_chunk),
-                                     payload=memoryview(payload.data))
+                header = make_header(
+                    key=key,
+                    parent=KEY_ROOT,
+                    fingerprint=ns.fingerprint,
+                    token_bytes=tok,
+                    dtype="bfloat16",
+                    shape=layout.payload_shape(c.per_chunk),
+                    payload=memoryview(payload.data),
+                )
                 t1 = time.perf_counter()
                 ok = client.put(header, payload).ok
                 stage["header"].append(t1 - t0)
@@ -245,6 +307,7 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             chunks = 32 if DEVICE == "cuda" else 8
             saver = BackgroundSaver(lambda job: save(*job), max_pending_bytes=4 << 30)
             t0 = time.perf_counter()
+
             def job(i: int) -> tuple[int, Callable[[], None], torch.Tensor]:
                 b = layout.host_buffer(nbytes)
                 return i, layout.gather(c.chunk_ids(i), b), b
@@ -258,12 +321,26 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             rate = chunks * nbytes / total / 1e9
             note = f"{policy}; {saved} tokens stored, {failed} failed"
             assert saved == chunks * 256, note
-            records.append(_rec(f"save x{chunks} gather+put [{policy}]", rate, "GB/s",
-                                limits["memcpy"], note + "; limit: memcpy"))
+            records.append(
+                _rec(
+                    f"save x{chunks} gather+put [{policy}]",
+                    rate,
+                    "GB/s",
+                    limits["memcpy"],
+                    note + "; limit: memcpy",
+                )
+            )
             for name, ts in stage.items():
                 ts.sort()
-                records.append(_rec(f"save stage {name} [{policy}]", ts[len(ts) // 2] * 1e3,
-                                    "ms", None, "median per 32 MiB chunk while saves stream"))
+                records.append(
+                    _rec(
+                        f"save stage {name} [{policy}]",
+                        ts[len(ts) // 2] * 1e3,
+                        "ms",
+                        None,
+                        "median per 32 MiB chunk while saves stream",
+                    )
+                )
 
             # compute-stream slowdown while saves run
             alone = _median_s(c.compute, reps=5)
@@ -277,9 +354,16 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             both = time.perf_counter() - t0
             assert saver.drain(120)
             saver.close(5)
-            records.append(_rec(f"forward time with saves running [{policy}]", both, "s", alone,
-                                f"{c.mm_n} matmuls ({c.dim}^3 bf16) queued after 8 chunk "
-                                "saves; ratio 1 = no slowdown"))
+            records.append(
+                _rec(
+                    f"forward time with saves running [{policy}]",
+                    both,
+                    "s",
+                    alone,
+                    f"{c.mm_n} matmuls ({c.dim}^3 bf16) queued after 8 chunk "
+                    "saves; ratio 1 = no slowdown",
+                )
+            )
 
             # loads, once the server is idle again, stage by stage
             time.sleep(3)
@@ -290,11 +374,17 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
             t_sum = _median_s(lambda: xxhash.xxh3_64_intdigest(dst.numpy()))
             t_scatter = _median_s(lambda: layout.scatter(dst, c.per_chunk, targets))
             total = t_get + t_scatter
-            records.append(_rec(f"load get+scatter 32 MiB [{policy}]", nbytes / total / 1e9,
-                                "GB/s", limits["memcpy"],
-                                f"get_into {t_get * 1e3:.1f} ms (of which checksum "
-                                f"{t_sum * 1e3:.1f} ms), scatter {t_scatter * 1e3:.1f} ms; "
-                                "limit: memcpy"))
+            records.append(
+                _rec(
+                    f"load get+scatter 32 MiB [{policy}]",
+                    nbytes / total / 1e9,
+                    "GB/s",
+                    limits["memcpy"],
+                    f"get_into {t_get * 1e3:.1f} ms (of which checksum "
+                    f"{t_sum * 1e3:.1f} ms), scatter {t_scatter * 1e3:.1f} ms; "
+                    "limit: memcpy",
+                )
+            )
             t_put = []
             for i in range(5):
                 b = layout.host_buffer(nbytes)
@@ -304,9 +394,15 @@ def server_figures(work: Path, c: _Cache, limits: dict[str, float], policy: str
                 t_put.append(time.perf_counter() - t0)
                 time.sleep(0.5)
             t_put.sort()
-            records.append(_rec(f"save put 32 MiB, server idle [{policy}]",
-                                nbytes / t_put[2] / 1e9, "GB/s", limits["memcpy"],
-                                "header checksum + Reserve/copy/Commit; limit: memcpy"))
+            records.append(
+                _rec(
+                    f"save put 32 MiB, server idle [{policy}]",
+                    nbytes / t_put[2] / 1e9,
+                    "GB/s",
+                    limits["memcpy"],
+                    "header checksum + Reserve/copy/Commit; limit: memcpy",
+                )
+            )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -334,8 +430,12 @@ def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[di
         with Client(url, timeout=30) as client:
             assert client.shm_active, "the same-host client is not using shared memory"
             chunks = 16 if DEVICE == "cuda" else 4
-            headers = [chunk_header(ns, KEY_ROOT, np.arange(256) + 256 * (5000 + i), None,
-                                    "bfloat16", shape) for i in range(chunks)]
+            headers = [
+                chunk_header(
+                    ns, KEY_ROOT, np.arange(256) + 256 * (5000 + i), None, "bfloat16", shape
+                )
+                for i in range(chunks)
+            ]
             t0 = time.perf_counter()
             got = client.reserve(headers)
             t_reserve = time.perf_counter() - t0
@@ -356,10 +456,16 @@ def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[di
             total = time.perf_counter() - t0
             assert all(st.ok for st in stored), stored
             rate = chunks * nbytes / total / 1e9
-            records.append(_rec(f"save x{chunks} in place (reserve, d2h into arena, commit)",
-                                rate, "GB/s", limits["memcpy"],
-                                f"ReserveMany {t_reserve * 1e3:.1f} ms; starting the copies held "
-                                f"the thread {t_start * 1e3:.1f} ms; limit: memcpy"))
+            records.append(
+                _rec(
+                    f"save x{chunks} in place (reserve, d2h into arena, commit)",
+                    rate,
+                    "GB/s",
+                    limits["memcpy"],
+                    f"ReserveMany {t_reserve * 1e3:.1f} ms; starting the copies held "
+                    f"the thread {t_start * 1e3:.1f} ms; limit: memcpy",
+                )
+            )
             want, out = layout.host_buffer(nbytes), np.empty(nbytes, np.uint8)
             for i in (0, chunks - 1):
                 layout.gather(c.chunk_ids(3000 + i), want)()
@@ -382,8 +488,15 @@ def data_path(work: Path, limits: dict[str, float]) -> list[dict[str, Any]]:
 
 
 def run_block_tests() -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/connectors/test_blocks.py"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/connectors/test_blocks.py",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     print(p.stdout[-3000:], p.stderr[-2000:])
     return {"rc": p.returncode, "summary": p.stdout.strip().splitlines()[-1:] or [""]}
@@ -398,12 +511,21 @@ def connector_run(work: Path) -> dict[str, Any]:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
-                  enable_prefix_caching=False, gpu_memory_utilization=0.5, max_model_len=9000,
-                  kv_transfer_config={"kv_connector": "KVStoreConnector",
-                                      "kv_connector_module_path": "kvstore.connectors.vllm",
-                                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": {"url": url}})
+        llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=0.5,
+            max_model_len=9000,
+            kv_transfer_config={
+                "kv_connector": "KVStoreConnector",
+                "kv_connector_module_path": "kvstore.connectors.vllm",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"url": url},
+            },
+        )
         prompt = TokensPrompt(prompt_token_ids=[random.randrange(10, 1000) for _ in range(8192)])
         params = SamplingParams(temperature=0.0, max_tokens=8)
         times, outs = [], []
@@ -412,9 +534,12 @@ def connector_run(work: Path) -> dict[str, Any]:
             outs.append(llm.generate([prompt], params, use_tqdm=False)[0])
             times.append(time.perf_counter() - t0)
             time.sleep(1.0)  # async saves land in the background
-        return {"cold_s": times[0], "warm_s": times[1],
-                "loaded_tokens": outs[1].num_cached_tokens,
-                "same_tokens": outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids}
+        return {
+            "cold_s": times[0],
+            "warm_s": times[1],
+            "loaded_tokens": outs[1].num_cached_tokens,
+            "same_tokens": outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids,
+        }
     finally:
         proc.terminate()
         proc.wait(30)
@@ -438,8 +563,11 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="run the data path on CPU (checks this script without a GPU)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the data path on CPU (checks this script without a GPU)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -457,16 +585,19 @@ def main() -> int:
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     _step(out, "copy", copy_bandwidth)
     copies = out["copy"] if isinstance(out["copy"], list) else []
-    limits = {w: max((r["limit"] for r in copies if r["name"].startswith(w)), default=0.0)
-              for w in ("d2h", "h2d")}
+    limits = {
+        w: max((r["limit"] for r in copies if r["name"].startswith(w)), default=0.0)
+        for w in ("d2h", "h2d")
+    }
     with tempfile.TemporaryDirectory() as d:
         _step(out, "data_path", lambda: data_path(Path(d), limits))
     for part in ("copy", "data_path"):
         for r in out[part] if isinstance(out[part], list) else [out[part]]:
             if "name" in r:
                 ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
-                print(f"{r['name']:<34} {r['value']:9.3f} {r['unit']:<5} ratio {ratio}  "
-                      f"{r['notes']}")
+                print(
+                    f"{r['name']:<34} {r['value']:9.3f} {r['unit']:<5} ratio {ratio}  {r['notes']}"
+                )
             else:
                 print(part, r)
     if not args.skip_tests:

@@ -188,8 +188,9 @@ def measure(p: Params, progress: Progress, work: Path) -> dict[str, list[dict[st
     engines: dict[str, EngineProcess] = {}
     try:
         engines["without"] = EngineProcess("without", DRIVER, base, work, env)
-        engines["with"] = EngineProcess("with", DRIVER, {**base, "kv_transfer_config": connector},
-                                        work, env)
+        engines["with"] = EngineProcess(
+            "with", DRIVER, {**base, "kv_transfer_config": connector}, work, env
+        )
         for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
             e.wait_ready()
         rng = random.Random(p.seed + 1)  # not the workload's generator: its own prefix

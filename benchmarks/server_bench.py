@@ -96,13 +96,18 @@ def raw_server(port: int) -> None:
     def echo(request: bytes, context: Any) -> bytes:
         return request[:64]
 
-    handler = grpc.method_handlers_generic_handler(RAW, {
-        "Sink": grpc.stream_unary_rpc_method_handler(sink),
-        "Source": grpc.unary_stream_rpc_method_handler(source),
-        "Echo": grpc.unary_unary_rpc_method_handler(echo),
-    })
-    server = grpc.server(futures.ThreadPoolExecutor(8), options=[
-        ("grpc.max_receive_message_length", 8 * MiB), ("grpc.so_reuseport", 0)])
+    handler = grpc.method_handlers_generic_handler(
+        RAW,
+        {
+            "Sink": grpc.stream_unary_rpc_method_handler(sink),
+            "Source": grpc.unary_stream_rpc_method_handler(source),
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+        },
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(8),
+        options=[("grpc.max_receive_message_length", 8 * MiB), ("grpc.so_reuseport", 0)],
+    )
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -127,13 +132,40 @@ class Servers:
         self.tcp = f"grpc://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "kvstore.server.main", "--listen",
-                              f"127.0.0.1:{self.port}", "--unix-socket", str(self.tmp / "kv.sock"),
-                              "--data-dir", str(self.tmp / "data"), "--memory-capacity", memory,
-                              "--no-disk", "--log-level", "warning"],
-                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT),
-            subprocess.Popen([sys.executable, "-m", "benchmarks.server_bench", "--raw-server",
-                              str(self.raw_port)], env=env, cwd=ROOT, stdout=subprocess.PIPE),
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvstore.server.main",
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                    "--unix-socket",
+                    str(self.tmp / "kv.sock"),
+                    "--data-dir",
+                    str(self.tmp / "data"),
+                    "--memory-capacity",
+                    memory,
+                    "--no-disk",
+                    "--log-level",
+                    "warning",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            ),
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.server_bench",
+                    "--raw-server",
+                    str(self.raw_port),
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+            ),
         ]
 
     def __enter__(self) -> Servers:
@@ -173,8 +205,10 @@ class Servers:
     def raw_channel(self) -> Any:
         import grpc
 
-        return grpc.insecure_channel(f"127.0.0.1:{self.raw_port}", options=[
-            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+        return grpc.insecure_channel(
+            f"127.0.0.1:{self.raw_port}",
+            options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
+        )
 
 
 def _headers(tag: str, src: np.ndarray, n: int) -> list[Any]:
@@ -182,8 +216,10 @@ def _headers(tag: str, src: np.ndarray, n: int) -> list[Any]:
     from kvstore.keys import ROOT, Namespace
 
     ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
-    return [chunk_header(ns, ROOT, np.arange(256) + 256 * i, src, "bfloat16",
-                         (256, src.size // 512)) for i in range(n)]
+    return [
+        chunk_header(ns, ROOT, np.arange(256) + 256 * i, src, "bfloat16", (256, src.size // 512))
+        for i in range(n)
+    ]
 
 
 def _gbs(nbytes: int, seconds: list[float]) -> float:
@@ -214,10 +250,14 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
             def get_into(k: bytes = get_h.key, dst: np.ndarray = dst) -> None:
                 c.get_into(k, dst)
 
-            cases: dict[str, Case] = {"memcpy": memcpy(src, dst), "put": (put, undo),
-                                      "get_into": get_into}
+            cases: dict[str, Case] = {
+                "memcpy": memcpy(src, dst),
+                "put": (put, undo),
+                "get_into": get_into,
+            }
             batch = _unsealed("shm-batch", src, BATCH) if size <= 4 * MiB else []
             if batch:
+
                 def put_batch(hs: list[Any] = batch, src: np.ndarray = src) -> None:
                     held = c.reserve(hs)
                     for res in held:
@@ -233,15 +273,28 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
                 raise RuntimeError("shared-memory get_into delivered other bytes")
             limit = _gbs(size, t["memcpy"])
             for case in ("put", "get_into"):
-                out.append(Record(f"server.shm.{case}.{size_label(size)}", _gbs(size, t[case]),
-                                  "GB/s", limit, limit_name=MEMCPY,
-                                  notes="Unix socket; 2 RPCs per put, 1 per get"))
+                out.append(
+                    Record(
+                        f"server.shm.{case}.{size_label(size)}",
+                        _gbs(size, t[case]),
+                        "GB/s",
+                        limit,
+                        limit_name=MEMCPY,
+                        notes="Unix socket; 2 RPCs per put, 1 per get",
+                    )
+                )
             if batch:
-                out.append(Record(f"server.shm.put_batch.{size_label(size)}",
-                                  _gbs(BATCH * size, t["put_batch"]), "GB/s", limit,
-                                  limit_name=MEMCPY,
-                                  notes=f"{BATCH} chunks per ReserveMany + CommitMany, each "
-                                        "hashed while copied in (Client.reserve / commit)"))
+                out.append(
+                    Record(
+                        f"server.shm.put_batch.{size_label(size)}",
+                        _gbs(BATCH * size, t["put_batch"]),
+                        "GB/s",
+                        limit,
+                        limit_name=MEMCPY,
+                        notes=f"{BATCH} chunks per ReserveMany + CommitMany, each "
+                        "hashed while copied in (Client.reserve / commit)",
+                    )
+                )
             c.delete([get_h.key])
     return out
 
@@ -254,13 +307,16 @@ def _unsealed(tag: str, src: np.ndarray, n: int) -> list[Any]:
     from kvstore.keys import ROOT, Namespace
 
     ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
-    return [chunk_header(ns, ROOT, np.arange(256) + 256 * i, None, "bfloat16",
-                         (256, src.size // 512)) for i in range(n)]
+    return [
+        chunk_header(ns, ROOT, np.arange(256) + 256 * i, None, "bfloat16", (256, src.size // 512))
+        for i in range(n)
+    ]
 
 
 # -- 2. remote streaming vs raw grpcio ---------------------------------------------------------
-def bench_stream(s: Servers, tcp: LoopbackTcp, sizes: list[int], reps: int,
-                 progress: Progress) -> list[Record]:
+def bench_stream(
+    s: Servers, tcp: LoopbackTcp, sizes: list[int], reps: int, progress: Progress
+) -> list[Record]:
     import kvstore
 
     channel = s.raw_channel()
@@ -292,33 +348,51 @@ def bench_stream(s: Servers, tcp: LoopbackTcp, sizes: list[int], reps: int,
                 b"".join(source(str(n).encode(), timeout=60))
 
             dst = touched(size)
-            cases: dict[str, Case] = {"raw_put": raw_put, "raw_get": raw_get,
-                                      "put": (put, undo), "get": get,
-                                      "tcp_put": functools.partial(tcp.put, src),
-                                      "tcp_get": functools.partial(tcp.get_into, dst)}
+            cases: dict[str, Case] = {
+                "raw_put": raw_put,
+                "raw_get": raw_get,
+                "put": (put, undo),
+                "get": get,
+                "tcp_put": functools.partial(tcp.put, src),
+                "tcp_get": functools.partial(tcp.get_into, dst),
+            }
             t = interleaved(cases, reps, progress, f"grpc {size_label(size)}")
             if got[-1] is None or got[-1][1] != data:
                 raise RuntimeError("streamed get delivered other bytes")
             got.clear()
             for case in ("put", "get"):
                 limit = _gbs(size, t[f"raw_{case}"])
-                out.append(Record(f"server.grpc.{case}.{size_label(size)}",
-                                  _gbs(size, t[case]), "GB/s", limit, limit_name=RAW_STREAM,
-                                  notes="loopback TCP"))
+                out.append(
+                    Record(
+                        f"server.grpc.{case}.{size_label(size)}",
+                        _gbs(size, t[case]),
+                        "GB/s",
+                        limit,
+                        limit_name=RAW_STREAM,
+                        notes="loopback TCP",
+                    )
+                )
             for case in ("put", "get"):
-                out.append(Record(f"server.grpc_raw.{case}.{size_label(size)}",
-                                  _gbs(size, t[f"raw_{case}"]), "GB/s",
-                                  _gbs(size, t[f"tcp_{case}"]), limit_name=LOOPBACK,
-                                  notes="what grpcio itself costs: raw streaming vs plain "
-                                  "sockets moving the same bytes"))
+                out.append(
+                    Record(
+                        f"server.grpc_raw.{case}.{size_label(size)}",
+                        _gbs(size, t[f"raw_{case}"]),
+                        "GB/s",
+                        _gbs(size, t[f"tcp_{case}"]),
+                        limit_name=LOOPBACK,
+                        notes="what grpcio itself costs: raw streaming vs plain "
+                        "sockets moving the same bytes",
+                    )
+                )
             c.delete([get_h.key])
     channel.close()
     return out
 
 
 # -- 3. lookup latency -------------------------------------------------------------------------
-def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Progress
-                 ) -> list[Record]:
+def bench_lookup(
+    s: Servers, n_tokens: int, others: int, reps: int, progress: Progress
+) -> list[Record]:
     import kvstore
     from kvstore.client import chunk_header
     from kvstore.keys import ROOT, Namespace
@@ -330,13 +404,13 @@ def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Pr
         ct = c.info().chunk_tokens
         other = Namespace(model="bench", dtype="bfloat16", layout="lookup-other")
         for i in progress(range(others), desc="lookup: filling the store", total=others):
-            c.put(chunk_header(other, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8)),
-                  data)
+            c.put(
+                chunk_header(other, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8)), data
+            )
         parent = ROOT
         for start in range(0, n_tokens, ct):
             part = prompt[start : start + ct]
-            h = chunk_header(ns, parent, part, data[: len(part) * 16], "bfloat16",
-                             (len(part), 8))
+            h = chunk_header(ns, parent, part, data[: len(part) * 16], "bfloat16", (len(part), 8))
             assert c.put(h, data[: len(part) * 16]).ok
             parent = h.key
         chunks = c.stats().chunks
@@ -347,6 +421,7 @@ def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Pr
     clients = {"unix": kvstore.Client(s.unix), "tcp": kvstore.Client(s.tcp)}
     matched: list[int] = []
     try:
+
         def raw() -> None:
             echo(token_bytes, timeout=10)
 
@@ -368,9 +443,16 @@ def bench_lookup(s: Servers, n_tokens: int, others: int, reps: int, progress: Pr
     for q in (50, 99):
         limit = percentile(t["raw"], q) * 1e3
         for plane in clients:
-            out.append(Record(f"server.lookup.{label}.p{q}.{plane}",
-                              percentile(t[plane], q) * 1e3, "ms", limit, limit_name=RAW_UNARY,
-                              notes=f"{n_tokens // ct} chunks matched of {chunks} stored"))
+            out.append(
+                Record(
+                    f"server.lookup.{label}.p{q}.{plane}",
+                    percentile(t[plane], q) * 1e3,
+                    "ms",
+                    limit,
+                    limit_name=RAW_UNARY,
+                    notes=f"{n_tokens // ct} chunks matched of {chunks} stored",
+                )
+            )
     return out
 
 
@@ -384,8 +466,9 @@ def run(quick: bool, progress: Progress) -> list[Record]:
     with Servers("512MiB") as s, LoopbackTcp() as tcp:
         records = bench_shm(s, sizes, reps, progress)
         records += bench_stream(s, tcp, sizes, reps, progress)
-        records += bench_lookup(s, 128 * 1024, 1000 if quick else 5000,
-                                40 if quick else 200, progress)
+        records += bench_lookup(
+            s, 128 * 1024, 1000 if quick else 5000, 40 if quick else 200, progress
+        )
     return records
 
 
@@ -393,9 +476,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--raw-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    ap.add_argument("--json", metavar="FILE",
-                    default=str(ROOT / "benchmarks" / "results" / "server_bench.json"),
-                    help="write the records as a JSON list (default: %(default)s)")
+    ap.add_argument(
+        "--json",
+        metavar="FILE",
+        default=str(ROOT / "benchmarks" / "results" / "server_bench.json"),
+        help="write the records as a JSON list (default: %(default)s)",
+    )
     ap.add_argument("--markdown", metavar="FILE", help="also write a Markdown table")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()

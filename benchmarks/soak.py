@@ -48,8 +48,9 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--kill-every", type=float, default=90.0, metavar="SECONDS")
@@ -69,14 +70,38 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
     redis = RedisServer("redis")
     config = work / "kvstore.toml"
-    config.write_text(f'[remote]\nurl = "{redis.url}"\ntimeout_ms = 200\n'
-                      'connect_timeout_ms = 200\nfailure_threshold = 2\ncooldown_ms = 1000\n')
-    srv = KVServer(work, "soak", memory="256MiB",
-                   args=["--config", str(config), "--chunk-tokens", "16", "--granularity", "4",
-                         "--log-level", "warning"]).start()
-    mix = Mix(MixConfig(url=[srv.unix_url, srv.tcp_url], clients=args.clients, seconds=seconds,
-                        shm=lambda i: i % 2 == 0, tolerate_down=True, timeout=5.0,
-                        prompts=args.prompts, seed=42, tag="soak"))
+    config.write_text(
+        f'[remote]\nurl = "{redis.url}"\ntimeout_ms = 200\n'
+        "connect_timeout_ms = 200\nfailure_threshold = 2\ncooldown_ms = 1000\n"
+    )
+    srv = KVServer(
+        work,
+        "soak",
+        memory="256MiB",
+        args=[
+            "--config",
+            str(config),
+            "--chunk-tokens",
+            "16",
+            "--granularity",
+            "4",
+            "--log-level",
+            "warning",
+        ],
+    ).start()
+    mix = Mix(
+        MixConfig(
+            url=[srv.unix_url, srv.tcp_url],
+            clients=args.clients,
+            seconds=seconds,
+            shm=lambda i: i % 2 == 0,
+            tolerate_down=True,
+            timeout=5.0,
+            prompts=args.prompts,
+            seed=42,
+            tag="soak",
+        )
+    )
     events: list[dict[str, Any]] = []
     totals = {"lost": 0, "wrong": 0, "volatile": 0, "found": 0}
     kill_recovery: list[float] = []
@@ -110,11 +135,18 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         for k in totals:
             totals[k] += out[k]
         kill_recovery.append(recovery)
-        events.append({"t": round(t0 - start, 1), "fault": "kill -9", "recovery_s":
-                       round(recovery, 2), **{k: out[k] for k in ("checked", "found", "lost",
-                                                                   "wrong", "volatile")}})
-        log(f"[{t0 - start:6.0f} s] kill -9: back in {recovery:.2f} s; {out['found']} found, "
-            f"{out['volatile']} volatile, {out['lost']} lost, {out['wrong']} wrong")
+        events.append(
+            {
+                "t": round(t0 - start, 1),
+                "fault": "kill -9",
+                "recovery_s": round(recovery, 2),
+                **{k: out[k] for k in ("checked", "found", "lost", "wrong", "volatile")},
+            }
+        )
+        log(
+            f"[{t0 - start:6.0f} s] kill -9: back in {recovery:.2f} s; {out['found']} found, "
+            f"{out['volatile']} volatile, {out['lost']} lost, {out['wrong']} wrong"
+        )
         crashing.clear()
         mix.resume()
 
@@ -131,10 +163,18 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             except AssertionError:
                 recovery = float("nan")
         redis_recovery.append(recovery)
-        events.append({"t": round(t0 - start, 1), "fault": "redis stop/start",
-                       "down_s": args.redis_down, "recovery_s": round(recovery, 2)})
-        log(f"[{t0 - start:6.0f} s] Redis down {args.redis_down:.0f} s; healthy again "
-            f"{recovery:.2f} s after it came back")
+        events.append(
+            {
+                "t": round(t0 - start, 1),
+                "fault": "redis stop/start",
+                "down_s": args.redis_down,
+                "recovery_s": round(recovery, 2),
+            }
+        )
+        log(
+            f"[{t0 - start:6.0f} s] Redis down {args.redis_down:.0f} s; healthy again "
+            f"{recovery:.2f} s after it came back"
+        )
 
     start = time.monotonic()
     mix.start()
@@ -167,22 +207,34 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     outages = len(events) - kills
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "minutes": round(elapsed / 60, 1), "clients": args.clients,
-        "kills": kills, "redis_outages": outages, "faults": len(events),
-        "requests": tally.requests, "gets": tally.gets, "hits": tally.hits,
-        "chunks_stored": tally.stored, "lookups": tally.lookups, "deletes": tally.deletes,
-        "unavailable_calls": tally.unavailable, "errors": tally.errors,
+        "minutes": round(elapsed / 60, 1),
+        "clients": args.clients,
+        "kills": kills,
+        "redis_outages": outages,
+        "faults": len(events),
+        "requests": tally.requests,
+        "gets": tally.gets,
+        "hits": tally.hits,
+        "chunks_stored": tally.stored,
+        "lookups": tally.lookups,
+        "deletes": tally.deletes,
+        "unavailable_calls": tally.unavailable,
+        "errors": tally.errors,
         "lost": totals["lost"] + tally.lost + final["lost"],
         "wrong": totals["wrong"] + tally.wrong + final["wrong"],
-        "volatile": totals["volatile"], "found_after_crash": totals["found"],
+        "volatile": totals["volatile"],
+        "found_after_crash": totals["found"],
         "verified_at_end": final["found"],
-        "kill_recovery_s": {"max": round(max(kill_recovery, default=0.0), 2),
-                            "mean": round(statistics.fmean(kill_recovery), 2)
-                            if kill_recovery else None},
+        "kill_recovery_s": {
+            "max": round(max(kill_recovery, default=0.0), 2),
+            "mean": round(statistics.fmean(kill_recovery), 2) if kill_recovery else None,
+        },
         "redis_recovery_s": {"max": round(max(redis_recovery, default=0.0), 2)},
         "slowest_call_s": round(tally.slowest, 2),
-        "server_exit": rc, "chunks_at_end": stats.chunks,
-        "details": (tally.details + final["details"])[:20], "events": events,
+        "server_exit": rc,
+        "chunks_at_end": stats.chunks,
+        "details": (tally.details + final["details"])[:20],
+        "events": events,
     }
     return result
 
@@ -192,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     result = soak(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "details")},
-                     indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("events", "details")}, indent=1))
     print(f"wrote {args.out}")
     bad = result["lost"] or result["wrong"] or result["errors"] or result["server_exit"]
     return 1 if bad else 0

@@ -304,9 +304,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             gpu = self._layout.device.type == "cuda"
             mode = "async" if gpu and self.producer and self.consumer else "sync"
         if self.producer:
-            self._saves = Saves(self._layout, self.backend, self.base_ns, self.block_size,
-                                self.chunk_tokens, background=mode == "async",
-                                save_buffer_bytes=self.cfg.save_buffer_bytes)
+            self._saves = Saves(
+                self._layout,
+                self.backend,
+                self.base_ns,
+                self.block_size,
+                self.chunk_tokens,
+                background=mode == "async",
+                save_buffer_bytes=self.cfg.save_buffer_bytes,
+            )
         log.info(
             "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s",
             self._layout.layers,
@@ -331,8 +337,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         seconds = time.perf_counter() - t0
         self.stats.add(loaded_tokens=loaded, load_s=seconds)
         wanted = sum(s.end - s.start for s in meta.loads)
-        log.info("kvstore: loaded %d of %d tokens for %d request(s) in %.1f ms", loaded, wanted,
-                 len(meta.loads), seconds * 1e3)
+        log.info(
+            "kvstore: loaded %d of %d tokens for %d request(s) in %.1f ms",
+            loaded,
+            wanted,
+            len(meta.loads),
+            seconds * 1e3,
+        )
 
     def _load(self, spec: LoadSpec) -> int:
         assert self._layout is not None

@@ -98,8 +98,9 @@ class BlockLayout:
         """A host buffer for chunk bytes: pinned for a CUDA cache, so copies run asynchronously."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor, hasher: Any = None
-               ) -> Callable[[], None]:
+    def gather(
+        self, block_ids: Sequence[int], out: torch.Tensor, hasher: Any = None
+    ) -> Callable[[], None]:
         """Start copying blocks into ``out`` (uint8, ``layers * len(block_ids) * block_bytes``).
 
         ``hasher`` (CPU only, an ``xxhash.xxh3_64``) is fed each layer's bytes right after
@@ -131,8 +132,9 @@ class BlockLayout:
             idx = self._indices(block_ids)
             # Allocated on the side stream: the allocator reuses it only after this
             # stream's later work, so dropping it before the copy ends is safe.
-            staged = torch.empty((self.layers, n, self.block_bytes), dtype=torch.uint8,
-                                 device=self.device)
+            staged = torch.empty(
+                (self.layers, n, self.block_bytes), dtype=torch.uint8, device=self.device
+            )
             for i, view in enumerate(self.views):
                 torch.index_select(view, 0, idx, out=staged[i])
             read = torch.cuda.Event()
@@ -143,8 +145,9 @@ class BlockLayout:
         main.wait_event(read)
         return copied.synchronize
 
-    def scatter(self, src: torch.Tensor, stored_blocks: int, block_ids: Sequence[int],
-                first: int = 0) -> None:
+    def scatter(
+        self, src: torch.Tensor, stored_blocks: int, block_ids: Sequence[int], first: int = 0
+    ) -> None:
         """Copy ``len(block_ids)`` blocks of a payload, from its block ``first``, into the cache.
 
         On CUDA the copies are queued on the compute stream, ahead of the forward pass that
@@ -154,7 +157,8 @@ class BlockLayout:
         n = len(block_ids)
         if first + n > stored_blocks:
             raise InvalidArgument(
-                f"asked for blocks {first}..{first + n - 1} of a chunk holding {stored_blocks}")
+                f"asked for blocks {first}..{first + n - 1} of a chunk holding {stored_blocks}"
+            )
         data = src.view(self.layers, stored_blocks, self.block_bytes)
         if data.device != self.device:
             # The whole chunk in one transfer, sliced on the device: a strided slice of

@@ -54,8 +54,9 @@ class ConnectorConfig:
         if self.shm not in ("auto", "on", "off"):
             raise ConfigError(f"kv_connector_extra_config.shm={self.shm!r}: allowed auto, on, off")
         if self.save_mode not in ("auto", "sync", "async"):
-            raise ConfigError(f"kv_connector_extra_config.save_mode={self.save_mode!r}: "
-                              "allowed auto, sync, async")
+            raise ConfigError(
+                f"kv_connector_extra_config.save_mode={self.save_mode!r}: allowed auto, sync, async"
+            )
         if self.save_buffer_bytes <= 0:
             raise ConfigError("kv_connector_extra_config.save_buffer must be > 0 (e.g. 1GiB)")
 

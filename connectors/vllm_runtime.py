@@ -48,8 +48,10 @@ class EngineNamespace:
 
     def describe(self) -> str:
         b = self.base
-        return (f"{b.model} {b.dtype} {b.layout} {b.device} "
-                f"tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}")
+        return (
+            f"{b.model} {b.dtype} {b.layout} {b.device} "
+            f"tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}"
+        )
 
 
 def _ranks(worker: bool) -> tuple[int, int, int, int]:
@@ -109,8 +111,7 @@ def engine_namespace(
 class Backend:
     """The SDK client, opened lazily, skipped for a while after any failure."""
 
-    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str,
-                 url: str = "") -> None:
+    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str, url: str = "") -> None:
         self.cfg = cfg
         self.role = role
         self._server: subprocess.Popen[bytes] | None = None
@@ -273,15 +274,17 @@ class Backend:
                 self.failed("save", e)
             return False
 
-    def commit_many(self, reservations: Sequence[Any], checksums: Sequence[int | None]
-                    ) -> list[bool]:
+    def commit_many(
+        self, reservations: Sequence[Any], checksums: Sequence[int | None]
+    ) -> list[bool]:
         """Commit a step's reservations in one round trip; which were stored."""
         client = self._client
         if client is None:
             return [False] * len(reservations)
         # Reservations of a client closed since are gone with it: nothing to commit.
-        mine = [i for i, r in enumerate(reservations)
-                if r.arena is client.arena and not r.arena.closed]
+        mine = [
+            i for i, r in enumerate(reservations) if r.arena is client.arena and not r.arena.closed
+        ]
         out = [False] * len(reservations)
         try:
             got = client.commit([reservations[i] for i in mine], [checksums[i] for i in mine])
@@ -291,8 +294,10 @@ class Backend:
         for i, status in zip(mine, got, strict=True):
             out[i] = bool(getattr(status, "ok", False))
             if isinstance(status, Exception):  # this chunk only: the connection is fine
-                self._note(f"save of one chunk ({type(status).__name__}: {status}); "
-                           "it will be recomputed when needed")
+                self._note(
+                    f"save of one chunk ({type(status).__name__}: {status}); "
+                    "it will be recomputed when needed"
+                )
         return out
 
     def _note(self, message: str) -> None:

@@ -78,9 +78,17 @@ def _nothing() -> None:
 class Saves:
     """Starts and stores the saves of one worker (``save_mode`` sync or async)."""
 
-    def __init__(self, layout: BlockLayout, backend: Backend, ns: EngineNamespace,
-                 block_size: int, chunk_tokens: int, *, background: bool,
-                 save_buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        backend: Backend,
+        ns: EngineNamespace,
+        block_size: int,
+        chunk_tokens: int,
+        *,
+        background: bool,
+        save_buffer_bytes: int,
+    ) -> None:
         self.layout, self.backend, self.ns = layout, backend, ns
         self.block_size, self.chunk_tokens = block_size, chunk_tokens
         self.saver: BackgroundSaver | None = None
@@ -108,9 +116,13 @@ class Saves:
         spans = [(s, min(s + C, len(spec.tokens))) for s in range(0, len(spec.tokens), C)]
         keys = chunk_keys(fp, spec.tokens, C)
         saver = self.saver
-        todo = [i for i, (s, _) in enumerate(spans)
-                if s >= spec.start and keys[i] not in seen
-                and not (saver is not None and saver.queued(keys[i]))]
+        todo = [
+            i
+            for i, (s, _) in enumerate(spans)
+            if s >= spec.start
+            and keys[i] not in seen
+            and not (saver is not None and saver.queued(keys[i]))
+        ]
         skipped = 0
         if saver is not None:  # what the budget cannot take is not reserved either
             room, fits = saver.room(), 0
@@ -121,14 +133,28 @@ class Saves:
                 fits += 1
             todo, skipped = todo[:fits], len(todo) - fits
         dtype = str(layout.dtype).removeprefix("torch.")
-        got = self.writer.reserve([
-            unsealed_header(keys[i], keys[i - 1] if i else ROOT, fp,
-                            raw[spans[i][0] * 4 : spans[i][1] * 4], dtype,
-                            layout.payload_shape((spans[i][1] - spans[i][0]) // bs))
-            for i in todo]) if todo else []
+        got = (
+            self.writer.reserve(
+                [
+                    unsealed_header(
+                        keys[i],
+                        keys[i - 1] if i else ROOT,
+                        fp,
+                        raw[spans[i][0] * 4 : spans[i][1] * 4],
+                        dtype,
+                        layout.payload_shape((spans[i][1] - spans[i][0]) // bs),
+                    )
+                    for i in todo
+                ]
+            )
+            if todo
+            else []
+        )
         if got is None:  # no shared memory, or the server is down: ask, then put
-            got = [PutStatus.EXISTS if here else None
-                   for here in self.backend.exists([keys[i] for i in todo])]
+            got = [
+                PutStatus.EXISTS if here else None
+                for here in self.backend.exists([keys[i] for i in todo])
+            ]
         handed: set[int] = set()  # reservations now owned by a job
         try:
             for i, res in zip(todo, got, strict=True):
@@ -140,15 +166,26 @@ class Saves:
                 ids = spec.block_ids[s // bs : e // bs]
                 held = res if isinstance(res, Reservation) else None  # FULL/TOO_LARGE: put
 
-                def copy_out(i: int = i, s: int = s, n: int = n, ids: list[int] = ids,
-                             held: Reservation | None = held) -> SaveJob:
-                    job = SaveJob(keys[i], keys[i - 1] if i else ROOT, fp,
-                                  raw[s * 4 : spans[i][1] * 4], n, torch.empty(0), _nothing,
-                                  held)
+                def copy_out(
+                    i: int = i,
+                    s: int = s,
+                    n: int = n,
+                    ids: list[int] = ids,
+                    held: Reservation | None = held,
+                ) -> SaveJob:
+                    job = SaveJob(
+                        keys[i],
+                        keys[i - 1] if i else ROOT,
+                        fp,
+                        raw[s * 4 : spans[i][1] * 4],
+                        n,
+                        torch.empty(0),
+                        _nothing,
+                        held,
+                    )
                     with self._lock:  # so that _settle sees every copy it must wait for
                         into = self._in_place(held)
-                        job.buf = into if into is not None else layout.host_buffer(
-                            layout.nbytes(n))
+                        job.buf = into if into is not None else layout.host_buffer(layout.nbytes(n))
                         job.staged = held is not None and into is None
                         if into is not None and layout.device.type != "cuda":
                             job.hasher = xxhash.xxh3_64()
@@ -196,10 +233,13 @@ class Saves:
         job.ready()
         payload = job.buf.numpy()
         header = make_header(
-            key=job.key, parent=job.parent, fingerprint=job.fingerprint,
+            key=job.key,
+            parent=job.parent,
+            fingerprint=job.fingerprint,
             token_bytes=job.token_bytes,
             dtype=str(self.layout.dtype).removeprefix("torch."),
-            shape=self.layout.payload_shape(job.blocks), payload=memoryview(payload.data),
+            shape=self.layout.payload_shape(job.blocks),
+            payload=memoryview(payload.data),
         )
         return tokens if backend.put(header, payload) else 0
 
@@ -248,8 +288,11 @@ class Saves:
             return
         with self._lock:
             self._closing.add(arena)
-            running = [j for j in self._copying.values()
-                       if j.reservation is not None and j.reservation.arena is arena]
+            running = [
+                j
+                for j in self._copying.values()
+                if j.reservation is not None and j.reservation.arena is arena
+            ]
         for job in running:
             with contextlib.suppress(Exception):
                 job.ready()

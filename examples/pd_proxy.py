@@ -30,8 +30,18 @@ log = logging.getLogger("pd_proxy")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 PASSTHROUGH = ("/v1/models", "/health")
 # Hop-by-hop headers (RFC 9110 section 7.6.1) and the framing the proxy sets itself.
-HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-       "upgrade", "host", "content-length", "expect"}
+HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "expect",
+}
 
 
 class Upstream:
@@ -48,8 +58,9 @@ class Upstream:
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
 
-    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]
-                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         conn = cls(self.host, self.port, timeout=self.timeout)
         try:
@@ -103,19 +114,28 @@ class Handler(BaseHTTPRequestHandler):
         t0 = time.perf_counter()
         conn = None
         try:
-            conn, resp = self.prefill.request("POST", self.path, prefill_body(path, req),
-                                              self._forward_headers())
+            conn, resp = self.prefill.request(
+                "POST", self.path, prefill_body(path, req), self._forward_headers()
+            )
             detail = resp.read()[:300].decode(errors="replace")
         except (OSError, http.client.HTTPException) as e:
-            log.warning("prefill at %s failed (%s: %s); the decode engine will compute the "
-                        "prompt", self.prefill.url, type(e).__name__, e)
+            log.warning(
+                "prefill at %s failed (%s: %s); the decode engine will compute the prompt",
+                self.prefill.url,
+                type(e).__name__,
+                e,
+            )
             return
         finally:
             if conn is not None:
                 conn.close()
         if resp.status != 200:
-            log.warning("prefill at %s answered %d (%s); the decode engine will compute the "
-                        "prompt", self.prefill.url, resp.status, detail)
+            log.warning(
+                "prefill at %s answered %d (%s); the decode engine will compute the prompt",
+                self.prefill.url,
+                resp.status,
+                detail,
+            )
             return
         log.info("prefill %s: %.3f s", path, time.perf_counter() - t0)
 
@@ -123,8 +143,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             conn, resp = self.decode.request(method, self.path, body, self._forward_headers())
         except (OSError, http.client.HTTPException) as e:
-            self._error(502, f"decode engine at {self.decode.url} unreachable: "
-                             f"{type(e).__name__}: {e}")
+            self._error(
+                502, f"decode engine at {self.decode.url} unreachable: {type(e).__name__}: {e}"
+            )
             return
         try:
             self.send_response(resp.status)
@@ -145,8 +166,9 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         except (OSError, http.client.HTTPException) as e:
             # The status line is out: all that is left is to cut the response short.
-            log.error("relaying the answer of %s stopped: %s: %s", self.decode.url,
-                      type(e).__name__, e)
+            log.error(
+                "relaying the answer of %s stopped: %s: %s", self.decode.url, type(e).__name__, e
+            )
             self.close_connection = True
         finally:
             conn.close()
@@ -154,8 +176,9 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         if status >= 500:
             log.error("%s", message)
-        data = json.dumps({"error": {"message": message, "type": "proxy_error",
-                                     "code": status}}).encode()
+        data = json.dumps(
+            {"error": {"message": message, "type": "proxy_error", "code": status}}
+        ).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -172,20 +195,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     ap.add_argument("--prefill", default="http://127.0.0.1:8100", help="the kv_producer engine")
     ap.add_argument("--decode", default="http://127.0.0.1:8200", help="the kv_consumer engine")
-    ap.add_argument("--timeout", type=float, default=300.0,
-                    help="seconds to wait on an engine (connect, or between two reads)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait on an engine (connect, or between two reads)",
+    )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s pd_proxy: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s pd_proxy: %(message)s"
+    )
     Handler.prefill = Upstream(args.prefill, args.timeout)
     Handler.decode = Upstream(args.decode, args.timeout)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     host, port = str(args.host), server.server_address[1]
     # The tests read this line to learn the port when --port 0.
-    print(f"pd_proxy listening on http://{host}:{port} (prefill {args.prefill}, "
-          f"decode {args.decode})", flush=True)
+    print(
+        f"pd_proxy listening on http://{host}:{port} (prefill {args.prefill}, "
+        f"decode {args.decode})",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

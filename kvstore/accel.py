@@ -40,8 +40,11 @@ if os.environ.get("KVSTORE_PURE_PYTHON", "") in ("", "0"):
         _native = None
 
 NATIVE = _native is not None
-IMPL = (f"native (sha256 {_native.sha256_impl()}, copies {_native.copies_impl()})"
-        if NATIVE else "python")
+IMPL = (
+    f"native (sha256 {_native.sha256_impl()}, copies {_native.copies_impl()})"
+    if NATIVE
+    else "python"
+)
 
 
 # -- pure-Python twins ---------------------------------------------------------------
@@ -61,9 +64,9 @@ def _py_chain_keys(prefix: bytes, parent: bytes, data: Any, step: int) -> list[b
     return list(_py_chain(prefix, parent, data, step))
 
 
-def _py_chain_probe(prefix: bytes, parent: bytes, data: Any, step: int,
-                    mapping: dict[bytes, Any], attr: str
-                    ) -> tuple[list[bytes], list[Any], bytes | None]:
+def _py_chain_probe(
+    prefix: bytes, parent: bytes, data: Any, step: int, mapping: dict[bytes, Any], attr: str
+) -> tuple[list[bytes], list[Any], bytes | None]:
     get = mapping.get
     keys: list[bytes] = []
     values: list[Any] = []
@@ -115,8 +118,9 @@ def _py_copy_xxh3(dst: Any, src: Any) -> int:
     return xxhash.xxh3_64_intdigest(d)
 
 
-def _py_scatter_xxh3(arena: Any, buf: Any, spans: Spans, into_arena: bool,
-                     piece: int = 512 << 10) -> int:
+def _py_scatter_xxh3(
+    arena: Any, buf: Any, spans: Spans, into_arena: bool, piece: int = 512 << 10
+) -> int:
     a, b = memoryview(arena).cast("B"), memoryview(buf).cast("B")
     h = xxhash.xxh3_64()
     for off, pos, n in spans:
@@ -136,8 +140,9 @@ chain_keys: Callable[[bytes, bytes, Any, int], list[bytes]]
 may be shorter), key = SHA-256(prefix || previous key || chunk), the first chained
 on ``parent``."""
 
-chain_probe: Callable[[bytes, bytes, Any, int, dict[Any, Any], str],
-                      tuple[list[bytes], list[Any], bytes | None]]
+chain_probe: Callable[
+    [bytes, bytes, Any, int, dict[Any, Any], str], tuple[list[bytes], list[Any], bytes | None]
+]
 """chain_probe(prefix, parent, data, step, mapping, attr): as chain_keys, stopping at
 the first key not in ``mapping``: (keys found, getattr(value, attr) of each, the
 missing key or None)."""

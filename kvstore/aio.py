@@ -63,20 +63,41 @@ log = logging.getLogger("kvstore.client")
 class AsyncClient(ClientBase):
     """An asyncio client of kvstore-server. See ``kvstore.client`` for the semantics."""
 
-    def __init__(self, url: str | None = None, *, token: str | None = None,
-                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
-                 timeout: float = 10.0, shm: bool | None = None, verify: bool = True) -> None:
-        super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
-                         timeout=timeout, shm=shm, verify=verify)
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 10.0,
+        shm: bool | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(
+            url,
+            token=token,
+            tls_ca=tls_ca,
+            tls_server_name=tls_server_name,
+            timeout=timeout,
+            shm=shm,
+            verify=verify,
+        )
         ep = self.endpoint
-        self._channel = (grpc.aio.secure_channel(ep.target, self._credentials(), self._options)
-                         if ep.tls else grpc.aio.insecure_channel(ep.target, self._options))
+        self._channel = (
+            grpc.aio.secure_channel(ep.target, self._credentials(), self._options)
+            if ep.tls
+            else grpc.aio.insecure_channel(ep.target, self._options)
+        )
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put_raw = self._channel.stream_unary(
-            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString)
+            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
+        )
         self._get_raw = self._channel.unary_stream(
-            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None)
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self._lock: asyncio.Lock | None = None
         self._pending: set[asyncio.Task[None]] = set()  # Releases sent without waiting
         self._stop: asyncio.Event | None = None
@@ -87,8 +108,7 @@ class AsyncClient(ClientBase):
         if self._closed:
             raise KVStoreError("the client is closed")
         try:
-            return await method(request, timeout=self._deadline(timeout),
-                                metadata=self._metadata)
+            return await method(request, timeout=self._deadline(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(e, what) from e
 
@@ -158,28 +178,31 @@ class AsyncClient(ClientBase):
 
         try:
             resp = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                timeout=self._deadline(timeout))
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self._deadline(timeout)
+            )
         except grpc.RpcError:
             return False
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def stats(self, *, timeout: float | None = None) -> StoreStats:
         """Store and tier counters; ``extra`` holds active_leases and uptime_s."""
-        return stats_from_pb(await self._call("Stats", self._stub.Stats, pb.StatsRequest(),
-                                              timeout))
+        return stats_from_pb(
+            await self._call("Stats", self._stub.Stats, pb.StatsRequest(), timeout)
+        )
 
     # -- writes ----------------------------------------------------------------------------
-    async def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None
-                  ) -> PutStatus:
+    async def put(
+        self, header: RecordHeader, payload: Any, *, timeout: float | None = None
+    ) -> PutStatus:
         """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
         if self._info is None:
             await self.info(timeout=timeout)
         src = self._check_put(header, payload)
         arena = await self._shm()
         if arena is not None:
-            r = await self._call("Reserve", self._stub.Reserve,
-                                 pb.ReserveRequest(header=header.pack()), timeout)
+            r = await self._call(
+                "Reserve", self._stub.Reserve, pb.ReserveRequest(header=header.pack()), timeout
+            )
             status = status_from_pb(r.status)
             if status == PutStatus.EXISTS:
                 return status
@@ -188,19 +211,34 @@ class AsyncClient(ClientBase):
                     arena.write(self._check_extents(r.extents), r.payload_offset, src)
                 except BaseException:
                     with contextlib.suppress(KVStoreError):
-                        await self._call("Abort", self._stub.Abort,
-                                         pb.AbortRequest(reservation_id=r.reservation_id),
-                                         timeout)
+                        await self._call(
+                            "Abort",
+                            self._stub.Abort,
+                            pb.AbortRequest(reservation_id=r.reservation_id),
+                            timeout,
+                        )
                     raise
-                c = await self._call("Commit", self._stub.Commit,
-                                     pb.CommitRequest(reservation_id=r.reservation_id), timeout)
+                c = await self._call(
+                    "Commit",
+                    self._stub.Commit,
+                    pb.CommitRequest(reservation_id=r.reservation_id),
+                    timeout,
+                )
                 return status_from_pb(c.status)
         r = await self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
         return status_from_pb(r.status)
 
-    async def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
-                        payload: Any, dtype: str, shape: Sequence[int], *,
-                        timeout: float | None = None) -> tuple[ChunkKey, PutStatus]:
+    async def put_chunk(
+        self,
+        namespace: NamespaceLike,
+        parent: ChunkKey,
+        tokens: Tokens,
+        payload: Any,
+        dtype: str,
+        shape: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> tuple[ChunkKey, PutStatus]:
         """Build the record of one chunk (key from parent, namespace, tokens) and put it
         (proving the namespace first where a server with tenants asks: see Client)."""
         header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
@@ -218,14 +256,25 @@ class AsyncClient(ClientBase):
         if arena is None:
             return "stream"
         t0 = time.monotonic()
-        a = await self._call("Acquire", self._stub.Acquire,
-                             pb.AcquireRequest(key=key, client_verifies=self.verify), timeout)
+        a = await self._call(
+            "Acquire",
+            self._stub.Acquire,
+            pb.AcquireRequest(key=key, client_verifies=self.verify),
+            timeout,
+        )
         if not a.found:
             return "stream" if a.use_get else None
         header = parse_header(a.header, expect_key=key)
         # The release callback is unused: AsyncClient releases with _done_with below.
-        return Lease(header, a.lease_id, self._check_extents(a.extents), a.payload_offset,
-                     arena, lambda lid: True, t0 + a.expires_ms / 1000 * LEASE_MARGIN)
+        return Lease(
+            header,
+            a.lease_id,
+            self._check_extents(a.extents),
+            a.payload_offset,
+            arena,
+            lambda lid: True,
+            t0 + a.expires_ms / 1000 * LEASE_MARGIN,
+        )
 
     async def _done_with(self, lease: Lease, timeout: float | None) -> bool:
         """Release a lease; False if what was read may be wrong (see Client._done_with)."""
@@ -243,8 +292,9 @@ class AsyncClient(ClientBase):
         with contextlib.suppress(grpc.RpcError):
             await self._stub.Release(request, timeout=self.timeout, metadata=self._metadata)
 
-    async def get(self, key: bytes, *, timeout: float | None = None
-                  ) -> tuple[RecordHeader, bytes] | None:
+    async def get(
+        self, key: bytes, *, timeout: float | None = None
+    ) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""
         got = await self._lease(key, timeout)
         if isinstance(got, Lease):
@@ -259,8 +309,9 @@ class AsyncClient(ClientBase):
             return None
         return await self._get_stream(key, None, timeout)
 
-    async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None
-                       ) -> RecordHeader | None:
+    async def get_into(
+        self, key: bytes, out: Any, *, timeout: float | None = None
+    ) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out`` (any writable buffer); its header or None."""
         dst = as_u8(out, writable=True)
         got = await self._lease(key, timeout)
@@ -280,56 +331,81 @@ class AsyncClient(ClientBase):
         found = await self._get_stream(key, dst, timeout)
         return found[0] if found else None
 
-    async def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
-                          ) -> tuple[RecordHeader, bytes] | None:
+    async def _get_stream(
+        self, key: bytes, out: np.ndarray | None, timeout: float | None
+    ) -> tuple[RecordHeader, bytes] | None:
         got = GetAssembler(key, out)
         try:
-            async for raw in self._get_raw(pb.GetRequest(key=key),
-                                           timeout=self._deadline(timeout),
-                                           metadata=self._metadata):
+            async for raw in self._get_raw(
+                pb.GetRequest(key=key), timeout=self._deadline(timeout), metadata=self._metadata
+            ):
                 got.add(raw)
         except grpc.RpcError as e:
             raise self._error(e, "Get") from e
         return got.finish()
 
     # -- lookup and management --------------------------------------------------------------
-    async def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
-                     granularity: int = 0, explain: bool = False,
-                     timeout: float | None = None) -> LookupResult:
+    async def lookup(
+        self,
+        namespace: NamespaceLike,
+        tokens: Tokens,
+        *,
+        min_tokens: int = 0,
+        granularity: int = 0,
+        explain: bool = False,
+        timeout: float | None = None,
+    ) -> LookupResult:
         """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC."""
         req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain)
         return lookup_from_pb(await self._call("Lookup", self._stub.Lookup, req, timeout))
 
-    async def exists(self, keys: Sequence[bytes], *, timeout: float | None = None
-                     ) -> builtins.list[tuple[int, ...]]:
+    async def exists(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> builtins.list[tuple[int, ...]]:
         """For each key, the tier levels that hold it (empty: not stored)."""
-        r = await self._call("Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)),
-                             timeout)
+        r = await self._call(
+            "Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)), timeout
+        )
         return [tuple(t.tiers) for t in r.found]
 
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove chunks from every tier; how many were stored."""
-        r = await self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)),
-                             timeout)
+        r = await self._call(
+            "Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout
+        )
         return int(r.deleted)
 
-    async def clear(self, namespace: NamespaceLike | None = None, *, all: bool = False,
-                    timeout: float | None = None) -> int:
+    async def clear(
+        self,
+        namespace: NamespaceLike | None = None,
+        *,
+        all: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         """Remove every chunk of one namespace, or everything with ``all=True``."""
-        r = await self._call("Clear", self._stub.Clear, self._clear_request(namespace, all),
-                             timeout)
+        r = await self._call(
+            "Clear", self._stub.Clear, self._clear_request(namespace, all), timeout
+        )
         return int(r.removed)
 
-    async def pin(self, keys: Sequence[bytes], pinned: bool = True, *,
-                  timeout: float | None = None) -> int:
+    async def pin(
+        self, keys: Sequence[bytes], pinned: bool = True, *, timeout: float | None = None
+    ) -> int:
         """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
-        r = await self._call("Pin", self._stub.Pin, pb.PinRequest(keys=list(keys),
-                                                                  pinned=pinned), timeout)
+        r = await self._call(
+            "Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned), timeout
+        )
         return int(r.changed)
 
-    async def list(self, namespace: NamespaceLike | None = None, *, tier: int = 0,
-                   pinned_only: bool = False, page_size: int = 500,
-                   timeout: float | None = None) -> AsyncIterator[ChunkView]:
+    async def list(
+        self,
+        namespace: NamespaceLike | None = None,
+        *,
+        tier: int = 0,
+        pinned_only: bool = False,
+        page_size: int = 500,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ChunkView]:
         """Every stored chunk (of one namespace, tier), fetched page by page."""
         token = ""
         while True:
@@ -343,8 +419,9 @@ class AsyncClient(ClientBase):
 
     async def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
         """The namespaces the server holds chunks of, with counts and bytes."""
-        return self._namespaces(await self._call("Namespaces", self._stub.Namespaces,
-                                                 pb.NamespacesRequest(), timeout))
+        return self._namespaces(
+            await self._call("Namespaces", self._stub.Namespaces, pb.NamespacesRequest(), timeout)
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:

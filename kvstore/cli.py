@@ -39,28 +39,52 @@ EXIT_OK, EXIT_ERROR = 0, 1  # and 2: argparse, for bad arguments
 
 # -- the parser --------------------------------------------------------------------------------
 
+
 def _common() -> argparse.ArgumentParser:
     """Options every command takes, before or after its name (SUPPRESS: no clobbering)."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("connection and output")
-    g.add_argument("--url", default=argparse.SUPPRESS,
-                   help="server: grpc://HOST:PORT, grpcs://HOST:PORT or unix:///PATH (default: "
-                        "$KVSTORE_URL, else the server's default Unix socket)")
-    g.add_argument("--token", default=argparse.SUPPRESS,
-                   help="bearer token, when the server requires one (default: $KVSTORE_TOKEN)")
-    g.add_argument("--timeout", type=fmt.arg_positive(float), default=argparse.SUPPRESS,
-                   metavar="SECONDS", help="deadline of each call to the server (default: 10)")
-    g.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                   help="print one machine-readable JSON document instead of tables")
+    g.add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help="server: grpc://HOST:PORT, grpcs://HOST:PORT or unix:///PATH (default: "
+        "$KVSTORE_URL, else the server's default Unix socket)",
+    )
+    g.add_argument(
+        "--token",
+        default=argparse.SUPPRESS,
+        help="bearer token, when the server requires one (default: $KVSTORE_TOKEN)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=fmt.arg_positive(float),
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="deadline of each call to the server (default: 10)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print one machine-readable JSON document instead of tables",
+    )
     return p
 
 
 def _namespace_options(p: argparse.ArgumentParser, what: str) -> None:
     g = p.add_argument_group(
-        "namespace", f"{what}: give its fingerprint, or the fields that make it up "
-        "(the same ones the engine uses; the fingerprint is computed from them)")
-    g.add_argument("--namespace-fp", "--namespace", dest="namespace_fp", type=fmt.arg_fingerprint,
-                   metavar="HEX", help="namespace fingerprint (32 hex digits, or a unique prefix)")
+        "namespace",
+        f"{what}: give its fingerprint, or the fields that make it up "
+        "(the same ones the engine uses; the fingerprint is computed from them)",
+    )
+    g.add_argument(
+        "--namespace-fp",
+        "--namespace",
+        dest="namespace_fp",
+        type=fmt.arg_fingerprint,
+        metavar="HEX",
+        help="namespace fingerprint (32 hex digits, or a unique prefix)",
+    )
     g.add_argument("--model", help="model id, e.g. meta-llama/Llama-3.1-8B")
     g.add_argument("--revision", default="", help="model revision or weights hash")
     g.add_argument("--dtype", default="", help="KV cache dtype, e.g. bfloat16")
@@ -72,18 +96,27 @@ def _namespace_options(p: argparse.ArgumentParser, what: str) -> None:
     g.add_argument("--pp-size", type=int, default=1, metavar="N", help="pipeline-parallel size")
     g.add_argument("--lora", default="", help="LoRA adapter name or hash")
     g.add_argument("--salt", default="", help="cache salt / tenant")
-    g.add_argument("--extra", type=fmt.arg_pair, action="append", default=[], metavar="KEY=VALUE",
-                   help="any other namespace field (repeatable)")
+    g.add_argument(
+        "--extra",
+        type=fmt.arg_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other namespace field (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
     p = argparse.ArgumentParser(
-        prog="kvstore", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="kvstore",
+        parents=[common],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect and manage a running kvstore-server (the tiered KV-cache store).",
         epilog="Every command takes --url, --token, --timeout and --json, before or after its "
-               "name.\nExit status: 0 ok, 1 an error the message explains (e.g. the server is "
-               "unreachable),\n2 bad arguments. `kvstore COMMAND --help` documents each command.")
+        "name.\nExit status: 0 ok, 1 an error the message explains (e.g. the server is "
+        "unreachable),\n2 bad arguments. `kvstore COMMAND --help` documents each command.",
+    )
     p.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -94,98 +127,183 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("stats", "counters of the store and of each tier")
     command("info", "what the server is and offers: version, chunking, tiers, shared memory")
-    command("health", "exit 0 when the server is serving, 1 otherwise",
-            "Ask the server's gRPC health check. Exit 0 when it is serving, 1 when it is "
-            "unreachable or not serving (no token needed).")
+    command(
+        "health",
+        "exit 0 when the server is serving, 1 otherwise",
+        "Ask the server's gRPC health check. Exit 0 when it is serving, 1 when it is "
+        "unreachable or not serving (no token needed).",
+    )
 
-    sp = command("ls", "list namespaces, or the chunks of one namespace",
-                 "Without a namespace: the namespaces the server holds chunks of. With one "
-                 "(or with --tier/--pinned/--all-chunks): its chunks, with their tiers, size, "
-                 "age, idle time, hits and pin state.")
-    sp.add_argument("namespace_pos", nargs="?", type=fmt.arg_fingerprint,
-                    metavar="NAMESPACE_FP",
-                    help="namespace fingerprint (or a unique prefix) whose chunks to list")
-    sp.add_argument("--tier", type=fmt.arg_tier,
-                    help="only chunks held by this tier: memory, disk, remote")
+    sp = command(
+        "ls",
+        "list namespaces, or the chunks of one namespace",
+        "Without a namespace: the namespaces the server holds chunks of. With one "
+        "(or with --tier/--pinned/--all-chunks): its chunks, with their tiers, size, "
+        "age, idle time, hits and pin state.",
+    )
+    sp.add_argument(
+        "namespace_pos",
+        nargs="?",
+        type=fmt.arg_fingerprint,
+        metavar="NAMESPACE_FP",
+        help="namespace fingerprint (or a unique prefix) whose chunks to list",
+    )
+    sp.add_argument(
+        "--tier", type=fmt.arg_tier, help="only chunks held by this tier: memory, disk, remote"
+    )
     sp.add_argument("--pinned", action="store_true", help="only pinned chunks")
-    sp.add_argument("--all-chunks", action="store_true",
-                    help="list the chunks of every namespace instead of the namespaces")
-    sp.add_argument("--limit", type=int, default=100, metavar="N",
-                    help="show at most N chunks; 0 for all (default: 100)")
+    sp.add_argument(
+        "--all-chunks",
+        action="store_true",
+        help="list the chunks of every namespace instead of the namespaces",
+    )
+    sp.add_argument(
+        "--limit",
+        type=int,
+        default=100,
+        metavar="N",
+        help="show at most N chunks; 0 for all (default: 100)",
+    )
     _namespace_options(sp, "the namespace whose chunks to list")
 
-    sp = command("lookup", "how much of a prompt is stored, chunk by chunk, and why it stops",
-                 "Look a prompt up as an engine would: the longest stored prefix, which tier "
-                 "serves each chunk, and why matching stops (never stored, evicted, corrupt, "
-                 "deleted, diverged mid-chunk, below --min-tokens). Another namespace (model, "
-                 "dtype, layout, ...) holding more of the prompt is reported too. Token ids come "
-                 "from the arguments, --tokens-file, standard input, or --text with a local "
-                 "--tokenizer.")
-    sp.add_argument("tokens", nargs="*", metavar="TOKEN_ID",
-                    help="token ids (spaces or commas between them); '-' reads standard input")
-    sp.add_argument("--tokens-file", metavar="FILE",
-                    help="read token ids from FILE: whitespace or comma separated, or a JSON "
-                         "array")
+    sp = command(
+        "lookup",
+        "how much of a prompt is stored, chunk by chunk, and why it stops",
+        "Look a prompt up as an engine would: the longest stored prefix, which tier "
+        "serves each chunk, and why matching stops (never stored, evicted, corrupt, "
+        "deleted, diverged mid-chunk, below --min-tokens). Another namespace (model, "
+        "dtype, layout, ...) holding more of the prompt is reported too. Token ids come "
+        "from the arguments, --tokens-file, standard input, or --text with a local "
+        "--tokenizer.",
+    )
+    sp.add_argument(
+        "tokens",
+        nargs="*",
+        metavar="TOKEN_ID",
+        help="token ids (spaces or commas between them); '-' reads standard input",
+    )
+    sp.add_argument(
+        "--tokens-file",
+        metavar="FILE",
+        help="read token ids from FILE: whitespace or comma separated, or a JSON array",
+    )
     sp.add_argument("--text", help="tokenize this text with --tokenizer instead")
-    sp.add_argument("--tokenizer", metavar="DIR",
-                    help="local tokenizer: a model directory (transformers.AutoTokenizer) or a "
-                         "tokenizer.json file (tokenizers); nothing is downloaded")
-    sp.add_argument("--no-special-tokens", dest="special_tokens", action="store_false",
-                    help="do not add the tokenizer's special tokens (e.g. BOS) to --text")
-    sp.add_argument("--min-tokens", type=int, default=0, metavar="N",
-                    help="report 0 when fewer than N tokens match (as an engine would)")
-    sp.add_argument("--granularity", type=int, default=0, metavar="N",
-                    help="round the match down to N tokens (the engine's block size; default: "
-                         "the server's)")
+    sp.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="local tokenizer: a model directory (transformers.AutoTokenizer) or a "
+        "tokenizer.json file (tokenizers); nothing is downloaded",
+    )
+    sp.add_argument(
+        "--no-special-tokens",
+        dest="special_tokens",
+        action="store_false",
+        help="do not add the tokenizer's special tokens (e.g. BOS) to --text",
+    )
+    sp.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="report 0 when fewer than N tokens match (as an engine would)",
+    )
+    sp.add_argument(
+        "--granularity",
+        type=int,
+        default=0,
+        metavar="N",
+        help="round the match down to N tokens (the engine's block size; default: the server's)",
+    )
     _namespace_options(sp, "the namespace to look the prompt up in")
 
     for name, verb in (("delete", "delete"), ("pin", "pin"), ("unpin", "unpin")):
-        what = {"delete": "delete chunks from every tier",
-                "pin": "pin chunks: never evicted until unpinned",
-                "unpin": "unpin chunks: evictable again"}[name]
-        sp = command(name, what, what[0].upper() + what[1:] + ". Keys are the 64-hex-digit "
-                     "chunk keys `kvstore ls` and `kvstore lookup` print." +
-                     ("" if name == "delete" else " Exit 1 when a key is not stored."))
-        sp.add_argument("keys", nargs="+", type=fmt.arg_key, metavar="KEY",
-                        help=f"chunk key to {verb}")
+        what = {
+            "delete": "delete chunks from every tier",
+            "pin": "pin chunks: never evicted until unpinned",
+            "unpin": "unpin chunks: evictable again",
+        }[name]
+        sp = command(
+            name,
+            what,
+            what[0].upper() + what[1:] + ". Keys are the 64-hex-digit "
+            "chunk keys `kvstore ls` and `kvstore lookup` print."
+            + ("" if name == "delete" else " Exit 1 when a key is not stored."),
+        )
+        sp.add_argument(
+            "keys", nargs="+", type=fmt.arg_key, metavar="KEY", help=f"chunk key to {verb}"
+        )
 
-    sp = command("clear", "remove every chunk of one namespace, or of all namespaces",
-                 "Remove every chunk of one namespace (NAMESPACE_FP or the namespace fields), or "
-                 "of every namespace with --all. Asks for confirmation on a terminal; --yes "
-                 "skips it. Without a terminal and without --yes it refuses (exit 1).")
-    sp.add_argument("namespace_pos", nargs="?", type=fmt.arg_fingerprint,
-                    metavar="NAMESPACE_FP",
-                    help="namespace fingerprint (or a unique prefix) to clear")
+    sp = command(
+        "clear",
+        "remove every chunk of one namespace, or of all namespaces",
+        "Remove every chunk of one namespace (NAMESPACE_FP or the namespace fields), or "
+        "of every namespace with --all. Asks for confirmation on a terminal; --yes "
+        "skips it. Without a terminal and without --yes it refuses (exit 1).",
+    )
+    sp.add_argument(
+        "namespace_pos",
+        nargs="?",
+        type=fmt.arg_fingerprint,
+        metavar="NAMESPACE_FP",
+        help="namespace fingerprint (or a unique prefix) to clear",
+    )
     sp.add_argument("--all", action="store_true", help="clear every namespace")
     sp.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     _namespace_options(sp, "the namespace to clear")
 
-    sp = command("bench", "put/get throughput against the server, with verification",
-                 "Put COUNT chunks of SIZE bytes (random bytes, a throwaway namespace), read "
-                 "them back, verify every byte, report GB/s for each, then delete them.")
-    sp.add_argument("--size", type=fmt.arg_size, default=8 << 20, metavar="SIZE",
-                    help="payload bytes per chunk, e.g. 512KiB, 8MiB (default: 8MiB)")
-    sp.add_argument("--count", type=fmt.arg_positive(int), default=32, metavar="N",
-                    help="chunks to put and get (default: 32)")
-    sp.add_argument("--shm", action=argparse.BooleanOptionalAction, default=None,
-                    help="insist on (--shm) or avoid (--no-shm) the shared-memory data plane "
-                         "(default: use it when on the server's host)")
+    sp = command(
+        "bench",
+        "put/get throughput against the server, with verification",
+        "Put COUNT chunks of SIZE bytes (random bytes, a throwaway namespace), read "
+        "them back, verify every byte, report GB/s for each, then delete them.",
+    )
+    sp.add_argument(
+        "--size",
+        type=fmt.arg_size,
+        default=8 << 20,
+        metavar="SIZE",
+        help="payload bytes per chunk, e.g. 512KiB, 8MiB (default: 8MiB)",
+    )
+    sp.add_argument(
+        "--count",
+        type=fmt.arg_positive(int),
+        default=32,
+        metavar="N",
+        help="chunks to put and get (default: 32)",
+    )
+    sp.add_argument(
+        "--shm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="insist on (--shm) or avoid (--no-shm) the shared-memory data plane "
+        "(default: use it when on the server's host)",
+    )
     sp.add_argument("--keep", action="store_true", help="keep the chunks instead of deleting")
-    sp.add_argument("--no-progress", dest="progress", action="store_false",
-                    help="no progress bar on stderr")
-    sp.add_argument("--suite", nargs="?", const="all", metavar="NAME[,NAME]",
-                    help="run the benchmark suite instead (`python -m benchmarks`; needs the "
-                         "source checkout): all suites, or some of store, remote, server, "
-                         "concurrency, connector, replay. It starts its own servers; --url "
-                         "is not used")
+    sp.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar on stderr"
+    )
+    sp.add_argument(
+        "--suite",
+        nargs="?",
+        const="all",
+        metavar="NAME[,NAME]",
+        help="run the benchmark suite instead (`python -m benchmarks`; needs the "
+        "source checkout): all suites, or some of store, remote, server, "
+        "concurrency, connector, replay. It starts its own servers; --url "
+        "is not used",
+    )
     sp.add_argument("--quick", action="store_true", help="with --suite: the quick subset")
     sp.add_argument("--out", metavar="FILE", help="with --suite: write the records as JSON")
-    sp.add_argument("--no-save", action="store_true",
-                    help="with --suite: leave benchmarks/RESULTS.md and the plots alone")
+    sp.add_argument(
+        "--no-save",
+        action="store_true",
+        help="with --suite: leave benchmarks/RESULTS.md and the plots alone",
+    )
     return p
 
 
 # -- helpers shared by commands ---------------------------------------------------------------
+
 
 def _client(args: argparse.Namespace, shm: bool | None = None) -> Client:
     from kvstore.client import Client
@@ -197,10 +315,20 @@ def _namespace_from_fields(args: argparse.Namespace) -> Namespace | None:
     if args.model is None:
         return None
     try:
-        return Namespace(model=args.model, revision=args.revision, dtype=args.dtype,
-                         layout=args.layout, device=args.device, tp_rank=args.tp_rank,
-                         tp_size=args.tp_size, pp_rank=args.pp_rank, pp_size=args.pp_size,
-                         lora=args.lora, salt=args.salt, extra=tuple(sorted(args.extra)))
+        return Namespace(
+            model=args.model,
+            revision=args.revision,
+            dtype=args.dtype,
+            layout=args.layout,
+            device=args.device,
+            tp_rank=args.tp_rank,
+            tp_size=args.tp_size,
+            pp_rank=args.pp_rank,
+            pp_size=args.pp_size,
+            lora=args.lora,
+            salt=args.salt,
+            extra=tuple(sorted(args.extra)),
+        )
     except InvalidArgument as e:
         args.parser.error(str(e))
         raise  # parser.error exits; this keeps type checkers content
@@ -214,8 +342,7 @@ def _given_namespace(args: argparse.Namespace) -> tuple[str | None, Namespace | 
     hexfp = pos or args.namespace_fp
     ns = _namespace_from_fields(args)
     if hexfp and ns is not None:
-        args.parser.error("give either a namespace fingerprint or --model and its fields, "
-                          "not both")
+        args.parser.error("give either a namespace fingerprint or --model and its fields, not both")
     return hexfp, ns
 
 
@@ -225,25 +352,60 @@ def _resolve_fp(client: Client, hexfp: str) -> Fingerprint:
         return Fingerprint(bytes.fromhex(hexfp))
     found = [n.fingerprint for n in client.namespaces() if n.fingerprint.hex().startswith(hexfp)]
     if len(found) != 1:
-        raise CLIError(f"namespace prefix {hexfp!r} matches {len(found)} stored namespaces; "
-                       "give more hex digits (see `kvstore ls`)")
+        raise CLIError(
+            f"namespace prefix {hexfp!r} matches {len(found)} stored namespaces; "
+            "give more hex digits (see `kvstore ls`)"
+        )
     return found[0]
 
 
 # -- commands ------------------------------------------------------------------------------------
 
+
 def cmd_stats(args: argparse.Namespace) -> Doc:
     with _client(args) as c:
         s = c.stats()
     doc: Doc = {"url": c.url, "chunks": s.chunks, "namespaces": s.namespaces}
-    for name in ("pending_writes", "pending_bytes", "write_failures", "lookups",
-                 "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts"):
+    for name in (
+        "pending_writes",
+        "pending_bytes",
+        "write_failures",
+        "lookups",
+        "lookup_tokens",
+        "matched_tokens",
+        "gets",
+        "hits",
+        "puts",
+        "rejected_puts",
+    ):
         doc[name] = getattr(s, name)
     doc.update(s.extra)
-    doc["tiers"] = [{**{f: getattr(t, f) for f in (
-        "name", "level", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "puts",
-        "evictions", "corrupt", "errors", "rejected", "bytes_in", "bytes_out", "healthy")},
-        "detail": t.detail} for t in s.tiers]
+    doc["tiers"] = [
+        {
+            **{
+                f: getattr(t, f)
+                for f in (
+                    "name",
+                    "level",
+                    "capacity_bytes",
+                    "used_bytes",
+                    "chunks",
+                    "hits",
+                    "misses",
+                    "puts",
+                    "evictions",
+                    "corrupt",
+                    "errors",
+                    "rejected",
+                    "bytes_in",
+                    "bytes_out",
+                    "healthy",
+                )
+            },
+            "detail": t.detail,
+        }
+        for t in s.tiers
+    ]
     return doc
 
 
@@ -265,9 +427,14 @@ def cmd_info(args: argparse.Namespace) -> Doc:
                 why = f"{info.shm_path} here is not the server's arena"
         except OSError as e:
             why = f"cannot open {info.shm_path}: {e.strerror}"
-    return {"url": c.url, **dataclasses.asdict(info), "client_version": __version__,
-            "client_native": accel.IMPL,
-            "shm_usable": not why, "shm_unusable_reason": why}
+    return {
+        "url": c.url,
+        **dataclasses.asdict(info),
+        "client_version": __version__,
+        "client_native": accel.IMPL,
+        "shm_usable": not why,
+        "shm_unusable_reason": why,
+    }
 
 
 def cmd_health(args: argparse.Namespace) -> Doc:
@@ -283,8 +450,10 @@ def cmd_health(args: argparse.Namespace) -> Doc:
         # health() folds every failure into False; Info tells unreachable from not serving.
         try:
             c.info()
-            doc.update(status="not_serving", error="the server answers but is not serving "
-                                                   "(starting or shutting down)")
+            doc.update(
+                status="not_serving",
+                error="the server answers but is not serving (starting or shutting down)",
+            )
         except ServerUnavailable as e:
             doc.update(status="unreachable", error=_unreachable(c.url, e))
         except KVStoreError as e:
@@ -299,9 +468,18 @@ def cmd_ls(args: argparse.Namespace) -> Doc:
     with _client(args) as c:
         chunks_wanted = hexfp or ns or args.tier or args.pinned or args.all_chunks
         if not chunks_wanted:
-            return {"url": c.url, "namespaces": [
-                {"fingerprint": n.fingerprint.hex(), "chunks": n.chunks, "bytes": n.bytes,
-                 "namespace": fmt.namespace_fields(n.namespace)} for n in c.namespaces()]}
+            return {
+                "url": c.url,
+                "namespaces": [
+                    {
+                        "fingerprint": n.fingerprint.hex(),
+                        "chunks": n.chunks,
+                        "bytes": n.bytes,
+                        "namespace": fmt.namespace_fields(n.namespace),
+                    }
+                    for n in c.namespaces()
+                ],
+            }
         fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp) if hexfp else None
         now_ms = time.time() * 1000
         rows: list[Doc] = []
@@ -310,15 +488,30 @@ def cmd_ls(args: argparse.Namespace) -> Doc:
             if args.limit and len(rows) == args.limit:
                 truncated = True
                 break
-            rows.append({
-                "key": v.key.hex(), "fingerprint": v.fingerprint.hex(), "parent": v.parent.hex(),
-                "tokens": v.n_tokens, "size_bytes": v.raw_size, "dtype": v.dtype,
-                "tiers": [fmt.tier_name(t) for t in v.tiers], "pinned": v.pinned,
-                "hits": v.hits, "created_ms": v.created_ms, "last_access_ms": v.last_access_ms,
-                "age_s": round(max(0.0, now_ms - v.created_ms) / 1000, 3),
-                "idle_s": round(max(0.0, now_ms - v.last_access_ms) / 1000, 3)})
-    return {"url": c.url, "namespace": fp.hex() if fp else None, "chunks": rows,
-            "truncated": truncated, "limit": args.limit}
+            rows.append(
+                {
+                    "key": v.key.hex(),
+                    "fingerprint": v.fingerprint.hex(),
+                    "parent": v.parent.hex(),
+                    "tokens": v.n_tokens,
+                    "size_bytes": v.raw_size,
+                    "dtype": v.dtype,
+                    "tiers": [fmt.tier_name(t) for t in v.tiers],
+                    "pinned": v.pinned,
+                    "hits": v.hits,
+                    "created_ms": v.created_ms,
+                    "last_access_ms": v.last_access_ms,
+                    "age_s": round(max(0.0, now_ms - v.created_ms) / 1000, 3),
+                    "idle_s": round(max(0.0, now_ms - v.last_access_ms) / 1000, 3),
+                }
+            )
+    return {
+        "url": c.url,
+        "namespace": fp.hex() if fp else None,
+        "chunks": rows,
+        "truncated": truncated,
+        "limit": args.limit,
+    }
 
 
 _CUTS = ("granularity", "below_min_tokens")  # stops that cut a stored prefix short
@@ -335,8 +528,9 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         info = c.info()
         fp = ns.fingerprint if ns is not None else _resolve_fp(c, hexfp or "")
         target = ns if ns is not None else fp  # a Namespace lets the server name it in `ls`
-        r = c.lookup(target, tokens, min_tokens=args.min_tokens, granularity=args.granularity,
-                     explain=True)
+        r = c.lookup(
+            target, tokens, min_tokens=args.min_tokens, granularity=args.granularity, explain=True
+        )
         # A cut (min_tokens, a coarser granularity) hides where the stored prefix ends and
         # why: ask once more without one (granularity 1 rounds nothing).
         cut = bool(args.min_tokens or args.granularity) or r.stop in _CUTS
@@ -344,9 +538,19 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         named = {n.fingerprint: n.namespace for n in c.namespaces()} if ns is None else {}
     mine = ns if ns is not None else named.get(fp)
     ct, g = info.chunk_tokens, args.granularity or info.granularity
-    chunks = [{"index": m.start // ct, "key": m.key.hex(), "start": m.start,
-               "end": m.start + m.tokens, "tokens": m.tokens, "stored_tokens": m.stored_tokens,
-               "tier": fmt.tier_name(m.tier), "partial": m.partial} for m in d.chunks]
+    chunks = [
+        {
+            "index": m.start // ct,
+            "key": m.key.hex(),
+            "start": m.start,
+            "end": m.start + m.tokens,
+            "tokens": m.tokens,
+            "stored_tokens": m.stored_tokens,
+            "tier": fmt.tier_name(m.tier),
+            "partial": m.partial,
+        }
+        for m in d.chunks
+    ]
     stop_span = None
     if d.stop not in ("complete", *_CUTS) and 0 <= d.stop_chunk * ct < d.total_tokens:
         start = d.stop_chunk * ct
@@ -354,23 +558,39 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
     cut_doc = None
     if r.matched_tokens < d.matched_tokens:
         why = "below_min_tokens" if r.stop == "below_min_tokens" else "granularity"
-        cut_doc = {"reason": why, "explanation": fmt.explain_stop(
-            why, -1, None, chunks, args.min_tokens, g)}
+        cut_doc = {
+            "reason": why,
+            "explanation": fmt.explain_stop(why, -1, None, chunks, args.min_tokens, g),
+        }
     others = []
     for o in d.other_namespaces:
         diff = fmt.namespace_diff(mine, o.namespace) if mine and o.namespace else []
-        others.append({"fingerprint": o.fingerprint.hex(), "matched_tokens": o.matched_tokens,
-                       "namespace": fmt.namespace_fields(o.namespace), "differs_in": diff})
+        others.append(
+            {
+                "fingerprint": o.fingerprint.hex(),
+                "matched_tokens": o.matched_tokens,
+                "namespace": fmt.namespace_fields(o.namespace),
+                "differs_in": diff,
+            }
+        )
     return {
-        "url": c.url, "namespace": {"fingerprint": fp.hex(),
-                                    "fields": fmt.namespace_fields(mine)},
-        "total_tokens": r.total_tokens, "matched_tokens": r.matched_tokens,
-        "stored_prefix_tokens": d.matched_tokens, "cut": cut_doc,
-        "chunk_tokens": ct, "granularity": g, "min_tokens": args.min_tokens,
+        "url": c.url,
+        "namespace": {"fingerprint": fp.hex(), "fields": fmt.namespace_fields(mine)},
+        "total_tokens": r.total_tokens,
+        "matched_tokens": r.matched_tokens,
+        "stored_prefix_tokens": d.matched_tokens,
+        "cut": cut_doc,
+        "chunk_tokens": ct,
+        "granularity": g,
+        "min_tokens": args.min_tokens,
         "by_tier": {fmt.tier_name(t): n for t, n in sorted(d.by_tier.items())},
-        "chunks": chunks, "stop": d.stop, "stop_chunk": d.stop_chunk, "stop_span": stop_span,
-        "explanation": fmt.explain_stop(d.stop, d.stop_chunk, stop_span, chunks,
-                                        args.min_tokens, g),
+        "chunks": chunks,
+        "stop": d.stop,
+        "stop_chunk": d.stop_chunk,
+        "stop_span": stop_span,
+        "explanation": fmt.explain_stop(
+            d.stop, d.stop_chunk, stop_span, chunks, args.min_tokens, g
+        ),
         "other_namespaces": others,
     }
 
@@ -385,11 +605,18 @@ def _keys_command(args: argparse.Namespace) -> Doc:
             return {"url": c.url, "requested": len(keys), "deleted": n, "not_found": missing}
         pinned = args.command == "pin"
         n = c.pin(keys, pinned)
-    doc = {"url": c.url, "pinned": pinned, "requested": len(keys), "changed": n,
-           "not_found": missing}
+    doc = {
+        "url": c.url,
+        "pinned": pinned,
+        "requested": len(keys),
+        "changed": n,
+        "not_found": missing,
+    }
     if missing:
-        doc["error"] = (f"{len(missing)} of {len(keys)} keys are not stored: "
-                        f"{', '.join(k[:16] + '...' for k in missing)}")
+        doc["error"] = (
+            f"{len(missing)} of {len(keys)} keys are not stored: "
+            f"{', '.join(k[:16] + '...' for k in missing)}"
+        )
     return doc
 
 
@@ -400,39 +627,64 @@ def cmd_clear(args: argparse.Namespace) -> Doc:
     with _client(args) as c:
         fp = None if args.all else ns.fingerprint if ns else _resolve_fp(c, hexfp or "")
         held = [n for n in c.namespaces() if fp is None or n.fingerprint == fp]
-        what = ("every namespace" if fp is None else f"namespace {fp.hex()}"
-                + (f" ({fmt.describe_namespace(held[0].namespace)})"
-                   if held and held[0].namespace else ""))
+        what = (
+            "every namespace"
+            if fp is None
+            else f"namespace {fp.hex()}"
+            + (
+                f" ({fmt.describe_namespace(held[0].namespace)})"
+                if held and held[0].namespace
+                else ""
+            )
+        )
         n_chunks = sum(n.chunks for n in held)
         if not args.yes:
             if not sys.stdin.isatty():
-                raise CLIError(f"refusing to clear {what} without confirmation: standard input "
-                               "is not a terminal; pass --yes to clear anyway")
-            sys.stderr.write(f"Remove {n_chunks} chunks "
-                             f"({fmt.human_bytes(sum(n.bytes for n in held))}) of {what}? "
-                             "[y/N] ")
+                raise CLIError(
+                    f"refusing to clear {what} without confirmation: standard input "
+                    "is not a terminal; pass --yes to clear anyway"
+                )
+            sys.stderr.write(
+                f"Remove {n_chunks} chunks "
+                f"({fmt.human_bytes(sum(n.bytes for n in held))}) of {what}? "
+                "[y/N] "
+            )
             sys.stderr.flush()
             answer = sys.stdin.readline().strip().lower()
             if answer not in ("y", "yes"):
                 raise CLIError("not cleared (answer y to confirm)")
         removed = c.clear(fp, all=fp is None)
-    return {"url": c.url, "all": fp is None, "namespace": fp.hex() if fp else None,
-            "removed": removed}
+    return {
+        "url": c.url,
+        "all": fp is None,
+        "namespace": fp.hex() if fp else None,
+        "removed": removed,
+    }
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], Doc]] = {
-    "stats": cmd_stats, "info": cmd_info, "health": cmd_health, "ls": cmd_ls,
-    "lookup": cmd_lookup, "delete": _keys_command, "pin": _keys_command,
-    "unpin": _keys_command, "clear": cmd_clear, "bench": cli_bench.cmd_bench,
+    "stats": cmd_stats,
+    "info": cmd_info,
+    "health": cmd_health,
+    "ls": cmd_ls,
+    "lookup": cmd_lookup,
+    "delete": _keys_command,
+    "pin": _keys_command,
+    "unpin": _keys_command,
+    "clear": cmd_clear,
+    "bench": cli_bench.cmd_bench,
 }
 
 
 # -- entry point -----------------------------------------------------------------------------------
 
+
 def _unreachable(url: str, e: KVStoreError) -> str:
     detail = str(e).split(" is unavailable: ", 1)[-1].replace("\n", " ")
-    return (f"cannot reach a kvstore server at {url} ({detail}); is it running? Start one with "
-            "`kvstore-server`, or point --url / KVSTORE_URL at a running server")
+    return (
+        f"cannot reach a kvstore server at {url} ({detail}); is it running? Start one with "
+        "`kvstore-server`, or point --url / KVSTORE_URL at a running server"
+    )
 
 
 def _message(e: KVStoreError, args: argparse.Namespace) -> str:

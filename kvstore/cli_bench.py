@@ -25,8 +25,10 @@ def _benchmarks_main() -> Callable[[list[str]], int]:
                 sys.path.insert(0, str(root))
                 break
         else:
-            raise CLIError("the benchmark suite lives in the source checkout's benchmarks/ "
-                           "folder: run `kvstore bench --suite` from the checkout") from None
+            raise CLIError(
+                "the benchmark suite lives in the source checkout's benchmarks/ "
+                "folder: run `kvstore bench --suite` from the checkout"
+            ) from None
         from benchmarks.__main__ import main as bench_main
     return bench_main
 
@@ -50,11 +52,17 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
             try:
                 rc = bench_main(argv)
             except SystemExit as e:  # argparse in the suite: an unknown suite name
-                raise CLIError(f"--suite {args.suite}: not a benchmark suite (see "
-                               "`python -m benchmarks --list`)") from e
+                raise CLIError(
+                    f"--suite {args.suite}: not a benchmark suite (see "
+                    "`python -m benchmarks --list`)"
+                ) from e
         records = json.loads(Path(out).read_text()) if os.path.exists(out) else []
-    doc: Doc = {"suite": args.suite, "quick": args.quick, "records": records,
-                "json": args.out or None}
+    doc: Doc = {
+        "suite": args.suite,
+        "quick": args.quick,
+        "records": records,
+        "json": args.out or None,
+    }
     if rc:
         doc["error"] = f"the benchmark suite failed (exit {rc}); see the messages above"
     return doc
@@ -76,8 +84,10 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
     with Client(args.url, token=args.token, timeout=args.timeout, shm=args.shm) as c:
         info = c.info()
         if size + 65536 > info.max_chunk_bytes:
-            raise CLIError(f"--size {fmt.human_bytes(size)} is over the server's largest chunk "
-                           f"({fmt.human_bytes(info.max_chunk_bytes)} with its header)")
+            raise CLIError(
+                f"--size {fmt.human_bytes(size)} is over the server's largest chunk "
+                f"({fmt.human_bytes(info.max_chunk_bytes)} with its header)"
+            )
         # A fresh namespace per run: earlier runs' chunks cannot turn puts into EXISTS.
         ns = Namespace(model="kvstore-bench", salt=uuid.uuid4().hex)
         payload = np.random.default_rng().integers(0, 256, size, dtype=np.uint8)
@@ -119,15 +129,28 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
         if not args.keep:
             c.delete([k for _, k in keys])
     doc: Doc = {
-        "url": c.url, "plane": plane, "size_bytes": size, "count": count,
-        "put": {"seconds": t_put, "bytes": size * count,
-                "gb_per_s": size * count / t_put / 1e9 if t_put else 0.0,
-                "statuses": {k: v for k, v in statuses.items() if v}},
-        "get": {"seconds": t_get, "bytes": size * len(keys),
-                "gb_per_s": size * len(keys) / t_get / 1e9 if t_get else 0.0,
-                "missing": missing},
-        "verified": verified, "kept": args.keep}
+        "url": c.url,
+        "plane": plane,
+        "size_bytes": size,
+        "count": count,
+        "put": {
+            "seconds": t_put,
+            "bytes": size * count,
+            "gb_per_s": size * count / t_put / 1e9 if t_put else 0.0,
+            "statuses": {k: v for k, v in statuses.items() if v},
+        },
+        "get": {
+            "seconds": t_get,
+            "bytes": size * len(keys),
+            "gb_per_s": size * len(keys) / t_get / 1e9 if t_get else 0.0,
+            "missing": missing,
+        },
+        "verified": verified,
+        "kept": args.keep,
+    }
     if verified != count:
-        doc["error"] = (f"only {verified} of {count} chunks were stored and read back intact "
-                        f"(put statuses {doc['put']['statuses']}, {missing} missing on get)")
+        doc["error"] = (
+            f"only {verified} of {count} chunks were stored and read back intact "
+            f"(put statuses {doc['put']['statuses']}, {missing} missing on get)"
+        )
     return doc

@@ -30,9 +30,22 @@ class CLIError(KVStoreError):
 TIER_NAMES = {1: "memory", 2: "disk", 3: "remote"}
 TIER_LEVELS = {name: level for level, name in TIER_NAMES.items()}
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
-          "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -120,8 +133,9 @@ def namespace_diff(mine: Namespace, other: Namespace) -> list[str]:
     return [name for name in a if a[name] != b[name]]
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
-          right: Sequence[str] = ()) -> str:
+def table(
+    headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[str] = ()
+) -> str:
     """An aligned plain-text table; columns named in ``right`` are right-aligned (numbers)."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
@@ -139,7 +153,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
 
 
 def key_values(pairs: Sequence[tuple[str, Any]]) -> str:
-    """"name:  value" lines with the values aligned."""
+    """ "name:  value" lines with the values aligned."""
     width = max((len(k) for k, _ in pairs), default=0) + 1
     return "\n".join(f"{(k + ':').ljust(width)}  {v}" for k, v in pairs)
 
@@ -165,6 +179,7 @@ def _json_default(value: Any) -> Any:
 
 # -- text in: argument types (a bad value is an argparse error, exit 2) and token ids ----------
 
+
 def arg_key(text: str) -> ChunkKey:
     try:
         return parse_key(text)
@@ -178,7 +193,8 @@ def arg_fingerprint(text: str) -> str:
     if not t or len(t) > FINGERPRINT_BYTES * 2 or any(c not in "0123456789abcdef" for c in t):
         raise argparse.ArgumentTypeError(
             f"a namespace fingerprint is {FINGERPRINT_BYTES * 2} hex characters (a unique "
-            f"prefix will do), got {text!r}")
+            f"prefix will do), got {text!r}"
+        )
     return t
 
 
@@ -201,6 +217,7 @@ def arg_positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
+
     return check
 
 
@@ -244,7 +261,8 @@ def load_tokenizer(path: str, special: bool) -> Callable[[str], list[int]]:
     p = os.path.expanduser(path)
     tj = os.path.join(p, "tokenizer.json") if os.path.isdir(p) else p
     has_config = os.path.isdir(p) and any(
-        os.path.exists(os.path.join(p, f)) for f in ("tokenizer_config.json", "config.json"))
+        os.path.exists(os.path.join(p, f)) for f in ("tokenizer_config.json", "config.json")
+    )
     if has_config:
         os.environ["HF_HUB_OFFLINE"] = "1"
         os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -277,7 +295,7 @@ def lookup_tokens(args: argparse.Namespace) -> list[int]:
     if sources > 1:
         args.parser.error("give token ids one way: arguments, --tokens-file or --text")
     if args.tokenizer and args.text is None:
-        args.parser.error("--tokenizer goes with --text \"...\" (the text to tokenize)")
+        args.parser.error('--tokenizer goes with --text "..." (the text to tokenize)')
     if args.text is not None:
         if not args.tokenizer:
             args.parser.error("--text needs --tokenizer DIR (a local tokenizer)")
@@ -300,6 +318,7 @@ def lookup_tokens(args: argparse.Namespace) -> list[int]:
 
 # -- text out: one renderer per command, from the same document --json prints ----------------
 
+
 class Progress:
     """A progress bar on stderr: tqdm when installed, else one rewritten line (TTY only)."""
 
@@ -312,8 +331,7 @@ class Progress:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(total=total, desc=desc, unit="chunk", file=sys.stderr,
-                             leave=False)
+            self._bar = tqdm(total=total, desc=desc, unit="chunk", file=sys.stderr, leave=False)
 
     def update(self) -> None:
         self.n += 1
@@ -331,8 +349,14 @@ class Progress:
             sys.stderr.flush()
 
 
-def explain_stop(stop: str, stop_chunk: int, span: list[int] | None,
-                 chunks: list[dict[str, Any]], min_tokens: int, granularity: int) -> str:
+def explain_stop(
+    stop: str,
+    stop_chunk: int,
+    span: list[int] | None,
+    chunks: list[dict[str, Any]],
+    min_tokens: int,
+    granularity: int,
+) -> str:
     """Why a lookup stopped where it did, in a sentence."""
     where = f"chunk {stop_chunk}" + (f" (tokens {span[0]}-{span[1] - 1})" if span else "")
     if stop == "complete":
@@ -340,66 +364,139 @@ def explain_stop(stop: str, stop_chunk: int, span: list[int] | None,
     if stop == "diverged" and chunks and chunks[-1]["partial"]:
         m = chunks[-1]
         if m["tokens"] == m["stored_tokens"]:
-            return (f"{where}: the stored chunk ends after its first {m['tokens']} tokens (it "
-                    "was the short last chunk of an earlier prompt)")
-        return (f"{where}: a stored chunk under the same prefix shares only its first "
-                f"{m['tokens']} of {m['stored_tokens']} tokens with this prompt (the prompt "
-                f"diverges within tokens {m['end']}-{m['end'] + granularity - 1})")
+            return (
+                f"{where}: the stored chunk ends after its first {m['tokens']} tokens (it "
+                "was the short last chunk of an earlier prompt)"
+            )
+        return (
+            f"{where}: a stored chunk under the same prefix shares only its first "
+            f"{m['tokens']} of {m['stored_tokens']} tokens with this prompt (the prompt "
+            f"diverges within tokens {m['end']}-{m['end'] + granularity - 1})"
+        )
     return {
         "not_stored": f"{where} was never stored (or was evicted long ago)",
         "evicted": f"{where} was evicted from every tier",
         "corrupt": f"{where} failed verification and was deleted",
         "deleted": f"{where} was deleted (kvstore delete or clear)",
         "below_min_tokens": f"the stored prefix is shorter than --min-tokens {min_tokens}: "
-                            "an engine gets 0",
+        "an engine gets 0",
         "granularity": f"an engine gets whole units of {granularity} tokens only",
     }.get(stop, f"{where}: {stop}")
 
 
 def _render_stats(d: dict[str, Any]) -> str:
-    lines = key_values([
-        ("server", f"{d['url']} (up {human_age(d.get('uptime_s', 0))})"),
-        ("chunks", f"{human_count(d['chunks'])} in {d['namespaces']} namespaces"),
-        ("lookups", f"{human_count(d['lookups'])}: matched {human_count(d['matched_tokens'])} "
-                    f"of {human_count(d['lookup_tokens'])} tokens "
-                    f"({percent(d['matched_tokens'], d['lookup_tokens'])})"),
-        ("gets", f"{human_count(d['gets'])} ({human_count(d['hits'])} hits)"),
-        ("puts", f"{human_count(d['puts'])} ({human_count(d['rejected_puts'])} rejected)"),
-        ("write-downs", f"{d['pending_writes']} pending ({human_bytes(d['pending_bytes'])}), "
-                        f"{d['write_failures']} failed"),
-        ("leases", f"{d.get('active_leases', 0)} active"),
-    ])
-    rows = [[t["name"], t["level"], human_bytes(t["used_bytes"]), human_bytes(t["capacity_bytes"]),
-             percent(t["used_bytes"], t["capacity_bytes"]), human_count(t["chunks"]),
-             human_count(t["hits"]), human_count(t["misses"]), human_count(t["puts"]),
-             human_count(t["evictions"]), t["corrupt"], t["errors"], t["rejected"],
-             "yes" if t["healthy"] else "NO"] for t in d["tiers"]]
-    right = ("LEVEL", "USED", "CAPACITY", "USE", "CHUNKS", "HITS", "MISSES", "PUTS",
-             "EVICTIONS", "CORRUPT", "ERRORS", "REJECTED")
-    return lines + "\n\n" + table(("TIER", "LEVEL", "USED", "CAPACITY", "USE", "CHUNKS", "HITS",
-                                   "MISSES", "PUTS", "EVICTIONS", "CORRUPT", "ERRORS",
-                                   "REJECTED", "HEALTHY"), rows, right=right)
+    lines = key_values(
+        [
+            ("server", f"{d['url']} (up {human_age(d.get('uptime_s', 0))})"),
+            ("chunks", f"{human_count(d['chunks'])} in {d['namespaces']} namespaces"),
+            (
+                "lookups",
+                f"{human_count(d['lookups'])}: matched {human_count(d['matched_tokens'])} "
+                f"of {human_count(d['lookup_tokens'])} tokens "
+                f"({percent(d['matched_tokens'], d['lookup_tokens'])})",
+            ),
+            ("gets", f"{human_count(d['gets'])} ({human_count(d['hits'])} hits)"),
+            ("puts", f"{human_count(d['puts'])} ({human_count(d['rejected_puts'])} rejected)"),
+            (
+                "write-downs",
+                f"{d['pending_writes']} pending ({human_bytes(d['pending_bytes'])}), "
+                f"{d['write_failures']} failed",
+            ),
+            ("leases", f"{d.get('active_leases', 0)} active"),
+        ]
+    )
+    rows = [
+        [
+            t["name"],
+            t["level"],
+            human_bytes(t["used_bytes"]),
+            human_bytes(t["capacity_bytes"]),
+            percent(t["used_bytes"], t["capacity_bytes"]),
+            human_count(t["chunks"]),
+            human_count(t["hits"]),
+            human_count(t["misses"]),
+            human_count(t["puts"]),
+            human_count(t["evictions"]),
+            t["corrupt"],
+            t["errors"],
+            t["rejected"],
+            "yes" if t["healthy"] else "NO",
+        ]
+        for t in d["tiers"]
+    ]
+    right = (
+        "LEVEL",
+        "USED",
+        "CAPACITY",
+        "USE",
+        "CHUNKS",
+        "HITS",
+        "MISSES",
+        "PUTS",
+        "EVICTIONS",
+        "CORRUPT",
+        "ERRORS",
+        "REJECTED",
+    )
+    return (
+        lines
+        + "\n\n"
+        + table(
+            (
+                "TIER",
+                "LEVEL",
+                "USED",
+                "CAPACITY",
+                "USE",
+                "CHUNKS",
+                "HITS",
+                "MISSES",
+                "PUTS",
+                "EVICTIONS",
+                "CORRUPT",
+                "ERRORS",
+                "REJECTED",
+                "HEALTHY",
+            ),
+            rows,
+            right=right,
+        )
+    )
 
 
 def _render_info(d: dict[str, Any]) -> str:
     shm = "not offered"
     if d["shm_path"]:
-        usable = ("usable from here" if d["shm_usable"]
-                  else f"not usable here: {d['shm_unusable_reason']}")
+        usable = (
+            "usable from here"
+            if d["shm_usable"]
+            else f"not usable here: {d['shm_unusable_reason']}"
+        )
         shm = f"{d['shm_path']} ({human_bytes(d['shm_size'])}), {usable}"
-    return key_values([
-        ("server", d["url"]),
-        ("version", f"kvstore-server {d['server_version']} (this client {d['client_version']})"),
-        ("native loops", f"server {d['native'] or 'unknown'}, this client {d['client_native']}"),
-        ("record format", d["record_format"]), ("key scheme", d["key_scheme"]),
-        ("chunk tokens", d["chunk_tokens"]), ("granularity", f"{d['granularity']} tokens"),
-        ("tiers", ", ".join(d["tiers"])),
-        ("max chunk", human_bytes(d["max_chunk_bytes"])),
-        ("max message", human_bytes(d["max_message_bytes"])),
-        ("stream piece", human_bytes(d["piece_bytes"])),
-        ("shared memory", shm), ("lease", f"{d['lease_ms']} ms"),
-        ("auth", "token required" if d["auth_required"] else "none"),
-    ])
+    return key_values(
+        [
+            ("server", d["url"]),
+            (
+                "version",
+                f"kvstore-server {d['server_version']} (this client {d['client_version']})",
+            ),
+            (
+                "native loops",
+                f"server {d['native'] or 'unknown'}, this client {d['client_native']}",
+            ),
+            ("record format", d["record_format"]),
+            ("key scheme", d["key_scheme"]),
+            ("chunk tokens", d["chunk_tokens"]),
+            ("granularity", f"{d['granularity']} tokens"),
+            ("tiers", ", ".join(d["tiers"])),
+            ("max chunk", human_bytes(d["max_chunk_bytes"])),
+            ("max message", human_bytes(d["max_message_bytes"])),
+            ("stream piece", human_bytes(d["piece_bytes"])),
+            ("shared memory", shm),
+            ("lease", f"{d['lease_ms']} ms"),
+            ("auth", "token required" if d["auth_required"] else "none"),
+        ]
+    )
 
 
 def _render_health(d: dict[str, Any]) -> str:
@@ -413,20 +510,44 @@ def _render_ls(d: dict[str, Any]) -> str:
     if "namespaces" in d:
         if not d["namespaces"]:
             return "no namespaces: the store is empty"
-        rows = [[n["fingerprint"], human_count(n["chunks"]), human_bytes(n["bytes"]),
-                 describe_namespace(_namespace(n["namespace"]) if n["namespace"] else None)]
-                for n in d["namespaces"]]
-        return table(("FINGERPRINT", "CHUNKS", "SIZE", "NAMESPACE"), rows,
-                     right=("CHUNKS", "SIZE"))
+        rows = [
+            [
+                n["fingerprint"],
+                human_count(n["chunks"]),
+                human_bytes(n["bytes"]),
+                describe_namespace(_namespace(n["namespace"]) if n["namespace"] else None),
+            ]
+            for n in d["namespaces"]
+        ]
+        return table(("FINGERPRINT", "CHUNKS", "SIZE", "NAMESPACE"), rows, right=("CHUNKS", "SIZE"))
     if not d["chunks"]:
         return "no chunks match"
     many = d["namespace"] is None
-    rows = [[*([c["fingerprint"][:8]] if many else []), c["key"], ",".join(c["tiers"]) or "-",
-             human_bytes(c["size_bytes"]), c["tokens"], human_age(c["age_s"]),
-             human_age(c["idle_s"]), human_count(c["hits"]), "yes" if c["pinned"] else "no"]
-            for c in d["chunks"]]
-    headers = (*(("NS",) if many else ()), "KEY", "TIERS", "SIZE", "TOKENS", "AGE", "IDLE",
-               "HITS", "PINNED")
+    rows = [
+        [
+            *([c["fingerprint"][:8]] if many else []),
+            c["key"],
+            ",".join(c["tiers"]) or "-",
+            human_bytes(c["size_bytes"]),
+            c["tokens"],
+            human_age(c["age_s"]),
+            human_age(c["idle_s"]),
+            human_count(c["hits"]),
+            "yes" if c["pinned"] else "no",
+        ]
+        for c in d["chunks"]
+    ]
+    headers = (
+        *(("NS",) if many else ()),
+        "KEY",
+        "TIERS",
+        "SIZE",
+        "TOKENS",
+        "AGE",
+        "IDLE",
+        "HITS",
+        "PINNED",
+    )
     out = table(headers, rows, right=("SIZE", "TOKENS", "AGE", "IDLE", "HITS"))
     if d["truncated"]:
         out += f"\n(first {d['limit']} chunks shown; --limit 0 shows all)"
@@ -438,40 +559,71 @@ def _render_lookup(d: dict[str, Any]) -> str:
     fields = ns["fields"]
     named = describe_namespace(_namespace(fields)) if fields else "(fields unknown)"
     tiers = ", ".join(f"{t} {n}" for t, n in d["by_tier"].items())
-    lines = [key_values([
-        ("namespace", f"{ns['fingerprint']}  {named}"),
-        ("matched", f"{d['matched_tokens']} of {d['total_tokens']} tokens "
+    lines = [
+        key_values(
+            [
+                ("namespace", f"{ns['fingerprint']}  {named}"),
+                (
+                    "matched",
+                    f"{d['matched_tokens']} of {d['total_tokens']} tokens "
                     f"({percent(d['matched_tokens'], d['total_tokens'])})"
                     + (f"; stored prefix {d['stored_prefix_tokens']}" if d["cut"] else "")
-                    + (f"; by tier: {tiers}" if tiers else "")),
-    ])]
-    rows = [[c["index"], f"{c['start']}-{c['end'] - 1}", f"{c['tokens']}/{c['stored_tokens']}",
-             c["tier"], "partial" if c["partial"] else "hit", c["key"]] for c in d["chunks"]]
+                    + (f"; by tier: {tiers}" if tiers else ""),
+                ),
+            ]
+        )
+    ]
+    rows = [
+        [
+            c["index"],
+            f"{c['start']}-{c['end'] - 1}",
+            f"{c['tokens']}/{c['stored_tokens']}",
+            c["tier"],
+            "partial" if c["partial"] else "hit",
+            c["key"],
+        ]
+        for c in d["chunks"]
+    ]
     if d["stop_span"] and not (d["chunks"] and d["chunks"][-1]["partial"]):
         s, e = d["stop_span"]
-        rows.append([d["stop_chunk"], f"{s}-{e - 1}", f"0/{e - s}", "-",
-                     d["stop"].replace("_", " "), ""])
+        rows.append(
+            [d["stop_chunk"], f"{s}-{e - 1}", f"0/{e - s}", "-", d["stop"].replace("_", " "), ""]
+        )
     if rows:
-        lines.append(table(("CHUNK", "TOKENS", "MATCHED", "TIER", "STATUS", "KEY"), rows,
-                           right=("CHUNK", "MATCHED")))
+        lines.append(
+            table(
+                ("CHUNK", "TOKENS", "MATCHED", "TIER", "STATUS", "KEY"),
+                rows,
+                right=("CHUNK", "MATCHED"),
+            )
+        )
     lines.append(f"stop: {d['stop']}: {d['explanation']}")
     if d["cut"]:
         lines.append(f"cut: {d['cut']['reason']}: {d['cut']['explanation']}")
     n_chunks = -(-d["total_tokens"] // d["chunk_tokens"]) if d["chunk_tokens"] else 0
     after = (d["stop_chunk"] + 1) if d["stop_span"] else n_chunks
     if d["stop"] != "complete" and after < n_chunks:
-        which = (f"chunk {after}" if after == n_chunks - 1
-                 else f"chunks {after}-{n_chunks - 1}")
-        lines.append(f"{which} not looked at: a prefix match ends at the first chunk that is "
-                     "not stored")
+        which = f"chunk {after}" if after == n_chunks - 1 else f"chunks {after}-{n_chunks - 1}"
+        lines.append(
+            f"{which} not looked at: a prefix match ends at the first chunk that is not stored"
+        )
     if d["other_namespaces"]:
-        lines.append("other namespaces hold more of these tokens (KV of another model, dtype, "
-                     "layout, rank or salt is never served here):")
-        rows = [[o["fingerprint"], o["matched_tokens"],
-                 describe_namespace(_namespace(o["namespace"])) if o["namespace"] else "(unnamed)",
-                 ",".join(o["differs_in"]) or "?"] for o in d["other_namespaces"]]
-        lines.append(table(("FINGERPRINT", "MATCHED", "NAMESPACE", "DIFFERS IN"), rows,
-                           right=("MATCHED",)))
+        lines.append(
+            "other namespaces hold more of these tokens (KV of another model, dtype, "
+            "layout, rank or salt is never served here):"
+        )
+        rows = [
+            [
+                o["fingerprint"],
+                o["matched_tokens"],
+                describe_namespace(_namespace(o["namespace"])) if o["namespace"] else "(unnamed)",
+                ",".join(o["differs_in"]) or "?",
+            ]
+            for o in d["other_namespaces"]
+        ]
+        lines.append(
+            table(("FINGERPRINT", "MATCHED", "NAMESPACE", "DIFFERS IN"), rows, right=("MATCHED",))
+        )
     return "\n".join(lines)
 
 
@@ -486,7 +638,9 @@ def _render_keys(d: dict[str, Any]) -> str:
     verb = "pinned" if d["pinned"] else "unpinned"
     return f"{verb} {d['changed']} of {d['requested']} chunks" + (
         f" (the other {d['requested'] - d['changed']} already were)"
-        if d["changed"] < d["requested"] - len(d["not_found"]) else "")
+        if d["changed"] < d["requested"] - len(d["not_found"])
+        else ""
+    )
 
 
 def _render_clear(d: dict[str, Any]) -> str:
@@ -498,21 +652,42 @@ def _render_bench(d: dict[str, Any]) -> str:
     if "suite" in d:  # the suite printed its own table
         where = f"; records in {d['json']}" if d.get("json") else ""
         return f"{len(d['records'])} benchmark records{where}"
-    rows = [[op, human_count(d["count"] if op == "put" else d["count"] - d["get"]["missing"]),
-             human_bytes(d[op]["bytes"]), f"{d[op]['seconds']:.3f}", f"{d[op]['gb_per_s']:.2f}"]
-            for op in ("put", "get")]
-    head = (f"{d['count']} chunks of {human_bytes(d['size_bytes'])} via {d['plane']} "
-            f"({d['url']})")
+    rows = [
+        [
+            op,
+            human_count(d["count"] if op == "put" else d["count"] - d["get"]["missing"]),
+            human_bytes(d[op]["bytes"]),
+            f"{d[op]['seconds']:.3f}",
+            f"{d[op]['gb_per_s']:.2f}",
+        ]
+        for op in ("put", "get")
+    ]
+    head = f"{d['count']} chunks of {human_bytes(d['size_bytes'])} via {d['plane']} ({d['url']})"
     tail = f"verified {d['verified']} of {d['count']} chunks byte for byte"
-    return "\n".join([head, table(("OP", "CHUNKS", "BYTES", "SECONDS", "GB/S"), rows,
-                                  right=("CHUNKS", "BYTES", "SECONDS", "GB/S")), tail])
+    return "\n".join(
+        [
+            head,
+            table(
+                ("OP", "CHUNKS", "BYTES", "SECONDS", "GB/S"),
+                rows,
+                right=("CHUNKS", "BYTES", "SECONDS", "GB/S"),
+            ),
+            tail,
+        ]
+    )
 
 
 def render(command: str, doc: dict[str, Any]) -> str:
     """The human output of ``command`` from its document."""
     return {
-        "stats": _render_stats, "info": _render_info, "health": _render_health,
-        "ls": _render_ls, "lookup": _render_lookup, "delete": _render_keys,
-        "pin": _render_keys, "unpin": _render_keys, "clear": _render_clear,
+        "stats": _render_stats,
+        "info": _render_info,
+        "health": _render_health,
+        "ls": _render_ls,
+        "lookup": _render_lookup,
+        "delete": _render_keys,
+        "pin": _render_keys,
+        "unpin": _render_keys,
+        "clear": _render_clear,
         "bench": _render_bench,
     }[command](doc)

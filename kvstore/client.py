@@ -75,8 +75,16 @@ from kvstore.wire import (
     status_from_pb,
 )
 
-__all__ = ["Client", "Endpoint", "Lease", "Reservation", "chunk_header",
-           "namespace_fingerprint", "parse_url", "prefault"]
+__all__ = [
+    "Client",
+    "Endpoint",
+    "Lease",
+    "Reservation",
+    "chunk_header",
+    "namespace_fingerprint",
+    "parse_url",
+    "prefault",
+]
 
 log = logging.getLogger("kvstore.client")
 
@@ -86,33 +94,53 @@ T = TypeVar("T")
 class Client(InPlaceWrites, ClientBase):
     """A blocking client of kvstore-server; thread-safe. See the module docstring."""
 
-    def __init__(self, url: str | None = None, *, token: str | None = None,
-                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
-                 timeout: float = 10.0, shm: bool | None = None, verify: bool = True) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 10.0,
+        shm: bool | None = None,
+        verify: bool = True,
+    ) -> None:
         """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
         instead of the server checking the pages before the lease. Both verify every
         byte; here the bytes are hashed as they are copied (one pass with the native
         module; cheaper than the server's pass over the pages), and a rogue writer on the
         host changing pages mid-read is caught too. ``verify=False`` leaves it to the server."""
-        super().__init__(url, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name,
-                         timeout=timeout, shm=shm, verify=verify)
+        super().__init__(
+            url,
+            token=token,
+            tls_ca=tls_ca,
+            tls_server_name=tls_server_name,
+            timeout=timeout,
+            shm=shm,
+            verify=verify,
+        )
         ep = self.endpoint
-        self._channel = (grpc.secure_channel(ep.target, self._credentials(), self._options)
-                         if ep.tls else grpc.insecure_channel(ep.target, self._options))
+        self._channel = (
+            grpc.secure_channel(ep.target, self._credentials(), self._options)
+            if ep.tls
+            else grpc.insecure_channel(ep.target, self._options)
+        )
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put_raw = self._channel.stream_unary(
-            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString)
+            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
+        )
         self._get_raw = self._channel.unary_stream(
-            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None)
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self._lock = threading.Lock()
         self._pending: set[grpc.Future] = set()  # Releases sent without waiting
         self._stop = threading.Event()
         self._session: threading.Thread | None = None
 
     # -- plumbing -------------------------------------------------------------------------
-    def _call(self, what: str, method: Callable[..., T], request: Any,
-              timeout: float | None) -> T:
+    def _call(self, what: str, method: Callable[..., T], request: Any, timeout: float | None) -> T:
         if self._closed:
             raise KVStoreError("the client is closed")
         try:
@@ -185,8 +213,8 @@ class Client(InPlaceWrites, ClientBase):
 
         try:
             resp = health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                timeout=self._deadline(timeout))
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self._deadline(timeout)
+            )
         except grpc.RpcError:
             return False
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
@@ -196,15 +224,15 @@ class Client(InPlaceWrites, ClientBase):
         return stats_from_pb(self._call("Stats", self._stub.Stats, pb.StatsRequest(), timeout))
 
     # -- writes ----------------------------------------------------------------------------
-    def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None
-            ) -> PutStatus:
+    def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None) -> PutStatus:
         """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
         if self._info is None:
             self.info(timeout=timeout)
         return self._put(header, payload, timeout, sealed=True)
 
-    def _put(self, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
-             ) -> PutStatus:
+    def _put(
+        self, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
+    ) -> PutStatus:
         """``sealed=False``: the header's checksum is a placeholder; the payload is hashed
         as it is copied into the arena and the checksum goes with the Commit, and a put
         that must stream hashes the payload here first."""
@@ -218,8 +246,9 @@ class Client(InPlaceWrites, ClientBase):
             header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
         return self._put_stream(header, src, timeout)
 
-    def _put_shm(self, header: RecordHeader, src: np.ndarray, timeout: float | None,
-                 sealed: bool) -> PutStatus | None:
+    def _put_shm(
+        self, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
+    ) -> PutStatus | None:
         (res,) = self.reserve([header], checksum_at_commit=not sealed, timeout=timeout)
         if isinstance(res, PutStatus):
             # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
@@ -228,14 +257,23 @@ class Client(InPlaceWrites, ClientBase):
             res.write(src)  # unsealed: hashed as it is copied (accel.scatter_xxh3)
             return res.commit()
 
-    def _put_stream(self, header: RecordHeader, src: np.ndarray, timeout: float | None
-                    ) -> PutStatus:
+    def _put_stream(
+        self, header: RecordHeader, src: np.ndarray, timeout: float | None
+    ) -> PutStatus:
         r = self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
         return status_from_pb(r.status)
 
-    def put_chunk(self, namespace: NamespaceLike, parent: ChunkKey, tokens: Tokens,
-                  payload: Any, dtype: str, shape: Sequence[int], *,
-                  timeout: float | None = None) -> tuple[ChunkKey, PutStatus]:
+    def put_chunk(
+        self,
+        namespace: NamespaceLike,
+        parent: ChunkKey,
+        tokens: Tokens,
+        payload: Any,
+        dtype: str,
+        shape: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> tuple[ChunkKey, PutStatus]:
         """Build the record of one chunk (key from parent, namespace, tokens) and put it.
 
         On a server with tenants, a namespace the server does not know as the caller's yet
@@ -244,8 +282,7 @@ class Client(InPlaceWrites, ClientBase):
             self.info(timeout=timeout)
         # Through shared memory the server hashes the payload at Commit: not hashed here.
         sealed = self._shm() is None
-        header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype,
-                              shape)
+        header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype, shape)
         try:
             return header.key, self._put(header, payload, timeout, sealed=sealed)
         except Unauthenticated as e:
@@ -272,14 +309,21 @@ class Client(InPlaceWrites, ClientBase):
         except KVStoreError:
             self._release(a.lease_id, timeout)
             raise
-        return Lease(header, a.lease_id, extents, a.payload_offset, arena,
-                     lambda lid: self._release(lid, timeout))
+        return Lease(
+            header,
+            a.lease_id,
+            extents,
+            a.payload_offset,
+            arena,
+            lambda lid: self._release(lid, timeout),
+        )
 
     def _release(self, lease_id: int, timeout: float | None) -> bool:
         """False if the lease was gone (expired, or dropped with a broken Session)."""
         try:
-            r = self._call("Release", self._stub.Release,
-                           pb.ReleaseRequest(lease_ids=[lease_id]), timeout)
+            r = self._call(
+                "Release", self._stub.Release, pb.ReleaseRequest(lease_ids=[lease_id]), timeout
+            )
         except NotFound:
             return False
         return r.released == 1
@@ -288,15 +332,25 @@ class Client(InPlaceWrites, ClientBase):
         if self._shm() is None:
             return "stream"
         t0 = time.monotonic()
-        a = self._call("Acquire", self._stub.Acquire,
-                       pb.AcquireRequest(key=key, client_verifies=self.verify), timeout)
+        a = self._call(
+            "Acquire",
+            self._stub.Acquire,
+            pb.AcquireRequest(key=key, client_verifies=self.verify),
+            timeout,
+        )
         if not a.found:
             return "stream" if a.use_get else None
         assert self._arena is not None
         header = parse_header(a.header, expect_key=key)
-        return Lease(header, a.lease_id, self._check_extents(a.extents), a.payload_offset,
-                     self._arena, lambda lid: self._release(lid, timeout),
-                     t0 + a.expires_ms / 1000 * LEASE_MARGIN)
+        return Lease(
+            header,
+            a.lease_id,
+            self._check_extents(a.extents),
+            a.payload_offset,
+            self._arena,
+            lambda lid: self._release(lid, timeout),
+            t0 + a.expires_ms / 1000 * LEASE_MARGIN,
+        )
 
     def _done_with(self, lease: Lease) -> bool:
         """Release a lease read by get/get_into; False if what was read may be wrong.
@@ -308,16 +362,18 @@ class Client(InPlaceWrites, ClientBase):
             return lease.release()
         lease.released = True
         try:
-            fut = self._stub.Release.future(pb.ReleaseRequest(lease_ids=[lease.id]),
-                                            timeout=self.timeout, metadata=self._metadata)
+            fut = self._stub.Release.future(
+                pb.ReleaseRequest(lease_ids=[lease.id]),
+                timeout=self.timeout,
+                metadata=self._metadata,
+            )
         except grpc.RpcError:
             return True  # the lease expires, or goes with the Session, on its own
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         return True
 
-    def get(self, key: bytes, *, timeout: float | None = None
-            ) -> tuple[RecordHeader, bytes] | None:
+    def get(self, key: bytes, *, timeout: float | None = None) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""
         got = self._acquire_or_stream(key, timeout)
         if isinstance(got, Lease):
@@ -332,8 +388,9 @@ class Client(InPlaceWrites, ClientBase):
             return None
         return self._get_stream(key, None, timeout)
 
-    def get_into(self, key: bytes, out: Any, *, timeout: float | None = None
-                 ) -> RecordHeader | None:
+    def get_into(
+        self, key: bytes, out: Any, *, timeout: float | None = None
+    ) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out`` (any writable buffer); its header or None."""
         dst = as_u8(out, writable=True)
         got = self._acquire_or_stream(key, timeout)
@@ -353,27 +410,37 @@ class Client(InPlaceWrites, ClientBase):
         found = self._get_stream(key, dst, timeout)
         return found[0] if found else None
 
-    def _get_stream(self, key: bytes, out: np.ndarray | None, timeout: float | None
-                    ) -> tuple[RecordHeader, bytes] | None:
+    def _get_stream(
+        self, key: bytes, out: np.ndarray | None, timeout: float | None
+    ) -> tuple[RecordHeader, bytes] | None:
         got = GetAssembler(key, out)
         try:
-            for raw in self._get_raw(pb.GetRequest(key=key), timeout=self._deadline(timeout),
-                                     metadata=self._metadata):
+            for raw in self._get_raw(
+                pb.GetRequest(key=key), timeout=self._deadline(timeout), metadata=self._metadata
+            ):
                 got.add(raw)
         except grpc.RpcError as e:
             raise self._error(e, "Get") from e
         return got.finish()
 
     # -- lookup and management --------------------------------------------------------------
-    def lookup(self, namespace: NamespaceLike, tokens: Tokens, *, min_tokens: int = 0,
-               granularity: int = 0, explain: bool = False, timeout: float | None = None
-               ) -> LookupResult:
+    def lookup(
+        self,
+        namespace: NamespaceLike,
+        tokens: Tokens,
+        *,
+        min_tokens: int = 0,
+        granularity: int = 0,
+        explain: bool = False,
+        timeout: float | None = None,
+    ) -> LookupResult:
         """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC."""
         req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain)
         return lookup_from_pb(self._call("Lookup", self._stub.Lookup, req, timeout))
 
-    def exists(self, keys: Sequence[bytes], *, timeout: float | None = None
-               ) -> list[tuple[int, ...]]:
+    def exists(
+        self, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> list[tuple[int, ...]]:
         """For each key, the tier levels that hold it (empty: not stored)."""
         r = self._call("Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)), timeout)
         return [tuple(t.tiers) for t in r.found]
@@ -383,22 +450,35 @@ class Client(InPlaceWrites, ClientBase):
         r = self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout)
         return r.deleted
 
-    def clear(self, namespace: NamespaceLike | None = None, *, all: bool = False,
-              timeout: float | None = None) -> int:
+    def clear(
+        self,
+        namespace: NamespaceLike | None = None,
+        *,
+        all: bool = False,
+        timeout: float | None = None,
+    ) -> int:
         """Remove every chunk of one namespace, or everything with ``all=True``."""
         r = self._call("Clear", self._stub.Clear, self._clear_request(namespace, all), timeout)
         return r.removed
 
-    def pin(self, keys: Sequence[bytes], pinned: bool = True, *,
-            timeout: float | None = None) -> int:
+    def pin(
+        self, keys: Sequence[bytes], pinned: bool = True, *, timeout: float | None = None
+    ) -> int:
         """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
-        r = self._call("Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned),
-                       timeout)
+        r = self._call(
+            "Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned), timeout
+        )
         return r.changed
 
-    def list(self, namespace: NamespaceLike | None = None, *, tier: int = 0,
-             pinned_only: bool = False, page_size: int = 500, timeout: float | None = None
-             ) -> Iterator[ChunkView]:
+    def list(
+        self,
+        namespace: NamespaceLike | None = None,
+        *,
+        tier: int = 0,
+        pinned_only: bool = False,
+        page_size: int = 500,
+        timeout: float | None = None,
+    ) -> Iterator[ChunkView]:
         """Every stored chunk (of one namespace, tier), fetched page by page."""
         token = ""
         while True:
@@ -411,8 +491,9 @@ class Client(InPlaceWrites, ClientBase):
 
     def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
         """The namespaces the server holds chunks of, with counts and bytes."""
-        return self._namespaces(self._call("Namespaces", self._stub.Namespaces,
-                                           pb.NamespacesRequest(), timeout))
+        return self._namespaces(
+            self._call("Namespaces", self._stub.Namespaces, pb.NamespacesRequest(), timeout)
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:

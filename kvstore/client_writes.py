@@ -36,13 +36,19 @@ class InPlaceWrites:
 
         def _shm(self) -> ArenaView | None: ...
 
-        def _call(self, what: str, method: Callable[..., T], request: Any,
-                  timeout: float | None) -> T: ...
+        def _call(
+            self, what: str, method: Callable[..., T], request: Any, timeout: float | None
+        ) -> T: ...
 
         def _check_extents(self, extents: Iterable[pb.Extent]) -> list[tuple[int, int]]: ...
 
-    def reserve(self, headers: Sequence[RecordHeader], *, checksum_at_commit: bool = True,
-                timeout: float | None = None) -> builtins.list[Reservation | PutStatus]:
+    def reserve(
+        self,
+        headers: Sequence[RecordHeader],
+        *,
+        checksum_at_commit: bool = True,
+        timeout: float | None = None,
+    ) -> builtins.list[Reservation | PutStatus]:
         """Arena space for chunks whose payloads the caller writes in place: one round trip.
 
         For each header, a ``Reservation`` (write its ``views()``, then ``commit()``), or
@@ -66,15 +72,28 @@ class InPlaceWrites:
             raise
         return out
 
-    def _reserve_batches(self, arena: ArenaView, headers: Sequence[RecordHeader],
-                         checksum_at_commit: bool, timeout: float | None,
-                         out: builtins.list[Reservation | PutStatus]) -> None:
+    def _reserve_batches(
+        self,
+        arena: ArenaView,
+        headers: Sequence[RecordHeader],
+        checksum_at_commit: bool,
+        timeout: float | None,
+        out: builtins.list[Reservation | PutStatus],
+    ) -> None:
         for i in range(0, len(headers), MAX_RESERVE_BATCH):
             batch = headers[i : i + MAX_RESERVE_BATCH]
             t0 = time.monotonic()
-            r = self._call("ReserveMany", self._stub.ReserveMany, pb.ReserveManyRequest(
-                requests=[pb.ReserveRequest(header=h.pack(), checksum_at_commit=checksum_at_commit)
-                          for h in batch]), timeout)
+            r = self._call(
+                "ReserveMany",
+                self._stub.ReserveMany,
+                pb.ReserveManyRequest(
+                    requests=[
+                        pb.ReserveRequest(header=h.pack(), checksum_at_commit=checksum_at_commit)
+                        for h in batch
+                    ]
+                ),
+                timeout,
+            )
             if len(r.responses) != len(batch):
                 raise ServerError(f"ReserveMany answered {len(r.responses)} of {len(batch)}")
             for h, one in zip(batch, r.responses, strict=True):
@@ -82,14 +101,26 @@ class InPlaceWrites:
                 if status != PutStatus.STORED:
                     out.append(status)
                     continue
-                out.append(Reservation(
-                    h, one.reservation_id, self._check_extents(one.extents), one.payload_offset,
-                    arena, functools.partial(self._finish, timeout=timeout),
-                    t0 + one.expires_ms / 1000 * LEASE_MARGIN, checksum_at_commit))
+                out.append(
+                    Reservation(
+                        h,
+                        one.reservation_id,
+                        self._check_extents(one.extents),
+                        one.payload_offset,
+                        arena,
+                        functools.partial(self._finish, timeout=timeout),
+                        t0 + one.expires_ms / 1000 * LEASE_MARGIN,
+                        checksum_at_commit,
+                    )
+                )
 
-    def commit(self, reservations: Sequence[Reservation],
-               checksums: Sequence[int | None] | None = None, *, timeout: float | None = None
-               ) -> builtins.list[PutStatus | KVStoreError]:
+    def commit(
+        self,
+        reservations: Sequence[Reservation],
+        checksums: Sequence[int | None] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> builtins.list[PutStatus | KVStoreError]:
         """Commit several reservations of this client in one round trip.
 
         ``checksums[i]`` as for ``reservations[i].commit``. For each, its status, or the
@@ -111,8 +142,10 @@ class InPlaceWrites:
                 raise InvalidArgument(f"reservation {res.id} was already committed or aborted")
             if c is not None and not 0 <= c < 1 << 64:
                 raise InvalidArgument(f"checksum {c} of reservation {res.id} is not a u64")
-        reqs = [pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(c))
-                for res, c in zip(reservations, sums, strict=True)]
+        reqs = [
+            pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(c))
+            for res, c in zip(reservations, sums, strict=True)
+        ]
         base = timeout if timeout is not None else self.timeout
         out: builtins.list[PutStatus | KVStoreError] = []
         for i in range(0, len(reqs), MAX_RESERVE_BATCH):
@@ -120,26 +153,39 @@ class InPlaceWrites:
             # The server hashes every payload of the batch: allow for it (1 GB/s at worst).
             nbytes = sum(r.header.stored_size for r in reservations[i : i + MAX_RESERVE_BATCH])
             try:
-                r = self._call("CommitMany", self._stub.CommitMany,
-                               pb.CommitManyRequest(commits=batch), base + nbytes / 1e9)
+                r = self._call(
+                    "CommitMany",
+                    self._stub.CommitMany,
+                    pb.CommitManyRequest(commits=batch),
+                    base + nbytes / 1e9,
+                )
             except BaseException:
                 for rid in [q.reservation_id for q in reqs[i + len(batch) :]]:
                     self._finish(rid, False, None, timeout=timeout)  # never sent: give back
                 raise
             if len(r.responses) != len(batch):
                 raise ServerError(f"CommitMany answered {len(r.responses)} of {len(batch)}")
-            out += [error_from_code(one.error_code, one.error, "Commit", self.url)
-                    if one.error_code else status_from_pb(one.status) for one in r.responses]
+            out += [
+                error_from_code(one.error_code, one.error, "Commit", self.url)
+                if one.error_code
+                else status_from_pb(one.status)
+                for one in r.responses
+            ]
         return out
 
-    def _finish(self, reservation_id: int, commit: bool, checksum: int | None, *,
-                timeout: float | None) -> PutStatus:
+    def _finish(
+        self, reservation_id: int, commit: bool, checksum: int | None, *, timeout: float | None
+    ) -> PutStatus:
         if commit:
-            c = self._call("Commit", self._stub.Commit,
-                           pb.CommitRequest(reservation_id=reservation_id,
-                                            payload_checksum=checksum), timeout)
+            c = self._call(
+                "Commit",
+                self._stub.Commit,
+                pb.CommitRequest(reservation_id=reservation_id, payload_checksum=checksum),
+                timeout,
+            )
             return status_from_pb(c.status)
         with contextlib.suppress(KVStoreError):  # else it expires on its own
-            self._call("Abort", self._stub.Abort,
-                       pb.AbortRequest(reservation_id=reservation_id), timeout)
+            self._call(
+                "Abort", self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id), timeout
+            )
         return PutStatus.EXISTS  # not stored by this reservation

@@ -92,16 +92,24 @@ class Index:
             entry.hits = max(entry.hits, hits)
             entry.last_access_ms = max(entry.last_access_ms, last_access_ms)
             return entry
-        entry = prepared or self.prepare(header, level, pinned=pinned,
-                                         last_access_ms=last_access_ms, hits=hits)
+        entry = prepared or self.prepare(
+            header, level, pinned=pinned, last_access_ms=last_access_ms, hits=hits
+        )
         self.entries[key] = entry
         self.children.setdefault(family(header.parent, header.fingerprint), []).append(key)
         self.by_ns.setdefault(header.fingerprint, set()).add(key)
         self.gone.pop(key, None)
         return entry
 
-    def prepare(self, header: RecordHeader, level: int, *, pinned: bool = False,
-                last_access_ms: int = 0, hits: int = 0) -> Entry:
+    def prepare(
+        self,
+        header: RecordHeader,
+        level: int,
+        *,
+        pinned: bool = False,
+        last_access_ms: int = 0,
+        hits: int = 0,
+    ) -> Entry:
         """The entry ``add`` would create for ``header``, without adding it."""
         n, raw = header.n_tokens, header.raw_size
         return Entry(  # positional, in field order: binding 12 keywords costs ~1 us a put

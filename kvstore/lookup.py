@@ -143,8 +143,9 @@ def lookup(
     # Equal keys mean equal tokens, so an exact match serves, and its stored chunk
     # holds, exactly the prompt's chunk: chunk_tokens, or fewer for the last one.
     k = len(keys)
-    matches = list(map(_match_row, zip(keys, range(0, n, ct), repeat(ct), repeat(ct), tiers,
-                                       repeat(False))))
+    matches = list(
+        map(_match_row, zip(keys, range(0, n, ct), repeat(ct), repeat(ct), tiers, repeat(False)))
+    )
     levels = sorted((t for t in _LEVELS if t in tiers), key=tiers.index)  # in order of appearance
     by_tier = {t: tiers.count(t) * ct for t in levels}
     matched = min(k * ct, n)
@@ -160,8 +161,7 @@ def lookup(
         stop = index.gone.get(ChunkKey(stop_key), "not_stored") if stop_key else "not_stored"
         stop_chunk = k
         s = k * ct
-        best = _best_sibling(index, ChunkKey(parent), fingerprint, tb[s * 4 : s * 4 + step],
-                             remote)
+        best = _best_sibling(index, ChunkKey(parent), fingerprint, tb[s * 4 : s * 4 + step], remote)
         if best is not None:
             key, units, n_stored, tier = best
             got = units * index.granularity

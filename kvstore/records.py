@@ -180,22 +180,26 @@ def _header(
     n_tokens = len(token_bytes) // 4
     hs = -(-(FIXED_BYTES + 4 * n_tokens) // ALIGN) * ALIGN  # header_size(n_tokens)
     h = _new(RecordHeader)
-    _set(h, "__dict__", {
-        "key": key,
-        "parent": parent,
-        "fingerprint": fingerprint,
-        "token_bytes": token_bytes,
-        "dtype": dtype,
-        "shape": shape,
-        "codec": codec,
-        "raw_size": raw_size,
-        "stored_size": stored_size,
-        "payload_checksum": payload_checksum,
-        "created_ms": created_ms,
-        "n_tokens": n_tokens,
-        "header_size": hs,
-        "record_size": hs + stored_size,
-    })
+    _set(
+        h,
+        "__dict__",
+        {
+            "key": key,
+            "parent": parent,
+            "fingerprint": fingerprint,
+            "token_bytes": token_bytes,
+            "dtype": dtype,
+            "shape": shape,
+            "codec": codec,
+            "raw_size": raw_size,
+            "stored_size": stored_size,
+            "payload_checksum": payload_checksum,
+            "created_ms": created_ms,
+            "n_tokens": n_tokens,
+            "header_size": hs,
+            "record_size": hs + stored_size,
+        },
+    )
     return h
 
 
@@ -282,12 +286,19 @@ def parse_header(buf: bytes | memoryview, *, expect_key: bytes | None = None) ->
         raise CorruptRecord("record is stored under a key that is not its own")
     codec, dtype, ndim = f[2], _DTYPE_BY_CODE.get(f[3]), f[5]
     if dtype is None or codec >= len(_CODECS) or ndim > MAX_DIMS:
-        raise CorruptRecord(
-            f"header field out of range: codec {codec}, dtype {f[3]}, ndim {ndim}"
-        )
+        raise CorruptRecord(f"header field out of range: codec {codec}, dtype {f[3]}, ndim {ndim}")
     return _header(
-        f[6], f[7], f[8], token_bytes, dtype, f[9 : 9 + ndim], _CODECS[codec],
-        f[17], f[18], f[19], f[20],
+        f[6],
+        f[7],
+        f[8],
+        token_bytes,
+        dtype,
+        f[9 : 9 + ndim],
+        _CODECS[codec],
+        f[17],
+        f[18],
+        f[19],
+        f[20],
     )
 
 

@@ -52,7 +52,10 @@ class Retry:
 
     @classmethod
     def from_config(
-        cls, config: RemoteConfig, *, sleep: Sleep = time.sleep,
+        cls,
+        config: RemoteConfig,
+        *,
+        sleep: Sleep = time.sleep,
         retry_on: tuple[type[BaseException], ...] = (Exception,),
     ) -> Retry:
         return cls(config.retries, config.backoff_ms, sleep=sleep, retry_on=retry_on)
@@ -243,7 +246,8 @@ class CircuitBreaker:
             state = self._current()
             retry_in = (
                 max(0.0, self.cooldown_s - (self._clock() - self._opened_at))
-                if state is BreakerState.OPEN else 0.0
+                if state is BreakerState.OPEN
+                else 0.0
             )
             return {
                 "state": state.value,

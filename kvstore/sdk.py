@@ -67,7 +67,7 @@ def parse_url(url: str | None = None) -> Endpoint:
 
     url = url or os.environ.get("KVSTORE_URL") or f"unix://{default_socket_path()}"
     if url.startswith("unix://") or url.startswith("unix:"):
-        path = url[len("unix://"):] if url.startswith("unix://") else url[len("unix:"):]
+        path = url[len("unix://") :] if url.startswith("unix://") else url[len("unix:") :]
         if not path:
             raise InvalidArgument(f"{url!r}: a unix URL needs a path, e.g. unix:///tmp/kv.sock")
         return Endpoint(url, f"unix:{path}", False)
@@ -75,8 +75,9 @@ def parse_url(url: str | None = None) -> Endpoint:
     if not sep:
         scheme, rest = "grpc", url
     if scheme not in ("grpc", "grpcs") or not rest or "/" in rest.rstrip("/"):
-        raise InvalidArgument(f"{url!r}: expected grpc://host:port, grpcs://host:port or "
-                              "unix:///path")
+        raise InvalidArgument(
+            f"{url!r}: expected grpc://host:port, grpcs://host:port or unix:///path"
+        )
     rest = rest.rstrip("/")
     if not rest.rsplit("]", 1)[-1].count(":"):
         rest = f"{rest}:{DEFAULT_PORT}"
@@ -88,12 +89,20 @@ def namespace_fingerprint(ns: NamespaceLike) -> tuple[Fingerprint, Namespace | N
         return ns.fingerprint, ns
     if isinstance(ns, (bytes, bytearray)) and len(ns) == FINGERPRINT_BYTES:
         return Fingerprint(bytes(ns)), None
-    raise InvalidArgument(f"expected a kvstore.keys.Namespace or a {FINGERPRINT_BYTES}-byte "
-                          f"fingerprint, got {type(ns).__name__}")
+    raise InvalidArgument(
+        f"expected a kvstore.keys.Namespace or a {FINGERPRINT_BYTES}-byte "
+        f"fingerprint, got {type(ns).__name__}"
+    )
 
 
-def chunk_header(ns: NamespaceLike, parent: ChunkKey, tokens: Tokens, payload: Any, dtype: str,
-                 shape: Sequence[int]) -> RecordHeader:
+def chunk_header(
+    ns: NamespaceLike,
+    parent: ChunkKey,
+    tokens: Tokens,
+    payload: Any,
+    dtype: str,
+    shape: Sequence[int],
+) -> RecordHeader:
     """The record header of one chunk (keys.chunk_key over parent, namespace and tokens).
 
     ``payload=None``: the checksum is left a placeholder (0), for ``Client.reserve`` with
@@ -103,16 +112,37 @@ def chunk_header(ns: NamespaceLike, parent: ChunkKey, tokens: Tokens, payload: A
     tb = _tokens_to_bytes(tokens)
     if payload is None:
         return unsealed_header(chunk_key(parent, fp, tb), parent, fp, tb, dtype, shape)
-    return make_header(key=chunk_key(parent, fp, tb), parent=parent, fingerprint=fp,
-                       token_bytes=tb, dtype=dtype, shape=shape, payload=as_u8(payload).data)
+    return make_header(
+        key=chunk_key(parent, fp, tb),
+        parent=parent,
+        fingerprint=fp,
+        token_bytes=tb,
+        dtype=dtype,
+        shape=shape,
+        payload=as_u8(payload).data,
+    )
 
 
-def unsealed_header(key: ChunkKey, parent: ChunkKey, fingerprint: Fingerprint,
-                    token_bytes: bytes, dtype: str, shape: Sequence[int]) -> RecordHeader:
+def unsealed_header(
+    key: ChunkKey,
+    parent: ChunkKey,
+    fingerprint: Fingerprint,
+    token_bytes: bytes,
+    dtype: str,
+    shape: Sequence[int],
+) -> RecordHeader:
     """A RAW record header whose payload checksum the server fills in at Commit."""
     size = prod(int(d) for d in shape) * dtype_itemsize(dtype)
-    return make_header(key=key, parent=parent, fingerprint=fingerprint, token_bytes=token_bytes,
-                       dtype=dtype, shape=shape, stored_size=size, payload_checksum=0)
+    return make_header(
+        key=key,
+        parent=parent,
+        fingerprint=fingerprint,
+        token_bytes=token_bytes,
+        dtype=dtype,
+        shape=shape,
+        stored_size=size,
+        payload_checksum=0,
+    )
 
 
 def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
@@ -150,8 +180,10 @@ class GetAssembler:
                 raise ServerError("the Get stream did not start with a record header")
             self.header = parse_header(data, expect_key=self.key)
             if self.out is not None and self.out.size < self.header.raw_size:
-                raise InvalidArgument(f"output buffer holds {self.out.size} bytes, the payload "
-                                      f"is {self.header.raw_size}")
+                raise InvalidArgument(
+                    f"output buffer holds {self.out.size} bytes, the payload "
+                    f"is {self.header.raw_size}"
+                )
             return
         n = data.nbytes
         if field != 2 or self.pos + n > self.header.raw_size:
@@ -169,8 +201,9 @@ class GetAssembler:
         if h is None:
             return None
         if self.pos != h.raw_size:
-            raise CorruptRecord(f"the Get stream ended after {self.pos} payload bytes, "
-                                f"expected {h.raw_size}")
+            raise CorruptRecord(
+                f"the Get stream ended after {self.pos} payload bytes, expected {h.raw_size}"
+            )
         if self.hash.intdigest() != h.payload_checksum:
             raise CorruptRecord("payload from the Get stream fails its checksum")
         return h, (b"".join(self.pieces) if self.out is None else b"")
@@ -179,9 +212,17 @@ class GetAssembler:
 class ClientBase:
     """What the blocking and the asyncio client share: settings, arena checks, messages."""
 
-    def __init__(self, url: str | None, *, token: str | None, tls_ca: str | bytes | None,
-                 tls_server_name: str | None, timeout: float, shm: bool | None,
-                 verify: bool) -> None:
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        token: str | None,
+        tls_ca: str | bytes | None,
+        tls_server_name: str | None,
+        timeout: float,
+        shm: bool | None,
+        verify: bool,
+    ) -> None:
         self.endpoint = parse_url(url)
         self.url = self.endpoint.url
         self.timeout = timeout
@@ -230,8 +271,12 @@ class ClientBase:
                 else:
                     arena = ArenaView.open(info.shm_path, info.shm_size, writable=True)
                     self._arena_id = (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)
-                    threading.Thread(target=prefault, args=(arena, self._prefault_stop),
-                                     name="kvstore-prefault", daemon=True).start()
+                    threading.Thread(
+                        target=prefault,
+                        args=(arena, self._prefault_stop),
+                        name="kvstore-prefault",
+                        daemon=True,
+                    ).start()
                     return arena
             except (OSError, KVStoreError) as e:
                 why = f"cannot map {info.shm_path}: {e}"
@@ -249,8 +294,12 @@ class ClientBase:
             return
         if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._session_refused = True
-            log.warning("kvstore server %s refused a session (%s); leases of this client "
-                        "will expire on their own", self.url, e.details())
+            log.warning(
+                "kvstore server %s refused a session (%s); leases of this client "
+                "will expire on their own",
+                self.url,
+                e.details(),
+            )
         else:
             log.debug("session stream ended: %s", e)
 
@@ -274,12 +323,15 @@ class ClientBase:
         if header.codec != Codec.RAW:
             raise InvalidArgument("put takes raw payloads; the server picks codecs per tier")
         if src.size != header.stored_size:
-            raise InvalidArgument(f"payload is {src.size} bytes, its header says "
-                                  f"{header.stored_size}")
+            raise InvalidArgument(
+                f"payload is {src.size} bytes, its header says {header.stored_size}"
+            )
         info = self._info
         if info is not None and header.record_size > info.max_chunk_bytes:
-            raise InvalidArgument(f"record of {header.record_size} bytes exceeds the server's "
-                                  f"max_chunk_bytes={info.max_chunk_bytes}")
+            raise InvalidArgument(
+                f"record of {header.record_size} bytes exceeds the server's "
+                f"max_chunk_bytes={info.max_chunk_bytes}"
+            )
         return src
 
     def _put_frames(self, header: RecordHeader, src: np.ndarray) -> Iterator[bytes]:
@@ -291,12 +343,16 @@ class ClientBase:
             yield frame(2, mv[off : off + piece])
 
     @staticmethod
-    def _lookup_request(ns: NamespaceLike, tokens: Tokens, min_tokens: int, granularity: int,
-                        explain: bool) -> pb.LookupRequest:
+    def _lookup_request(
+        ns: NamespaceLike, tokens: Tokens, min_tokens: int, granularity: int, explain: bool
+    ) -> pb.LookupRequest:
         fp, named = namespace_fingerprint(ns)
         return pb.LookupRequest(
-            fingerprint=fp, token_ids=_tokens_to_bytes(tokens), min_tokens=min_tokens,
-            granularity=granularity, explain=explain,
+            fingerprint=fp,
+            token_ids=_tokens_to_bytes(tokens),
+            min_tokens=min_tokens,
+            granularity=granularity,
+            explain=explain,
             namespace=namespace_to_pb(named) if named is not None else None,
         )
 
@@ -308,11 +364,17 @@ class ClientBase:
         return pb.ClearRequest(fingerprint=fp, all=all)
 
     @staticmethod
-    def _list_request(namespace: NamespaceLike | None, tier: int, pinned_only: bool,
-                      page_size: int, token: str) -> pb.ListRequest:
+    def _list_request(
+        namespace: NamespaceLike | None, tier: int, pinned_only: bool, page_size: int, token: str
+    ) -> pb.ListRequest:
         fp = namespace_fingerprint(namespace)[0] if namespace is not None else b""
-        return pb.ListRequest(fingerprint=fp, tier=tier, pinned_only=pinned_only,
-                              page_size=page_size, page_token=token)
+        return pb.ListRequest(
+            fingerprint=fp,
+            tier=tier,
+            pinned_only=pinned_only,
+            page_size=page_size,
+            page_token=token,
+        )
 
     @staticmethod
     def _namespaces(msg: pb.NamespacesResponse) -> list[NamespaceInfo]:
@@ -330,5 +392,3 @@ class ClientBase:
     def _ping_interval(self) -> float:
         lease_ms = self._info.lease_ms if self._info else 30_000
         return max(0.05, min(lease_ms / 3000.0, 5.0))
-
-

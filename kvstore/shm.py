@@ -27,9 +27,16 @@ class Lease:
     after that they may show another chunk's bytes.
     """
 
-    def __init__(self, header: RecordHeader, lease_id: int, extents: list[tuple[int, int]],
-                 payload_offset: int, arena: ArenaView,
-                 release: Callable[[int], bool], valid_until: float = 0.0) -> None:
+    def __init__(
+        self,
+        header: RecordHeader,
+        lease_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        release: Callable[[int], bool],
+        valid_until: float = 0.0,
+    ) -> None:
         self.header = header
         self.id = lease_id
         # Monotonic time before which the lease surely holds: measured from before the
@@ -42,8 +49,10 @@ class Lease:
     def views(self) -> list[memoryview]:
         """The payload as memoryviews into the arena, in order (zero copy)."""
         arr = self._arena.array
-        return [arr[off : off + n].data for off, _, n in
-                spans(self._extents, self._offset, self.header.raw_size)]
+        return [
+            arr[off : off + n].data
+            for off, _, n in spans(self._extents, self._offset, self.header.raw_size)
+        ]
 
     def read_into(self, out: Any) -> None:
         self._arena.read_into(self._extents, self._offset, self._destination(out))
@@ -51,8 +60,7 @@ class Lease:
     def read_into_hashed(self, out: Any) -> int:
         """``read_into``, returning the xxh3_64 of what was copied (to compare with
         ``header.payload_checksum``); cheaper than copying, then hashing."""
-        return self._arena.read_into_hashed(self._extents, self._offset,
-                                            self._destination(out))
+        return self._arena.read_into_hashed(self._extents, self._offset, self._destination(out))
 
     def _destination(self, out: Any) -> np.ndarray:
         """The first ``raw_size`` bytes of ``out``, checked to hold the payload."""
@@ -60,8 +68,9 @@ class Lease:
             raise InvalidArgument("lease already released")
         dst = as_u8(out, writable=True)
         if dst.size < self.header.raw_size:
-            raise InvalidArgument(f"output buffer holds {dst.size} bytes, the payload is "
-                                  f"{self.header.raw_size}")
+            raise InvalidArgument(
+                f"output buffer holds {dst.size} bytes, the payload is {self.header.raw_size}"
+            )
         return dst[: self.header.raw_size]
 
     def read(self) -> bytes:
@@ -96,10 +105,17 @@ class Reservation:
     end of the block is aborted.
     """
 
-    def __init__(self, header: RecordHeader, reservation_id: int,
-                 extents: list[tuple[int, int]], payload_offset: int, arena: ArenaView,
-                 finish: Callable[[int, bool, int | None], PutStatus], valid_until: float,
-                 checksum_at_commit: bool) -> None:
+    def __init__(
+        self,
+        header: RecordHeader,
+        reservation_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        finish: Callable[[int, bool, int | None], PutStatus],
+        valid_until: float,
+        checksum_at_commit: bool,
+    ) -> None:
         self.header = header
         self.id = reservation_id
         self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
@@ -120,8 +136,10 @@ class Reservation:
 
     def views(self) -> list[np.ndarray]:
         arr = self._arena.array
-        return [arr[off : off + n] for off, _, n in
-                spans(self._extents, self._offset, self.header.stored_size)]
+        return [
+            arr[off : off + n]
+            for off, _, n in spans(self._extents, self._offset, self.header.stored_size)
+        ]
 
     def contiguous(self) -> np.ndarray | None:
         views = self.views()
@@ -131,8 +149,9 @@ class Reservation:
         """Copy the whole payload into place (hashing it as it goes, for ``commit``)."""
         src = as_u8(data)
         if src.size != self.header.stored_size:
-            raise InvalidArgument(f"payload is {src.size} bytes, the reservation holds "
-                                  f"{self.header.stored_size}")
+            raise InvalidArgument(
+                f"payload is {src.size} bytes, the reservation holds {self.header.stored_size}"
+            )
         if self.checksum_at_commit:
             self._written = self._arena.write_hashed(self._extents, self._offset, src)
         else:

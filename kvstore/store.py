@@ -239,8 +239,9 @@ class TieredStore:
                 return st
         return status
 
-    def _index_locked(self, header: RecordHeader, level: int,
-                      prepared: Entry | None = None) -> None:
+    def _index_locked(
+        self, header: RecordHeader, level: int, prepared: Entry | None = None
+    ) -> None:
         self.index.add(header, level, prepared=prepared)
         if header.fingerprint not in self._layouts:
             self._layouts[header.fingerprint] = _layout(header)
@@ -252,8 +253,9 @@ class TieredStore:
             self._writer.submit_copy(header.key, tuple(t.level for t in self._lower(1)))
 
     # -- zero-copy data plane (used by the server for same-host clients) -----
-    def reserve(self, header: RecordHeader, owner: str = "", *,
-                checksum_at_commit: bool = False) -> Reservation | PutStatus:
+    def reserve(
+        self, header: RecordHeader, owner: str = "", *, checksum_at_commit: bool = False
+    ) -> Reservation | PutStatus:
         """Arena pages for a same-host writer (``MemoryTier.reserve``)."""
         self._check_open()
         self._validate(header)
@@ -288,8 +290,7 @@ class TieredStore:
             self._reservations.pop(reservation_id, None)
         self.memory.abort(reservation_id)
 
-    def acquire(self, key: ChunkKey, owner: str = "", *, payload: bool = True
-                ) -> ReadLease | None:
+    def acquire(self, key: ChunkKey, owner: str = "", *, payload: bool = True) -> ReadLease | None:
         """A read lease on the chunk in L1, promoting it from below if needed.
 
         ``payload=False``: the holder verifies the payload itself (``MemoryTier.acquire``).

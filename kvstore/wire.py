@@ -102,33 +102,58 @@ def status_from_pb(value: int) -> PutStatus:
 
 # -- namespaces ------------------------------------------------------------------------
 
+
 def namespace_to_pb(ns: Namespace) -> pb.Namespace:
     return pb.Namespace(
-        model=ns.model, revision=ns.revision, dtype=ns.dtype, layout=ns.layout,
-        device=ns.device, tp_rank=ns.tp_rank, tp_size=ns.tp_size, pp_rank=ns.pp_rank,
-        pp_size=ns.pp_size, lora=ns.lora, salt=ns.salt, extra=dict(ns.extra),
+        model=ns.model,
+        revision=ns.revision,
+        dtype=ns.dtype,
+        layout=ns.layout,
+        device=ns.device,
+        tp_rank=ns.tp_rank,
+        tp_size=ns.tp_size,
+        pp_rank=ns.pp_rank,
+        pp_size=ns.pp_size,
+        lora=ns.lora,
+        salt=ns.salt,
+        extra=dict(ns.extra),
     )
 
 
 def namespace_from_pb(msg: pb.Namespace) -> Namespace:
     """A Namespace from its message; raises InvalidArgument for an invalid one."""
     return Namespace(
-        model=msg.model, revision=msg.revision, dtype=msg.dtype, layout=msg.layout,
-        device=msg.device, tp_rank=msg.tp_rank, tp_size=msg.tp_size or 1,
-        pp_rank=msg.pp_rank, pp_size=msg.pp_size or 1, lora=msg.lora, salt=msg.salt,
+        model=msg.model,
+        revision=msg.revision,
+        dtype=msg.dtype,
+        layout=msg.layout,
+        device=msg.device,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        pp_rank=msg.pp_rank,
+        pp_size=msg.pp_size or 1,
+        lora=msg.lora,
+        salt=msg.salt,
         extra=tuple(sorted(msg.extra.items())),
     )
 
 
 # -- lookup ----------------------------------------------------------------------------
 
+
 def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
     msg = pb.LookupResponse(
-        matched_tokens=result.matched_tokens, total_tokens=result.total_tokens,
-        stop=result.stop, stop_chunk=result.stop_chunk, tokens_by_tier=result.by_tier,
+        matched_tokens=result.matched_tokens,
+        total_tokens=result.total_tokens,
+        stop=result.stop,
+        stop_chunk=result.stop_chunk,
+        tokens_by_tier=result.by_tier,
         other_namespaces=[
-            pb.NamespaceMatch(fingerprint=o.fingerprint, matched_tokens=o.matched_tokens,
-                              namespace=namespace_to_pb(o.namespace) if o.namespace else None)
+            pb.NamespaceMatch(
+                fingerprint=o.fingerprint,
+                matched_tokens=o.matched_tokens,
+                namespace=namespace_to_pb(o.namespace) if o.namespace else None,
+            )
             for o in result.other_namespaces
         ],
     )
@@ -153,8 +178,11 @@ def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
         stop_chunk=msg.stop_chunk,
         by_tier=dict(msg.tokens_by_tier),
         other_namespaces=tuple(
-            NamespaceMatch(Fingerprint(o.fingerprint), o.matched_tokens,
-                           _maybe_namespace(o.namespace) if o.HasField("namespace") else None)
+            NamespaceMatch(
+                Fingerprint(o.fingerprint),
+                o.matched_tokens,
+                _maybe_namespace(o.namespace) if o.HasField("namespace") else None,
+            )
             for o in msg.other_namespaces
         ),
     )
@@ -162,15 +190,25 @@ def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
 
 def _chunks_from_pb(c: pb.ChunkMatches) -> tuple[ChunkMatch, ...]:
     n = len(c.start)
-    if not (len(c.keys) == 32 * n and len(c.tokens) == len(c.stored_tokens) == len(c.tier)
-            == len(c.partial) == n):
+    if not (
+        len(c.keys) == 32 * n
+        and len(c.tokens) == len(c.stored_tokens) == len(c.tier) == len(c.partial) == n
+    ):
         raise errors.KVStoreError("malformed lookup response: chunk columns differ in length")
     keys = c.keys
     # Column by column into plain lists first: a 128k-token prompt has 512 rows, and
     # indexing the message's repeated fields row by row costs more than the RPC.
-    return tuple(map(ChunkMatch, [ChunkKey(keys[i : i + 32]) for i in range(0, 32 * n, 32)],
-                     list(c.start), list(c.tokens), list(c.stored_tokens), list(c.tier),
-                     list(c.partial)))
+    return tuple(
+        map(
+            ChunkMatch,
+            [ChunkKey(keys[i : i + 32]) for i in range(0, 32 * n, 32)],
+            list(c.start),
+            list(c.tokens),
+            list(c.stored_tokens),
+            list(c.tier),
+            list(c.partial),
+        )
+    )
 
 
 def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:
@@ -182,21 +220,44 @@ def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:
 
 # -- stats and listings ----------------------------------------------------------------
 
+
 def stats_to_pb(stats: StoreStats, *, active_leases: int, uptime_s: int) -> pb.StatsResponse:
     return pb.StatsResponse(
-        chunks=stats.chunks, namespaces=stats.namespaces,
-        tiers=[pb.TierStats(
-            name=t.name, level=t.level, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-            chunks=t.chunks, hits=t.hits, misses=t.misses, puts=t.puts, evictions=t.evictions,
-            corrupt=t.corrupt, errors=t.errors, rejected=t.rejected, bytes_in=t.bytes_in,
-            bytes_out=t.bytes_out, healthy=t.healthy,
-            detail_json=json.dumps(t.detail, default=str, sort_keys=True),
-        ) for t in stats.tiers],
-        pending_writes=stats.pending_writes, pending_bytes=stats.pending_bytes,
-        write_failures=stats.write_failures, lookups=stats.lookups,
-        lookup_tokens=stats.lookup_tokens, matched_tokens=stats.matched_tokens,
-        gets=stats.gets, hits=stats.hits, puts=stats.puts, rejected_puts=stats.rejected_puts,
-        active_leases=active_leases, uptime_s=uptime_s,
+        chunks=stats.chunks,
+        namespaces=stats.namespaces,
+        tiers=[
+            pb.TierStats(
+                name=t.name,
+                level=t.level,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                chunks=t.chunks,
+                hits=t.hits,
+                misses=t.misses,
+                puts=t.puts,
+                evictions=t.evictions,
+                corrupt=t.corrupt,
+                errors=t.errors,
+                rejected=t.rejected,
+                bytes_in=t.bytes_in,
+                bytes_out=t.bytes_out,
+                healthy=t.healthy,
+                detail_json=json.dumps(t.detail, default=str, sort_keys=True),
+            )
+            for t in stats.tiers
+        ],
+        pending_writes=stats.pending_writes,
+        pending_bytes=stats.pending_bytes,
+        write_failures=stats.write_failures,
+        lookups=stats.lookups,
+        lookup_tokens=stats.lookup_tokens,
+        matched_tokens=stats.matched_tokens,
+        gets=stats.gets,
+        hits=stats.hits,
+        puts=stats.puts,
+        rejected_puts=stats.rejected_puts,
+        active_leases=active_leases,
+        uptime_s=uptime_s,
     )
 
 
@@ -208,17 +269,39 @@ def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
             detail: dict[str, Any] = json.loads(t.detail_json) if t.detail_json else {}
         except ValueError:
             detail = {"raw": t.detail_json}
-        tiers.append(TierStats(
-            t.name, t.level, t.capacity_bytes, used_bytes=t.used_bytes, chunks=t.chunks,
-            hits=t.hits, misses=t.misses, puts=t.puts, evictions=t.evictions,
-            corrupt=t.corrupt, errors=t.errors, rejected=t.rejected, bytes_in=t.bytes_in,
-            bytes_out=t.bytes_out, healthy=t.healthy, detail=detail,
-        ))
+        tiers.append(
+            TierStats(
+                t.name,
+                t.level,
+                t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                chunks=t.chunks,
+                hits=t.hits,
+                misses=t.misses,
+                puts=t.puts,
+                evictions=t.evictions,
+                corrupt=t.corrupt,
+                errors=t.errors,
+                rejected=t.rejected,
+                bytes_in=t.bytes_in,
+                bytes_out=t.bytes_out,
+                healthy=t.healthy,
+                detail=detail,
+            )
+        )
     return StoreStats(
-        chunks=msg.chunks, namespaces=msg.namespaces, tiers=tiers,
-        pending_writes=msg.pending_writes, pending_bytes=msg.pending_bytes,
-        write_failures=msg.write_failures, lookups=msg.lookups, lookup_tokens=msg.lookup_tokens,
-        matched_tokens=msg.matched_tokens, gets=msg.gets, hits=msg.hits, puts=msg.puts,
+        chunks=msg.chunks,
+        namespaces=msg.namespaces,
+        tiers=tiers,
+        pending_writes=msg.pending_writes,
+        pending_bytes=msg.pending_bytes,
+        write_failures=msg.write_failures,
+        lookups=msg.lookups,
+        lookup_tokens=msg.lookup_tokens,
+        matched_tokens=msg.matched_tokens,
+        gets=msg.gets,
+        hits=msg.hits,
+        puts=msg.puts,
         rejected_puts=msg.rejected_puts,
         extra={"active_leases": msg.active_leases, "uptime_s": msg.uptime_s},
     )
@@ -226,32 +309,59 @@ def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
 
 def chunk_to_pb(v: ChunkView) -> pb.ChunkInfo:
     return pb.ChunkInfo(
-        key=v.key, fingerprint=v.fingerprint, parent=v.parent, n_tokens=v.n_tokens,
-        raw_size=v.raw_size, dtype=v.dtype, tiers=list(v.tiers), pinned=v.pinned,
-        created_ms=v.created_ms, last_access_ms=v.last_access_ms, hits=v.hits,
+        key=v.key,
+        fingerprint=v.fingerprint,
+        parent=v.parent,
+        n_tokens=v.n_tokens,
+        raw_size=v.raw_size,
+        dtype=v.dtype,
+        tiers=list(v.tiers),
+        pinned=v.pinned,
+        created_ms=v.created_ms,
+        last_access_ms=v.last_access_ms,
+        hits=v.hits,
     )
 
 
 def chunk_from_pb(m: pb.ChunkInfo) -> ChunkView:
     return ChunkView(
-        key=ChunkKey(m.key), fingerprint=Fingerprint(m.fingerprint), parent=ChunkKey(m.parent),
-        n_tokens=m.n_tokens, raw_size=m.raw_size, dtype=m.dtype, tiers=tuple(m.tiers),
-        pinned=m.pinned, created_ms=m.created_ms, last_access_ms=m.last_access_ms, hits=m.hits,
+        key=ChunkKey(m.key),
+        fingerprint=Fingerprint(m.fingerprint),
+        parent=ChunkKey(m.parent),
+        n_tokens=m.n_tokens,
+        raw_size=m.raw_size,
+        dtype=m.dtype,
+        tiers=tuple(m.tiers),
+        pinned=m.pinned,
+        created_ms=m.created_ms,
+        last_access_ms=m.last_access_ms,
+        hits=m.hits,
     )
 
 
 def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
     return ServerInfo(
-        server_version=m.server_version, record_format=m.record_format, key_scheme=m.key_scheme,
-        chunk_tokens=m.chunk_tokens, granularity=m.granularity,
-        max_chunk_bytes=m.max_chunk_bytes, piece_bytes=m.piece_bytes,
-        max_message_bytes=m.max_message_bytes, shm_path=m.shm_path, shm_size=m.shm_size,
-        boot_id=m.boot_id, shm_inode=m.shm_inode, lease_ms=m.lease_ms, tiers=tuple(m.tiers),
-        auth_required=m.auth_required, native=m.native,
+        server_version=m.server_version,
+        record_format=m.record_format,
+        key_scheme=m.key_scheme,
+        chunk_tokens=m.chunk_tokens,
+        granularity=m.granularity,
+        max_chunk_bytes=m.max_chunk_bytes,
+        piece_bytes=m.piece_bytes,
+        max_message_bytes=m.max_message_bytes,
+        shm_path=m.shm_path,
+        shm_size=m.shm_size,
+        boot_id=m.boot_id,
+        shm_inode=m.shm_inode,
+        lease_ms=m.lease_ms,
+        tiers=tuple(m.tiers),
+        auth_required=m.auth_required,
+        native=m.native,
     )
 
 
 # -- errors <-> statuses ---------------------------------------------------------------
+
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a server returns for an exception raised while serving a call."""
@@ -307,8 +417,9 @@ def error_from_code(code: int, details: str, what: str, target: str) -> errors.K
     return error_from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, what, target)
 
 
-def error_from_status(code: grpc.StatusCode, details: str, what: str, target: str
-                      ) -> errors.KVStoreError:
+def error_from_status(
+    code: grpc.StatusCode, details: str, what: str, target: str
+) -> errors.KVStoreError:
     cls = _ERRORS.get(code, errors.ServerError)
     if details.startswith(f"{what}: "):  # the server already named the method
         details = details[len(what) + 2 :]
@@ -325,6 +436,7 @@ def error_from_status(code: grpc.StatusCode, details: str, what: str, target: st
 # through a protobuf message (two more copies of every byte). Anything that is not
 # exactly one such field falls back to the protobuf parser.
 
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n >= 0x80:
@@ -340,8 +452,7 @@ def frame(field: int, *parts: bytes | memoryview) -> bytes:
     return b"".join((bytes((field << 3 | 2,)), _varint(n), *parts))
 
 
-def unframe(buf: bytes, cls: type[pb.PutRequest] | type[pb.GetResponse]
-            ) -> tuple[int, memoryview]:
+def unframe(buf: bytes, cls: type[pb.PutRequest] | type[pb.GetResponse]) -> tuple[int, memoryview]:
     """(field number, value) of one PutRequest/GetResponse frame; the value is not copied.
 
     Field 0 means no field was set. Raises InvalidArgument for an unreadable message.

@@ -21,8 +21,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
-GROUPS = ["Crash", "Remote tier", "Capacity", "Clients", "Corruption", "Bad input", "Security",
-          "Connector"]
+GROUPS = [
+    "Crash",
+    "Remote tier",
+    "Capacity",
+    "Clients",
+    "Corruption",
+    "Bad input",
+    "Security",
+    "Connector",
+]
 
 
 def _num(v: Any) -> str:
@@ -45,48 +53,96 @@ def rows(results: dict[str, Any], soak: dict[str, Any] | None) -> list[list[str]
     for r in scenarios:
         ok = r.get("passed", False) and not r["lost"] and not r["wrong"]
         done = r["done"] + (f". *{r['notes']}*" if r.get("notes") else "")
-        out.append([r["group"], r["scenario"], done, _num(r["faults"]), _num(r["requests"]),
-                    _num(r["fuzzed"]), str(r["lost"]), str(r["wrong"]),
-                    _recovery(r.get("recovery_s")), "pass" if ok else "**FAIL**"])
+        out.append(
+            [
+                r["group"],
+                r["scenario"],
+                done,
+                _num(r["faults"]),
+                _num(r["requests"]),
+                _num(r["fuzzed"]),
+                str(r["lost"]),
+                str(r["wrong"]),
+                _recovery(r.get("recovery_s")),
+                "pass" if ok else "**FAIL**",
+            ]
+        )
     if soak:
-        ok = not soak["lost"] and not soak["wrong"] and not soak["errors"] \
+        ok = (
+            not soak["lost"]
+            and not soak["wrong"]
+            and not soak["errors"]
             and not soak["server_exit"]
-        done = (f"{soak['clients']} clients x {soak['minutes']} min of put/get/lookup/delete, "
-                f"every read verified; {soak['kills']} x kill -9 and restart, "
-                f"{soak['redis_outages']} x Redis stopped and started. *{soak['gets']:,} gets "
-                f"({soak['hits']:,} hits), {soak['chunks_stored']:,} chunks stored, "
-                f"{soak['found_after_crash']:,} chunks found again after the crashes, "
-                f"{soak['volatile']} acknowledged but only in memory at a kill, "
-                f"{soak['unavailable_calls']:,} calls refused while the server was down, "
-                f"{soak['errors']} other errors; slowest call {soak['slowest_call_s']} s; "
-                f"run {soak['date'][:10]}*")
+        )
+        done = (
+            f"{soak['clients']} clients x {soak['minutes']} min of put/get/lookup/delete, "
+            f"every read verified; {soak['kills']} x kill -9 and restart, "
+            f"{soak['redis_outages']} x Redis stopped and started. *{soak['gets']:,} gets "
+            f"({soak['hits']:,} hits), {soak['chunks_stored']:,} chunks stored, "
+            f"{soak['found_after_crash']:,} chunks found again after the crashes, "
+            f"{soak['volatile']} acknowledged but only in memory at a kill, "
+            f"{soak['unavailable_calls']:,} calls refused while the server was down, "
+            f"{soak['errors']} other errors; slowest call {soak['slowest_call_s']} s; "
+            f"run {soak['date'][:10]}*"
+        )
         kr, rr = soak["kill_recovery_s"], soak["redis_recovery_s"]
-        recovery = f"restart {kr['max']:.2f} s max ({kr['mean']:.2f} mean); Redis " \
-                   f"{rr['max']:.2f} s" if kr.get("mean") is not None else ""
-        out.append(["Soak", "benchmarks/soak.py", done, _num(soak["faults"]),
-                    _num(soak["requests"]), "", str(soak["lost"]), str(soak["wrong"]), recovery,
-                    "pass" if ok else "**FAIL**"])
+        recovery = (
+            f"restart {kr['max']:.2f} s max ({kr['mean']:.2f} mean); Redis {rr['max']:.2f} s"
+            if kr.get("mean") is not None
+            else ""
+        )
+        out.append(
+            [
+                "Soak",
+                "benchmarks/soak.py",
+                done,
+                _num(soak["faults"]),
+                _num(soak["requests"]),
+                "",
+                str(soak["lost"]),
+                str(soak["wrong"]),
+                recovery,
+                "pass" if ok else "**FAIL**",
+            ]
+        )
     return out
 
 
 def table(results: dict[str, Any], soak: dict[str, Any] | None) -> str:
-    head = ["Area", "Scenario", "What was done", "Faults", "Requests", "Fuzzed inputs",
-            "Lost", "Wrong served", "Recovery", "Result"]
+    head = [
+        "Area",
+        "Scenario",
+        "What was done",
+        "Faults",
+        "Requests",
+        "Fuzzed inputs",
+        "Lost",
+        "Wrong served",
+        "Recovery",
+        "Result",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows(results, soak):
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     stamp = results.get("updated", "never")
     lines.append("")
-    lines.append(f"Suite results of {stamp[:16].replace('T', ' ')} UTC"
-                 + (f"; soak of {soak['date'][:16].replace('T', ' ')} UTC" if soak else
-                    "; the soak has not been run") + ". Regenerate with "
-                 "`python scripts/reliability_report.py`.")
+    lines.append(
+        f"Suite results of {stamp[:16].replace('T', ' ')} UTC"
+        + (
+            f"; soak of {soak['date'][:16].replace('T', ' ')} UTC"
+            if soak
+            else "; the soak has not been run"
+        )
+        + ". Regenerate with "
+        "`python scripts/reliability_report.py`."
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--results", type=Path, default=ROOT / "tests" / "faults" / ".results.json")
     ap.add_argument("--soak", type=Path, default=ROOT / "benchmarks" / "results" / "soak.json")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "reliability.md")
@@ -95,14 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = json.loads(args.results.read_text())
     except (OSError, ValueError) as e:
-        print(f"reliability_report: cannot read {args.results}: {e} (run the fault suite: "
-              "pytest tests/faults)", file=sys.stderr)
+        print(
+            f"reliability_report: cannot read {args.results}: {e} (run the fault suite: "
+            "pytest tests/faults)",
+            file=sys.stderr,
+        )
         return 1
     soak = json.loads(args.soak.read_text()) if args.soak.exists() else None
     doc = args.doc.read_text()
     if START not in doc or END not in doc:
-        print(f"reliability_report: {args.doc} lacks the {START} / {END} markers",
-              file=sys.stderr)
+        print(f"reliability_report: {args.doc} lacks the {START} / {END} markers", file=sys.stderr)
         return 1
     before, rest = doc.split(START, 1)
     _, after = rest.split(END, 1)
@@ -110,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows(results, soak) if r[-1] != "pass"]
     if args.check:
         if new != doc:
-            print(f"{args.doc} is out of date: run scripts/reliability_report.py",
-                  file=sys.stderr)
+            print(f"{args.doc} is out of date: run scripts/reliability_report.py", file=sys.stderr)
             return 1
     else:
         args.doc.write_text(new)

@@ -32,8 +32,10 @@ def _refuse(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this a generator, as the streaming shape requires
 
-    kw = {"request_deserializer": handler.request_deserializer,
-          "response_serializer": handler.response_serializer}
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
     if handler.request_streaming:
@@ -50,8 +52,13 @@ class TokenAuth(grpc.ServerInterceptor):
     (server.tenants scopes what each of them sees).
     """
 
-    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None, *,
-                 tenant_tokens: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        token: str,
+        on_refused: Callable[[str], None] | None = None,
+        *,
+        tenant_tokens: Iterable[str] = (),
+    ) -> None:
         tokens = [t for t in (token, *tenant_tokens) if t]
         if not tokens:
             raise ValueError("TokenAuth needs a non-empty token")
@@ -75,8 +82,11 @@ class TokenAuth(grpc.ServerInterceptor):
         # Every token is compared (constant time each), so timing does not say which matched.
         if given is not None and sum(hmac.compare_digest(given, e) for e in self._expected):
             return handler
-        why = ("missing bearer token (authorization metadata)" if given is None
-               else "wrong bearer token")
+        why = (
+            "missing bearer token (authorization metadata)"
+            if given is None
+            else "wrong bearer token"
+        )
         log.debug("refused %s: %s", method, why)
         if self._on_refused is not None:
             self._on_refused(method.rsplit("/", 1)[-1])

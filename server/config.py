@@ -84,38 +84,52 @@ class ServerConfig:
     log_interval_s: float = 60.0  # period of the request-count summary in the log; 0 = off
 
     def __post_init__(self) -> None:
-        _require(bool(self.listen or self.unix_socket),
-                 "nothing to listen on: set listen (host:port) and/or unix_socket")
+        _require(
+            bool(self.listen or self.unix_socket),
+            "nothing to listen on: set listen (host:port) and/or unix_socket",
+        )
         if self.listen:
             host, _ = parse_address(self.listen)
-            _require(is_loopback(host) or self.has_token or self.insecure,
-                     f"listen={self.listen} is not a loopback address and no token is set: "
-                     "set a token (--token, --token-file or KVSTORE_TOKEN) or pass --insecure "
-                     "to serve without authentication")
+            _require(
+                is_loopback(host) or self.has_token or self.insecure,
+                f"listen={self.listen} is not a loopback address and no token is set: "
+                "set a token (--token, --token-file or KVSTORE_TOKEN) or pass --insecure "
+                "to serve without authentication",
+            )
         _require(not (self.token and self.token_file), "give token or token_file, not both")
-        _require(bool(self.tls_cert) == bool(self.tls_key),
-                 "TLS needs both tls_cert and tls_key")
+        _require(bool(self.tls_cert) == bool(self.tls_key), "TLS needs both tls_cert and tls_key")
         _require(not self.tls_cert or bool(self.listen), "tls_cert is set but listen is empty")
         _require(0 <= self.metrics_port <= 65535, f"metrics_port={self.metrics_port}: 0-65535")
-        _require(self.max_message_bytes >= 64 * KiB,
-                 f"max_message_bytes={self.max_message_bytes}: must be at least 64 KiB")
-        _require(4 * KiB <= self.piece_bytes <= self.max_message_bytes - 32 * KiB,
-                 f"piece_bytes={self.piece_bytes}: must be at least 4 KiB and leave 32 KiB of "
-                 f"room under max_message_bytes={self.max_message_bytes}")
+        _require(
+            self.max_message_bytes >= 64 * KiB,
+            f"max_message_bytes={self.max_message_bytes}: must be at least 64 KiB",
+        )
+        _require(
+            4 * KiB <= self.piece_bytes <= self.max_message_bytes - 32 * KiB,
+            f"piece_bytes={self.piece_bytes}: must be at least 4 KiB and leave 32 KiB of "
+            f"room under max_message_bytes={self.max_message_bytes}",
+        )
         _require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1")
         _require(self.max_sessions >= 0, "max_sessions must be >= 0")
         _require(self.grace_s >= 0, f"grace_s={self.grace_s}: must be >= 0")
-        _require(self.sweep_interval_s > 0,
-                 f"sweep_interval_s={self.sweep_interval_s}: must be > 0")
+        _require(
+            self.sweep_interval_s > 0, f"sweep_interval_s={self.sweep_interval_s}: must be > 0"
+        )
         _require(self.log_interval_s >= 0, "log_interval_s must be >= 0")
-        _require(self.log_level in LOG_LEVELS,
-                 f"log_level={self.log_level!r}: allowed {', '.join(LOG_LEVELS)}")
-        _require(self.log_format in LOG_FORMATS,
-                 f"log_format={self.log_format!r}: allowed {', '.join(LOG_FORMATS)}")
+        _require(
+            self.log_level in LOG_LEVELS,
+            f"log_level={self.log_level!r}: allowed {', '.join(LOG_LEVELS)}",
+        )
+        _require(
+            self.log_format in LOG_FORMATS,
+            f"log_format={self.log_format!r}: allowed {', '.join(LOG_FORMATS)}",
+        )
         if self.unix_socket:
-            _require(len(self.unix_socket.encode()) < 104,
-                     f"unix_socket={self.unix_socket!r}: paths of Unix sockets must be shorter "
-                     "than 104 bytes")
+            _require(
+                len(self.unix_socket.encode()) < 104,
+                f"unix_socket={self.unix_socket!r}: paths of Unix sockets must be shorter "
+                "than 104 bytes",
+            )
 
     @property
     def has_token(self) -> bool:

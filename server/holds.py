@@ -47,19 +47,25 @@ class Holds:
         with self._lock:
             hold = self._holds.get(hid)
             if hold is None or hold.owner != owner or hold.kind != kind:
-                raise NotFound(f"unknown {kind} {hid} (expired, already used, or handed to "
-                               "another session)")
+                raise NotFound(
+                    f"unknown {kind} {hid} (expired, already used, or handed to another session)"
+                )
             del self._holds[hid]
             return hold
 
     def claim_leases(self, ids: list[int], owner: str) -> None:
         """Stop tracking these leases, all or none; NotFound naming the unknown ones."""
         with self._lock:
-            unknown = [i for i in ids if (h := self._holds.get(i)) is None
-                       or h.owner != owner or h.kind != "lease"]
+            unknown = [
+                i
+                for i in ids
+                if (h := self._holds.get(i)) is None or h.owner != owner or h.kind != "lease"
+            ]
             if unknown:
-                raise NotFound(f"unknown lease(s) {unknown[:8]} (expired, already released, or "
-                               "handed to another session)")
+                raise NotFound(
+                    f"unknown lease(s) {unknown[:8]} (expired, already released, or "
+                    "handed to another session)"
+                )
             for i in ids:
                 del self._holds[i]
 
@@ -89,8 +95,10 @@ class Holds:
     def open_session(self, owner: str, max_sessions: int) -> None:
         with self._lock:
             if len(self._sessions) >= max_sessions and owner not in self._sessions:
-                raise ResourceExhausted(f"too many sessions (max_sessions={max_sessions}); "
-                                        "leases still expire on their own")
+                raise ResourceExhausted(
+                    f"too many sessions (max_sessions={max_sessions}); "
+                    "leases still expire on their own"
+                )
             self._sessions[owner] += 1
 
     def renew(self, owner: str) -> None:
@@ -129,5 +137,6 @@ class Holds:
         except StoreClosed:
             return
         if mine or n:
-            log.info("session %s ended: dropped %d leases/reservations", owner[:16],
-                     max(len(mine), n))
+            log.info(
+                "session %s ended: dropped %d leases/reservations", owner[:16], max(len(mine), n)
+            )

@@ -39,8 +39,9 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        extra = {k: v for k, v in vars(record).items()
-                 if k not in _STANDARD and not k.startswith("_")}
+        extra = {
+            k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")
+        }
         if extra:
             text += " " + " ".join(f"{k}={json.dumps(v, default=str)}" for k, v in extra.items())
         return text

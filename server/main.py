@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="kvstore-server",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="A tiered KV-cache store for LLM inference: L1 shared memory, L2 LMDB, "
-                    "L3 Redis/Valkey,\nserved over gRPC on TCP and a Unix socket.",
+        "L3 Redis/Valkey,\nserved over gRPC on TCP and a Unix socket.",
         epilog=(
             "Sources, later ones winning: defaults < --config FILE < KVSTORE_* environment "
             "variables < flags.\nIn the TOML file, server settings go under [server] (same "
@@ -69,91 +69,185 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file")
 
     g = p.add_argument_group("listening")
-    g.add_argument("--listen", metavar="HOST:PORT",
-                   help=f"TCP address; '' for none{default('listen')}")
-    g.add_argument("--unix-socket", metavar="PATH",
-                   help=f"Unix socket path; '' for none (default: {default_socket_path()})")
-    g.add_argument("--max-message-bytes", metavar="SIZE",
-                   help="largest gRPC message either way (default: 4MiB)")
-    g.add_argument("--piece-bytes", metavar="SIZE",
-                   help="payload bytes per Put/Get stream message (default: 1MiB)")
-    g.add_argument("--max-concurrent-rpcs", type=int, metavar="N",
-                   help=f"worker threads for calls{default('max_concurrent_rpcs')}")
-    g.add_argument("--max-sessions", type=int, metavar="N",
-                   help=f"live client Session streams{default('max_sessions')}")
-    g.add_argument("--grace", dest="grace_s", type=float, metavar="SECONDS",
-                   help=f"on SIGTERM, time for in-flight calls to finish{default('grace_s')}")
-    g.add_argument("--no-shm", dest="shm", action="store_const", const=False,
-                   help="do not offer the shared-memory data plane to same-host clients")
-    g.add_argument("--sweep-interval", dest="sweep_interval_s", type=float, metavar="SECONDS",
-                   help=f"how often expired leases are reclaimed{default('sweep_interval_s')}")
+    g.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"TCP address; '' for none{default('listen')}"
+    )
+    g.add_argument(
+        "--unix-socket",
+        metavar="PATH",
+        help=f"Unix socket path; '' for none (default: {default_socket_path()})",
+    )
+    g.add_argument(
+        "--max-message-bytes",
+        metavar="SIZE",
+        help="largest gRPC message either way (default: 4MiB)",
+    )
+    g.add_argument(
+        "--piece-bytes",
+        metavar="SIZE",
+        help="payload bytes per Put/Get stream message (default: 1MiB)",
+    )
+    g.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        metavar="N",
+        help=f"worker threads for calls{default('max_concurrent_rpcs')}",
+    )
+    g.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        help=f"live client Session streams{default('max_sessions')}",
+    )
+    g.add_argument(
+        "--grace",
+        dest="grace_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"on SIGTERM, time for in-flight calls to finish{default('grace_s')}",
+    )
+    g.add_argument(
+        "--no-shm",
+        dest="shm",
+        action="store_const",
+        const=False,
+        help="do not offer the shared-memory data plane to same-host clients",
+    )
+    g.add_argument(
+        "--sweep-interval",
+        dest="sweep_interval_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"how often expired leases are reclaimed{default('sweep_interval_s')}",
+    )
 
     g = p.add_argument_group("security")
-    g.add_argument("--token", help="bearer token every call must carry (health checks "
-                                   "excepted); also KVSTORE_TOKEN")
+    g.add_argument(
+        "--token",
+        help="bearer token every call must carry (health checks excepted); also KVSTORE_TOKEN",
+    )
     g.add_argument("--token-file", metavar="FILE", help="read the token from FILE's first line")
-    g.add_argument("--tenant-tokens", metavar="FILE",
-                   help="tenants: FILE holds tenant:token lines; a tenant's token sees only the "
-                        "namespaces whose salt is the tenant's name (docs/security.md); "
-                        "--token stays the admin token")
-    g.add_argument("--tls-cert", metavar="PEM",
-                   help="certificate chain: serve TLS on TCP (the Unix socket stays plaintext; "
-                        "its file permissions guard it)")
+    g.add_argument(
+        "--tenant-tokens",
+        metavar="FILE",
+        help="tenants: FILE holds tenant:token lines; a tenant's token sees only the "
+        "namespaces whose salt is the tenant's name (docs/security.md); "
+        "--token stays the admin token",
+    )
+    g.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="certificate chain: serve TLS on TCP (the Unix socket stays plaintext; "
+        "its file permissions guard it)",
+    )
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    g.add_argument("--insecure", action="store_const", const=True,
-                   help="allow a non-loopback --listen address without a token")
+    g.add_argument(
+        "--insecure",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback --listen address without a token",
+    )
 
     g = p.add_argument_group("observability")
-    g.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 9464 "
-                        "(default: 0 = off)")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 9464 (default: 0 = off)",
+    )
     g.add_argument("--metrics-host", metavar="HOST", help=f"{default('metrics_host')[1:]}")
-    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                   help=f"{default('log_level')[1:]}")
-    g.add_argument("--log-format", choices=("text", "json"),
-                   help=f"json: one object per line{default('log_format')}")
-    g.add_argument("--log-interval", dest="log_interval_s", type=float, metavar="SECONDS",
-                   help=f"period of the request-count log line; 0 = off"
-                        f"{default('log_interval_s')}")
+    g.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help=f"{default('log_level')[1:]}",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help=f"json: one object per line{default('log_format')}",
+    )
+    g.add_argument(
+        "--log-interval",
+        dest="log_interval_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"period of the request-count log line; 0 = off{default('log_interval_s')}",
+    )
 
     g = p.add_argument_group("store")
-    g.add_argument("--data-dir", metavar="DIR",
-                   help=f"where L2 (LMDB) and its lock live (default: {s.data_dir})")
-    g.add_argument("--chunk-tokens", type=int, metavar="N",
-                   help=f"tokens per chunk (default: {s.chunk_tokens})")
-    g.add_argument("--granularity", type=int, metavar="N",
-                   help=f"partial-match unit in tokens (default: {s.granularity})")
-    g.add_argument("--write-policy", choices=("write-through", "write-back"),
-                   help=f"(default: {s.write_policy})")
+    g.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help=f"where L2 (LMDB) and its lock live (default: {s.data_dir})",
+    )
+    g.add_argument(
+        "--chunk-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens per chunk (default: {s.chunk_tokens})",
+    )
+    g.add_argument(
+        "--granularity",
+        type=int,
+        metavar="N",
+        help=f"partial-match unit in tokens (default: {s.granularity})",
+    )
+    g.add_argument(
+        "--write-policy",
+        choices=("write-through", "write-back"),
+        help=f"(default: {s.write_policy})",
+    )
     g.add_argument("--max-chunk-bytes", metavar="SIZE", help="largest record (default: 256MiB)")
-    g.add_argument("--memory-capacity", metavar="SIZE",
-                   help="size of the L1 shared-memory arena (default: 1GiB)")
-    g.add_argument("--shm-path", metavar="PATH",
-                   help="arena file (default: a fresh file under /dev/shm)")
-    g.add_argument("--lease-ms", type=int, metavar="MS",
-                   help=f"lease of a reservation or read (default: {s.memory.lease_ms})")
+    g.add_argument(
+        "--memory-capacity",
+        metavar="SIZE",
+        help="size of the L1 shared-memory arena (default: 1GiB)",
+    )
+    g.add_argument(
+        "--shm-path", metavar="PATH", help="arena file (default: a fresh file under /dev/shm)"
+    )
+    g.add_argument(
+        "--lease-ms",
+        type=int,
+        metavar="MS",
+        help=f"lease of a reservation or read (default: {s.memory.lease_ms})",
+    )
     g.add_argument("--disk-capacity", metavar="SIZE", help="L2 capacity (default: 16GiB)")
     g.add_argument("--disk-path", metavar="DIR", help="LMDB directory (default: DATA_DIR/lmdb)")
-    g.add_argument("--disk-codec", choices=("raw", "zstd", "zstd_shuffle"),
-                   help=f"(default: {s.disk.codec})")
-    g.add_argument("--no-disk", dest="disk_enabled", action="store_const", const=False,
-                   help="no L2 tier")
-    g.add_argument("--remote", metavar="URL",
-                   help="L3: redis://, rediss://, valkey://, valkeys://; ?cluster=1 for a "
-                        "cluster (default: none)")
+    g.add_argument(
+        "--disk-codec", choices=("raw", "zstd", "zstd_shuffle"), help=f"(default: {s.disk.codec})"
+    )
+    g.add_argument(
+        "--no-disk", dest="disk_enabled", action="store_const", const=False, help="no L2 tier"
+    )
+    g.add_argument(
+        "--remote",
+        metavar="URL",
+        help="L3: redis://, rediss://, valkey://, valkeys://; ?cluster=1 for a "
+        "cluster (default: none)",
+    )
     return p
 
 
 def _overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     server = {name: getattr(args, name, None) for name in ServerConfig.__dataclass_fields__}
     store: dict[str, Any] = {
-        "data_dir": args.data_dir, "chunk_tokens": args.chunk_tokens,
-        "granularity": args.granularity, "write_policy": args.write_policy,
+        "data_dir": args.data_dir,
+        "chunk_tokens": args.chunk_tokens,
+        "granularity": args.granularity,
+        "write_policy": args.write_policy,
         "max_chunk_bytes": args.max_chunk_bytes,
-        "memory": {"capacity_bytes": args.memory_capacity, "path": args.shm_path,
-                   "lease_ms": args.lease_ms},
-        "disk": {"capacity_bytes": args.disk_capacity, "path": args.disk_path,
-                 "codec": args.disk_codec, "enabled": args.disk_enabled},
+        "memory": {
+            "capacity_bytes": args.memory_capacity,
+            "path": args.shm_path,
+            "lease_ms": args.lease_ms,
+        },
+        "disk": {
+            "capacity_bytes": args.disk_capacity,
+            "path": args.disk_path,
+            "codec": args.disk_codec,
+            "enabled": args.disk_enabled,
+        },
         "remote": {"url": args.remote},
     }
     return server, store
@@ -187,12 +281,19 @@ def _prepare_socket(path: str) -> None:
         except OSError:
             os.unlink(path)  # stale: its server is gone
             return
-    raise StartError(f"another server is listening on unix socket {path}; stop it or "
-                     "choose another --unix-socket")
+    raise StartError(
+        f"another server is listening on unix socket {path}; stop it or "
+        "choose another --unix-socket"
+    )
 
 
-def _start(cfg: ServerConfig, service: Any, token: str,
-           tls: tuple[bytes, bytes] | None, tenant_tokens: dict[str, str]) -> _Running:
+def _start(
+    cfg: ServerConfig,
+    service: Any,
+    token: str,
+    tls: tuple[bytes, bytes] | None,
+    tenant_tokens: dict[str, str],
+) -> _Running:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -202,10 +303,10 @@ def _start(cfg: ServerConfig, service: Any, token: str,
     from .auth import TokenAuth
     from .streams import add_to_server
 
-    interceptors = ([TokenAuth(token, tenant_tokens=tenant_tokens)]
-                    if token or tenant_tokens else [])
-    pool = futures.ThreadPoolExecutor(max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions,
-                                      thread_name_prefix="kvstore-rpc")
+    interceptors = [TokenAuth(token, tenant_tokens=tenant_tokens)] if token or tenant_tokens else []
+    pool = futures.ThreadPoolExecutor(
+        max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions, thread_name_prefix="kvstore-rpc"
+    )
     options = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -219,7 +320,8 @@ def _start(cfg: ServerConfig, service: Any, token: str,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
 
     endpoints = []
     if cfg.listen:
@@ -262,11 +364,18 @@ def _housekeeping(service: Any, cfg: ServerConfig, stop: threading.Event) -> Non
             log.exception("lease sweep failed")
         if cfg.log_interval_s and time.monotonic() - last_log >= cfg.log_interval_s:
             counts = service.request_counts()
-            delta = {k: v - last_counts.get(k, 0) for k, v in counts.items()
-                     if v != last_counts.get(k, 0)}
+            delta = {
+                k: v - last_counts.get(k, 0)
+                for k, v in counts.items()
+                if v != last_counts.get(k, 0)
+            }
             if delta:  # an idle server stays quiet
-                log.info("requests in the last %.0f s: %d", time.monotonic() - last_log,
-                         sum(delta.values()), extra={"requests": delta})
+                log.info(
+                    "requests in the last %.0f s: %d",
+                    time.monotonic() - last_log,
+                    sum(delta.values()),
+                    extra={"requests": delta},
+                )
             last_log, last_counts = time.monotonic(), counts
 
 
@@ -295,9 +404,13 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
 
     metrics = Metrics(store)
     try:
-        service = KVStoreService(store, cfg, metrics=metrics,
-                                 auth_required=bool(token or tenant_tokens),
-                                 tenants=Tenants(tenant_tokens))
+        service = KVStoreService(
+            store,
+            cfg,
+            metrics=metrics,
+            auth_required=bool(token or tenant_tokens),
+            tenants=Tenants(tenant_tokens),
+        )
         if cfg.metrics_port:
             metrics.start(cfg.metrics_host, cfg.metrics_port)
         running = _start(cfg, service, token, tls, tenant_tokens)
@@ -307,13 +420,22 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
         raise
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    keeper = threading.Thread(target=_housekeeping, args=(service, cfg, housekeeping_stop),
-                              name="kvstore-housekeeping", daemon=True)
+    keeper = threading.Thread(
+        target=_housekeeping,
+        args=(service, cfg, housekeeping_stop),
+        name="kvstore-housekeeping",
+        daemon=True,
+    )
     keeper.start()
-    log.info("kvstore-server %s listening on %s; tiers %s; data dir %s; shared memory %s",
-             __version__, ", ".join(running.endpoints), [t.name for t in store.tiers],
-             store_cfg.data_dir, store.memory.path if cfg.shm else "off",
-             extra={"endpoints": running.endpoints, "pid": os.getpid()})
+    log.info(
+        "kvstore-server %s listening on %s; tiers %s; data dir %s; shared memory %s",
+        __version__,
+        ", ".join(running.endpoints),
+        [t.name for t in store.tiers],
+        store_cfg.data_dir,
+        store.memory.path if cfg.shm else "off",
+        extra={"endpoints": running.endpoints, "pid": os.getpid()},
+    )
     while not stop.wait(1.0):
         pass
 
@@ -334,8 +456,12 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
                 os.unlink(running.socket_path)
         except OSError:
             pass
-    log.info("stopped in %.2f s (%d write-downs flushed)", time.monotonic() - t0, pending,
-             extra={"requests": service.request_counts()})
+    log.info(
+        "stopped in %.2f s (%d write-downs flushed)",
+        time.monotonic() - t0,
+        pending,
+        extra={"requests": service.request_counts()},
+    )
     return 0
 
 

@@ -20,12 +20,45 @@ from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.server.metrics")
 
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-_TIER_COUNTERS = ("hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected",
-                  "bytes_in", "bytes_out")
-_STORE_COUNTERS = ("lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts",
-                   "rejected_puts", "write_failures")
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "evictions",
+    "corrupt",
+    "errors",
+    "rejected",
+    "bytes_in",
+    "bytes_out",
+)
+_STORE_COUNTERS = (
+    "lookups",
+    "lookup_tokens",
+    "matched_tokens",
+    "gets",
+    "hits",
+    "puts",
+    "rejected_puts",
+    "write_failures",
+)
 
 
 class _StoreCollector(Collector):
@@ -39,8 +72,9 @@ class _StoreCollector(Collector):
             log.exception("reading store stats for metrics failed")
             return
         for name in _TIER_COUNTERS:
-            c = CounterMetricFamily(f"kvstore_tier_{name}", f"Tier {name.replace('_', ' ')}",
-                                    labels=["tier"])
+            c = CounterMetricFamily(
+                f"kvstore_tier_{name}", f"Tier {name.replace('_', ' ')}", labels=["tier"]
+            )
             for t in s.tiers:
                 c.add_metric([t.name], getattr(t, name))
             yield c
@@ -56,14 +90,17 @@ class _StoreCollector(Collector):
                 g.add_metric([t.name], get(t))
             yield g
         for name in _STORE_COUNTERS:
-            yield CounterMetricFamily(f"kvstore_store_{name}", f"Store {name.replace('_', ' ')}",
-                                      value=getattr(s, name))
+            yield CounterMetricFamily(
+                f"kvstore_store_{name}", f"Store {name.replace('_', ' ')}", value=getattr(s, name)
+            )
         yield GaugeMetricFamily("kvstore_store_chunks", "Chunks in the index", value=s.chunks)
         yield GaugeMetricFamily("kvstore_store_namespaces", "Namespaces", value=s.namespaces)
-        yield GaugeMetricFamily("kvstore_store_pending_writes", "Queued write-downs",
-                                value=s.pending_writes)
-        yield GaugeMetricFamily("kvstore_store_pending_bytes", "Bytes of queued write-downs",
-                                value=s.pending_bytes)
+        yield GaugeMetricFamily(
+            "kvstore_store_pending_writes", "Queued write-downs", value=s.pending_writes
+        )
+        yield GaugeMetricFamily(
+            "kvstore_store_pending_bytes", "Bytes of queued write-downs", value=s.pending_bytes
+        )
         detail = s.tiers[0].detail if s.tiers else {}
         for key in ("active_leases", "reservations", "pages_used", "pages_total"):
             value = detail.get(key)
@@ -76,12 +113,25 @@ class Metrics:
 
     def __init__(self, store: TieredStore) -> None:
         self.registry = CollectorRegistry()
-        self.rpcs = Counter("kvstore_rpcs", "Finished RPCs by method and status code",
-                            ["method", "code"], registry=self.registry)
-        self.latency = Histogram("kvstore_rpc_latency_seconds", "RPC latency by method",
-                                 ["method"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.payload = Counter("kvstore_payload_bytes", "Chunk payload bytes moved, by plane",
-                               ["direction", "plane"], registry=self.registry)
+        self.rpcs = Counter(
+            "kvstore_rpcs",
+            "Finished RPCs by method and status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_rpc_latency_seconds",
+            "RPC latency by method",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.payload = Counter(
+            "kvstore_payload_bytes",
+            "Chunk payload bytes moved, by plane",
+            ["direction", "plane"],
+            registry=self.registry,
+        )
         self.registry.register(_StoreCollector(store))
         self._http: Any = None
 

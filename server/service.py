@@ -97,9 +97,11 @@ def _rpc(fn: F) -> F:
         return time.perf_counter()
 
     if streaming:
+
         @functools.wraps(fn)
-        def gen_wrapper(self: KVStoreService, request: Any, context: grpc.ServicerContext
-                        ) -> Iterator[Any]:
+        def gen_wrapper(
+            self: KVStoreService, request: Any, context: grpc.ServicerContext
+        ) -> Iterator[Any]:
             code, msg, t0, entered = grpc.StatusCode.OK, "", time.perf_counter(), False
             try:
                 t0 = begin(self)
@@ -133,9 +135,15 @@ def _rpc(fn: F) -> F:
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
-    def __init__(self, store: TieredStore, config: ServerConfig, *,
-                 metrics: Metrics | None = None, auth_required: bool = False,
-                 tenants: Tenants | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        config: ServerConfig,
+        *,
+        metrics: Metrics | None = None,
+        auth_required: bool = False,
+        tenants: Tenants | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
@@ -160,14 +168,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         mem, cfg = self.store.memory, self.store.config
         shm = self.config.shm
         return pb.InfoResponse(
-            server_version=__version__, record_format=FORMAT_VERSION, key_scheme=KEY_SCHEME,
-            chunk_tokens=cfg.chunk_tokens, granularity=cfg.granularity,
-            max_chunk_bytes=cfg.max_chunk_bytes, piece_bytes=self.config.piece_bytes,
+            server_version=__version__,
+            record_format=FORMAT_VERSION,
+            key_scheme=KEY_SCHEME,
+            chunk_tokens=cfg.chunk_tokens,
+            granularity=cfg.granularity,
+            max_chunk_bytes=cfg.max_chunk_bytes,
+            piece_bytes=self.config.piece_bytes,
             max_message_bytes=self.config.max_message_bytes,
-            shm_path=mem.path if shm else "", shm_size=mem.capacity_bytes if shm else 0,
-            boot_id=boot_id() if shm else "", shm_inode=os.stat(mem.path).st_ino if shm else 0,
-            lease_ms=cfg.memory.lease_ms, tiers=[t.name for t in self.store.tiers],
-            auth_required=auth_required, native=accel.IMPL,
+            shm_path=mem.path if shm else "",
+            shm_size=mem.capacity_bytes if shm else 0,
+            boot_id=boot_id() if shm else "",
+            shm_inode=os.stat(mem.path).st_ino if shm else 0,
+            lease_ms=cfg.memory.lease_ms,
+            tiers=[t.name for t in self.store.tiers],
+            auth_required=auth_required,
+            native=accel.IMPL,
         )
 
     # -- bookkeeping of calls ----------------------------------------------------------------------
@@ -191,8 +207,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.metrics.observe(name, code.name, seconds)
         log.debug("rpc %s %s %.3f ms", name, code.name, seconds * 1000)
 
-    def _failed(self, name: str, e: Exception, context: grpc.ServicerContext
-                ) -> tuple[grpc.StatusCode, str]:
+    def _failed(
+        self, name: str, e: Exception, context: grpc.ServicerContext
+    ) -> tuple[grpc.StatusCode, str]:
         if isinstance(e, _Status):
             return e.code, str(e)
         if isinstance(e, Denied):
@@ -264,8 +281,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @staticmethod
     def _fingerprint(raw: bytes) -> Fingerprint:
         if len(raw) != FINGERPRINT_BYTES:
-            raise InvalidArgument(f"fingerprint is {len(raw)} bytes; namespace fingerprints "
-                                  f"are {FINGERPRINT_BYTES}")
+            raise InvalidArgument(
+                f"fingerprint is {len(raw)} bytes; namespace fingerprints are {FINGERPRINT_BYTES}"
+            )
         return Fingerprint(raw)
 
     def _header(self, raw: bytes) -> RecordHeader:
@@ -275,28 +293,39 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except CorruptRecord as e:
             raise InvalidArgument(f"malformed record header: {e}") from e
         if len(raw) != header.header_size:
-            raise InvalidArgument(f"malformed record header: {len(raw)} bytes, its fields say "
-                                  f"{header.header_size}")
+            raise InvalidArgument(
+                f"malformed record header: {len(raw)} bytes, its fields say {header.header_size}"
+            )
         if header.codec != Codec.RAW:
             raise InvalidArgument(f"puts carry raw payloads, got codec {header.codec.name}")
-        if not header.shape or header.raw_size != prod(header.shape) * DTYPES[header.dtype][1] \
-                or header.stored_size != header.raw_size:
-            raise InvalidArgument(f"header is inconsistent: {header.dtype} x {header.shape} is "
-                                  f"not {header.raw_size} raw / {header.stored_size} stored bytes")
+        if (
+            not header.shape
+            or header.raw_size != prod(header.shape) * DTYPES[header.dtype][1]
+            or header.stored_size != header.raw_size
+        ):
+            raise InvalidArgument(
+                f"header is inconsistent: {header.dtype} x {header.shape} is "
+                f"not {header.raw_size} raw / {header.stored_size} stored bytes"
+            )
         limit = self.store.config.max_chunk_bytes
         if header.record_size > limit:
-            raise ResourceExhausted(f"record of {header.record_size} bytes exceeds "
-                                    f"max_chunk_bytes={limit}")
+            raise ResourceExhausted(
+                f"record of {header.record_size} bytes exceeds max_chunk_bytes={limit}"
+            )
         return header
 
     def _shm_enabled(self, context: grpc.ServicerContext) -> None:
         if not self.config.shm:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
-                          "the shared-memory data plane is disabled on this server (shm=false)")
+            raise _Status(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the shared-memory data plane is disabled on this server (shm=false)",
+            )
         if self._tenant(context) is not None:
-            raise _Status(grpc.StatusCode.FAILED_PRECONDITION,
-                          "the shared-memory data plane is not offered to tenants (whoever maps "
-                          "the arena can read every record): use Put and Get")
+            raise _Status(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the shared-memory data plane is not offered to tenants (whoever maps "
+                "the arena can read every record): use Put and Get",
+            )
 
     def _moved(self, direction: str, plane: str, nbytes: int) -> None:
         if self.metrics is not None:
@@ -308,18 +337,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return self._info if self._tenant(context) is None else self._tenant_info
 
     @_rpc
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext
-               ) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         fp = self._fingerprint(request.fingerprint)
         if len(request.token_ids) % 4:
-            raise InvalidArgument(f"token_ids is {len(request.token_ids)} bytes; "
-                                  "expected u32 little-endian ids (a multiple of 4 bytes)")
+            raise InvalidArgument(
+                f"token_ids is {len(request.token_ids)} bytes; "
+                "expected u32 little-endian ids (a multiple of 4 bytes)"
+            )
         ns = None
         if request.HasField("namespace"):
             ns = namespace_from_pb(request.namespace)
             if ns.fingerprint != fp:
-                raise InvalidArgument("namespace does not match fingerprint (its fingerprint is "
-                                      f"{ns.fingerprint.hex()}, the request says {fp.hex()})")
+                raise InvalidArgument(
+                    "namespace does not match fingerprint (its fingerprint is "
+                    f"{ns.fingerprint.hex()}, the request says {fp.hex()})"
+                )
         tenant = self._tenant(context)
         self.tenants.prove(tenant, ns)
         if ns is not None:
@@ -327,14 +359,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if len(self._names) < _MAX_NAMES:
                     self._names.setdefault(fp, ns)
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
-        result = self.store.lookup(fp, tokens, min_tokens=request.min_tokens,
-                                   granularity=request.granularity or None)
+        result = self.store.lookup(
+            fp, tokens, min_tokens=request.min_tokens, granularity=request.granularity or None
+        )
         if request.explain:
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
         return lookup_to_pb(result)
 
-    def _explain(self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None
-                 ) -> tuple[NamespaceMatch, ...]:
+    def _explain(
+        self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None
+    ) -> tuple[NamespaceMatch, ...]:
         out = []
         cfg = self.store.config
         for other in self.store.namespaces():
@@ -350,8 +384,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- remote data plane -------------------------------------------------------------------------
     @_rpc
-    def Put(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
-            ) -> pb.PutResponse:
+    def Put(
+        self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
+    ) -> pb.PutResponse:
         cid, touch = self.watchdog.watch(context)
         try:
             parts = pieces(touching(request_iterator, touch))
@@ -392,18 +427,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- shared-memory data plane ------------------------------------------------------------------
     @_rpc
-    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
-                ) -> pb.ReserveResponse:
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
         self._shm_enabled(context)
         return self._reserve(request, self._owner(context))
 
     @_rpc
-    def ReserveMany(self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
-                    ) -> pb.ReserveManyResponse:
+    def ReserveMany(
+        self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveManyResponse:
         self._shm_enabled(context)
         if len(request.requests) > MAX_RESERVE_BATCH:
-            raise InvalidArgument(f"{len(request.requests)} reservations in one ReserveMany; "
-                                  f"at most {MAX_RESERVE_BATCH}")
+            raise InvalidArgument(
+                f"{len(request.requests)} reservations in one ReserveMany; "
+                f"at most {MAX_RESERVE_BATCH}"
+            )
         owner = self._owner(context)
         out = pb.ReserveManyResponse()
         try:
@@ -420,28 +459,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _reserve(self, request: pb.ReserveRequest, owner: str) -> pb.ReserveResponse:
         header = self._header(request.header)
-        res = self.store.reserve(header, owner=owner,
-                                 checksum_at_commit=request.checksum_at_commit)
+        res = self.store.reserve(header, owner=owner, checksum_at_commit=request.checksum_at_commit)
         if isinstance(res, PutStatus):
             return pb.ReserveResponse(status=status_to_pb(res))
         self.holds.track(res.id, owner, "reservation", header.stored_size)
         return pb.ReserveResponse(
-            status=pb.STORED, reservation_id=res.id,
+            status=pb.STORED,
+            reservation_id=res.id,
             extents=[pb.Extent(offset=o, length=n) for o, n in res.extents],
-            payload_offset=res.payload_offset, expires_ms=self.store.config.memory.lease_ms,
+            payload_offset=res.payload_offset,
+            expires_ms=self.store.config.memory.lease_ms,
         )
 
     @_rpc
-    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext
-               ) -> pb.CommitResponse:
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         return self._commit(request, self._owner(context))
 
     @_rpc
-    def CommitMany(self, request: pb.CommitManyRequest, context: grpc.ServicerContext
-                   ) -> pb.CommitManyResponse:
+    def CommitMany(
+        self, request: pb.CommitManyRequest, context: grpc.ServicerContext
+    ) -> pb.CommitManyResponse:
         if len(request.commits) > MAX_RESERVE_BATCH:
-            raise InvalidArgument(f"{len(request.commits)} commits in one CommitMany; "
-                                  f"at most {MAX_RESERVE_BATCH}")
+            raise InvalidArgument(
+                f"{len(request.commits)} commits in one CommitMany; at most {MAX_RESERVE_BATCH}"
+            )
         owner = self._owner(context)
         out = pb.CommitManyResponse()
         for c in request.commits:
@@ -471,8 +512,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.AbortResponse()
 
     @_rpc
-    def Acquire(self, request: pb.AcquireRequest, context: grpc.ServicerContext
-                ) -> pb.AcquireResponse:
+    def Acquire(
+        self, request: pb.AcquireRequest, context: grpc.ServicerContext
+    ) -> pb.AcquireResponse:
         self._shm_enabled(context)
         key = self._key(request.key)
         owner = self._owner(context)
@@ -483,14 +525,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.holds.track(lease.id, owner, "lease", lease.header.stored_size)
         self._moved("out", "shm", lease.header.stored_size)
         return pb.AcquireResponse(
-            found=True, lease_id=lease.id, header=lease.header.pack(),
+            found=True,
+            lease_id=lease.id,
+            header=lease.header.pack(),
             extents=[pb.Extent(offset=o, length=n) for o, n in lease.extents],
-            payload_offset=lease.payload_offset, expires_ms=self.store.config.memory.lease_ms,
+            payload_offset=lease.payload_offset,
+            expires_ms=self.store.config.memory.lease_ms,
         )
 
     @_rpc
-    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext
-                ) -> pb.ReleaseResponse:
+    def Release(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseResponse:
         owner = self._owner(context)
         ids = list(dict.fromkeys(request.lease_ids))
         self.holds.claim_leases(ids, owner)
@@ -498,8 +544,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.ReleaseResponse(released=sum(self.store.release(i) for i in ids))
 
     @_rpc
-    def Session(self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
-                ) -> Iterator[pb.SessionPong]:
+    def Session(
+        self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionPong]:
         cid, touch = self.watchdog.watch(context)  # clients ping every lease/3 at most
         try:
             pings = touching(request_iterator, touch)
@@ -523,18 +570,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # -- management --------------------------------------------------------------------------------
     @_rpc
-    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext
-               ) -> pb.ExistsResponse:
+    def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
         keys, tenant = self._keys(request.keys), self._tenant(context)
         found = self.store.contains(keys)
         if tenant is not None:  # only chunks of the caller's namespaces (indexed ones)
-            found = [t if self._visible(tenant, k) else () for k, t in zip(keys, found,
-                                                                            strict=True)]
+            found = [
+                t if self._visible(tenant, k) else () for k, t in zip(keys, found, strict=True)
+            ]
         return pb.ExistsResponse(found=[pb.TierSet(tiers=list(t)) for t in found])
 
     @_rpc
-    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext
-               ) -> pb.DeleteResponse:
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         tenant = self._tenant(context)
         keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.DeleteResponse(deleted=sum(self.store.delete(k) for k in keys))
@@ -562,12 +608,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         stats = self.store.stats()
         tenant = self._tenant(context)
         if tenant is not None:  # its own chunks and namespaces; tier figures are server-wide
-            mine = {fp: n for fp, n in self.store.namespaces().items()
-                    if self.tenants.owns(tenant, fp)}
+            mine = {
+                fp: n for fp, n in self.store.namespaces().items() if self.tenants.owns(tenant, fp)
+            }
             stats.chunks, stats.namespaces = sum(mine.values()), len(mine)
         leases = stats.tiers[0].detail.get("active_leases", 0) if stats.tiers else 0
-        return stats_to_pb(stats, active_leases=leases if isinstance(leases, int) else 0,
-                           uptime_s=int(time.monotonic() - self._started))
+        return stats_to_pb(
+            stats,
+            active_leases=leases if isinstance(leases, int) else 0,
+            uptime_s=int(time.monotonic() - self._started),
+        )
 
     @_rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
@@ -585,13 +635,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except ValueError:
                 after = b""
             if len(after) != KEY_BYTES:
-                raise InvalidArgument(f"page_token {request.page_token[:80]!r} is not one this "
-                                      "server handed out")
+                raise InvalidArgument(
+                    f"page_token {request.page_token[:80]!r} is not one this server handed out"
+                )
 
         def keep(v: ChunkView) -> bool:
-            return (v.key > after and (not request.tier or request.tier in v.tiers)
-                    and (not request.pinned_only or v.pinned)
-                    and self.tenants.owns(tenant, v.fingerprint))
+            return (
+                v.key > after
+                and (not request.tier or request.tier in v.tiers)
+                and (not request.pinned_only or v.pinned)
+                and self.tenants.owns(tenant, v.fingerprint)
+            )
 
         views = sorted((v for v in self.store.scan(fp) if keep(v)), key=lambda v: v.key)
         page = views[:size]
@@ -599,11 +653,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.ListResponse(chunks=[chunk_to_pb(v) for v in page], next_page_token=token)
 
     @_rpc
-    def Namespaces(self, request: pb.NamespacesRequest, context: grpc.ServicerContext
-                   ) -> pb.NamespacesResponse:
+    def Namespaces(
+        self, request: pb.NamespacesRequest, context: grpc.ServicerContext
+    ) -> pb.NamespacesResponse:
         tenant = self._tenant(context)
-        counts = {fp: n for fp, n in self.store.namespaces().items()
-                  if self.tenants.owns(tenant, fp)}
+        counts = {
+            fp: n for fp, n in self.store.namespaces().items() if self.tenants.owns(tenant, fp)
+        }
         sizes: Counter[bytes] = Counter()
         for v in self.store.scan():
             sizes[v.fingerprint] += v.raw_size
@@ -612,7 +668,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         out = []
         for fp, n in sorted(counts.items()):
             ns = names.get(fp)
-            out.append(pb.NamespaceInfo(fingerprint=fp, chunks=n, bytes=sizes[fp],
-                                        namespace=namespace_to_pb(ns) if ns else None))
+            out.append(
+                pb.NamespaceInfo(
+                    fingerprint=fp,
+                    chunks=n,
+                    bytes=sizes[fp],
+                    namespace=namespace_to_pb(ns) if ns else None,
+                )
+            )
         return pb.NamespacesResponse(namespaces=out)
-

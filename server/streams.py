@@ -44,8 +44,12 @@ def pieces(raw: Iterator[bytes]) -> Pieces:
         yield unframe(buf, pb.PutRequest)
 
 
-def _receive(parts: Pieces, header: RecordHeader, write: Callable[[int, memoryview], None],
-             keepalive: Callable[[], None]) -> int:
+def _receive(
+    parts: Pieces,
+    header: RecordHeader,
+    write: Callable[[int, memoryview], None],
+    keepalive: Callable[[], None],
+) -> int:
     size, pos = header.stored_size, 0
     for field, data in parts:
         if field != 2:
@@ -75,8 +79,9 @@ class _KeepAlive:
             self.last = now
 
 
-def receive_put(store: TieredStore, header: RecordHeader, parts: Pieces, lease_s: float
-                ) -> PutStatus:
+def receive_put(
+    store: TieredStore, header: RecordHeader, parts: Pieces, lease_s: float
+) -> PutStatus:
     """Store the payload streamed in ``parts`` under ``header``."""
     res = store.reserve(header, owner=SERVER_OWNER)  # validates before any payload is read
     if res == PutStatus.EXISTS:
@@ -84,12 +89,17 @@ def receive_put(store: TieredStore, header: RecordHeader, parts: Pieces, lease_s
     if isinstance(res, Reservation):
         arena, base = store.memory.arena, res.payload_offset
         try:
-            _receive(parts, header, lambda pos, data: arena.write(res.extents, base + pos, data),
-                     _KeepAlive(store, res.id, lease_s))
+            _receive(
+                parts,
+                header,
+                lambda pos, data: arena.write(res.extents, base + pos, data),
+                _KeepAlive(store, res.id, lease_s),
+            )
             return store.commit(res.id)
         except CorruptRecord as e:
-            raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way"
-                                ) from e
+            raise CorruptRecord(
+                "payload checksum mismatch: the bytes were damaged on the way"
+            ) from e
         finally:
             with contextlib.suppress(KVStoreError):
                 store.abort(res.id)  # a no-op after a commit
@@ -118,8 +128,10 @@ class _Staging:
     def take(self, nbytes: int, limit: int) -> Iterator[None]:
         with self._lock:
             if self.used and self.used + nbytes > limit:
-                raise ResourceExhausted(f"the server is staging {self.used} bytes of puts that "
-                                        "L1 cannot take; retry later")
+                raise ResourceExhausted(
+                    f"the server is staging {self.used} bytes of puts that "
+                    "L1 cannot take; retry later"
+                )
             self.used += nbytes
         try:
             yield
@@ -131,8 +143,9 @@ class _Staging:
 _staging = _Staging()
 
 
-def send_get(store: TieredStore, key: ChunkKey, piece: int, lease_s: float
-             ) -> Generator[bytes, None, None]:
+def send_get(
+    store: TieredStore, key: ChunkKey, piece: int, lease_s: float
+) -> Generator[bytes, None, None]:
     """GetResponse frames of a chunk (header, then payload pieces); nothing on a miss."""
     lease = store.acquire(key, owner=SERVER_OWNER)
     if lease is not None:
@@ -257,9 +270,11 @@ def add_to_server(servicer: Any, server: grpc.Server) -> None:
         if m.name == "Get":
             response = _serialize  # the servicer yields frames: kvstore.wire.frame
         make = kinds[(m.client_streaming, m.server_streaming)]
-        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=request,
-                                response_serializer=response)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name,
-                                                                          handlers),))
+        handlers[m.name] = make(
+            getattr(servicer, m.name), request_deserializer=request, response_serializer=response
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(desc.full_name, handlers),)
+    )
     if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: faster dispatch
         server.add_registered_method_handlers(desc.full_name, handlers)

@@ -66,8 +66,10 @@ def read_tenant_tokens(path: str, admin_token: str = "") -> dict[str, str]:
         if not _NAME.fullmatch(tenant):
             raise ConfigError(f"{where}: tenant {tenant!r} must be 1-64 of [A-Za-z0-9_.-]")
         if token in out or (admin_token and hmac.compare_digest(token, admin_token)):
-            raise ConfigError(f"{where}: the token of {tenant!r} is already used by "
-                              f"{out.get(token, 'the admin token')!r}; tokens must be unique")
+            raise ConfigError(
+                f"{where}: the token of {tenant!r} is already used by "
+                f"{out.get(token, 'the admin token')!r}; tokens must be unique"
+            )
         out[token] = tenant
     if not out:
         raise ConfigError(f"tenant_tokens={path!r} names no tenant")
@@ -107,9 +109,11 @@ class Tenants:
         if tenant is None:
             return
         if ns is None or not salt_of_tenant(ns.salt, tenant):
-            raise Denied(f"tenant {tenant!r} must send the full Namespace with its lookups, with "
-                         f"salt={tenant!r} (or '{tenant}|...'); got "
-                         f"{'none' if ns is None else f'salt={ns.salt!r}'}")
+            raise Denied(
+                f"tenant {tenant!r} must send the full Namespace with its lookups, with "
+                f"salt={tenant!r} (or '{tenant}|...'); got "
+                f"{'none' if ns is None else f'salt={ns.salt!r}'}"
+            )
         fp = ns.fingerprint
         with self._lock:
             owner = self._owner.get(fp)
@@ -126,9 +130,11 @@ class Tenants:
 
     def require(self, tenant: str | None, fp: bytes) -> None:
         if not self.owns(tenant, fp):
-            raise Denied(f"namespace {bytes(fp).hex()} is not a namespace of tenant {tenant!r} "
-                         "(not registered): look a prompt up with the full Namespace "
-                         f"(salt={tenant!r}) first")
+            raise Denied(
+                f"namespace {bytes(fp).hex()} is not a namespace of tenant {tenant!r} "
+                "(not registered): look a prompt up with the full Namespace "
+                f"(salt={tenant!r}) first"
+            )
 
     def owned(self, tenant: str) -> set[Fingerprint]:
         with self._lock:

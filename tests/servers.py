@@ -113,9 +113,23 @@ class RedisServer:
     # -- lifecycle ------------------------------------------------------------
     def _command(self) -> list[str]:
         cmd = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-            "--logfile", str(self.log), "--daemonize", "no", "--protected-mode", "no",
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.log),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
         ]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
@@ -130,7 +144,9 @@ class RedisServer:
         attempts = 1 if self._fixed_port or self.proc is not None else 5
         for attempt in range(attempts):
             self.proc = subprocess.Popen(
-                self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                self._command(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             _strong.add(self)
@@ -203,7 +219,10 @@ class RedisServer:
         """Run ``<flavor>-cli -p <port> args...`` and return its stdout."""
         done = subprocess.run(
             [self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *args],
-            capture_output=True, text=True, timeout=10, check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
         if check and done.returncode != 0:
             raise RuntimeError(f"{self.cli_binary} {' '.join(args)} failed: {done.stderr}")
@@ -228,7 +247,11 @@ class ServerCluster:
     """
 
     def __init__(
-        self, n: int = 3, flavor: str = "valkey", *, node_timeout_ms: int = 2000,
+        self,
+        n: int = 3,
+        flavor: str = "valkey",
+        *,
+        node_timeout_ms: int = 2000,
         args: Sequence[str] = (),
     ) -> None:
         if n < 3:
@@ -236,8 +259,11 @@ class ServerCluster:
         self.flavor = flavor
         self.nodes: list[RedisServer] = []
         extra = [
-            "--cluster-node-timeout", str(node_timeout_ms),
-            "--cluster-require-full-coverage", "no", *args,
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            "--cluster-require-full-coverage",
+            "no",
+            *args,
         ]
         try:
             for _ in range(n):
@@ -250,9 +276,19 @@ class ServerCluster:
     def _create(self) -> None:
         first = self.nodes[0]
         done = subprocess.run(
-            [first.cli_binary, "--cluster", "create", *(s.address for s in self.nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=30, check=False,
+            [
+                first.cli_binary,
+                "--cluster",
+                "create",
+                *(s.address for s in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
         if done.returncode != 0:
             raise RuntimeError(f"cluster create failed:\n{done.stdout}\n{done.stderr}")
@@ -263,8 +299,7 @@ class ServerCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             infos = [s.cli("cluster", "info", check=False) for s in self.nodes if s.running]
-            if all("cluster_state:ok" in i and "cluster_slots_assigned:16384" in i
-                   for i in infos):
+            if all("cluster_state:ok" in i and "cluster_slots_assigned:16384" in i for i in infos):
                 return
             time.sleep(0.05)
         raise RuntimeError("cluster did not reach cluster_state:ok in time")

@@ -23,8 +23,28 @@ from kvstore import accel
 
 native = pytest.mark.skipif(not accel.NATIVE, reason="kvstore._native is not built here")
 
-LENGTHS = sorted({*range(0, 300), 511, 512, 513, 1023, 1024, 1025, 1087, 1088, 1089,
-                  4095, 4096, 4097, 16383, 16384, 16385, 65536 + 7, (1 << 20) + 63})
+LENGTHS = sorted(
+    {
+        *range(0, 300),
+        511,
+        512,
+        513,
+        1023,
+        1024,
+        1025,
+        1087,
+        1088,
+        1089,
+        4095,
+        4096,
+        4097,
+        16383,
+        16384,
+        16385,
+        65536 + 7,
+        (1 << 20) + 63,
+    }
+)
 
 
 def test_native_is_built() -> None:

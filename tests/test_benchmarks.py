@@ -193,8 +193,10 @@ def test_replay_workload_shares_prefixes_as_a_chat_does() -> None:
     ideal = ideal_hits(order)
     assert ideal[0] == 0, "the first prompt has nothing to reuse"
     assert ideal[1] == QUICK.system_tokens // BLOCK * BLOCK, ideal
-    assert all((h % BLOCK == 0 or h == len(t) - 1) and h < len(t)
-               for h, t in zip(ideal, order, strict=True)), ideal
+    assert all(
+        (h % BLOCK == 0 or h == len(t) - 1) and h < len(t)
+        for h, t in zip(ideal, order, strict=True)
+    ), ideal
 
 
 def test_results_markdown_has_runs_plots_and_one_table_per_suite() -> None:

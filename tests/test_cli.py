@@ -59,14 +59,32 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     sock = d / "kv.sock"
     log = d / "server.log"
-    cmd = [sys.executable, "-m", "kvstore.server.main", "--listen", f"127.0.0.1:{port}",
-           "--unix-socket", str(sock), "--data-dir", str(d / "data"), "--memory-capacity",
-           "64MiB", "--disk-capacity", "256MiB", "--chunk-tokens", str(CHUNK_TOKENS),
-           "--granularity", "4", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.server.main",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--unix-socket",
+        str(sock),
+        "--data-dir",
+        str(d / "data"),
+        "--memory-capacity",
+        "64MiB",
+        "--disk-capacity",
+        "256MiB",
+        "--chunk-tokens",
+        str(CHUNK_TOKENS),
+        "--granularity",
+        "4",
+        "--log-level",
+        "warning",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    srv = Server(f"unix://{sock}", f"grpc://127.0.0.1:{port}",
-                 f"grpc://127.0.0.1:{free_port()}", proc, log)
+    srv = Server(
+        f"unix://{sock}", f"grpc://127.0.0.1:{port}", f"grpc://127.0.0.1:{free_port()}", proc, log
+    )
     try:
         deadline = time.monotonic() + 30
         with Client(srv.url, timeout=2) as c:
@@ -89,8 +107,9 @@ def put_chain(client: Client, ns: Namespace, tokens: Sequence[int]) -> list[Chun
     keys, parent = [], ROOT
     for s in range(0, len(tokens), CHUNK_TOKENS):
         payload = np.full(PAYLOAD, s % 251, dtype=np.uint8)
-        parent, status = client.put_chunk(ns, parent, tokens[s : s + CHUNK_TOKENS], payload,
-                                          "float16", (2, PAYLOAD // 4))
+        parent, status = client.put_chunk(
+            ns, parent, tokens[s : s + CHUNK_TOKENS], payload, "float16", (2, PAYLOAD // 4)
+        )
         assert status.name in ("STORED", "EXISTS"), f"put of chunk at {s}: {status}"
         keys.append(parent)
     client.lookup(ns, tokens)
@@ -103,18 +122,27 @@ def stored(server: Server) -> dict[str, list[ChunkKey]]:
         return {"a": put_chain(c, NS_A, PROMPT), "b": put_chain(c, NS_B, PROMPT)}
 
 
-def cli(server: Server | None, *args: str, url: str | None = None,
-        stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    server: Server | None, *args: str, url: str | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the CLI; the server comes from KVSTORE_URL (as a user would set it) unless --url."""
     env = dict(os.environ)
     env.pop("KVSTORE_TOKEN", None)
     env["KVSTORE_URL"] = url or (server.url if server else "unix:///nonexistent/kv.sock")
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=60,
-                          input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL)
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )
 
 
-def call(server: Server, *args: str, stdin: str | None = None,
-         url: str | None = None) -> subprocess.CompletedProcess[str]:
+def call(
+    server: Server, *args: str, stdin: str | None = None, url: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``kvstore.cli.main`` in this process against ``server`` (or ``url``)."""
     from kvstore.cli import main
 
@@ -158,13 +186,15 @@ def as_json(r: subprocess.CompletedProcess[str]) -> dict:
 
 def failed(r: subprocess.CompletedProcess[str], code: int = 1) -> str:
     """The one-line message of an expected failure."""
-    assert r.returncode == code, f"{r.args}: expected exit {code}, got {r.returncode}: " \
-                                 f"{r.stdout}{r.stderr}"
+    assert r.returncode == code, (
+        f"{r.args}: expected exit {code}, got {r.returncode}: {r.stdout}{r.stderr}"
+    )
     assert "Traceback" not in r.stderr, f"traceback for an expected error: {r.stderr}"
     return r.stderr
 
 
 # -- help ----------------------------------------------------------------
+
 
 def test_help_documents_every_option() -> None:
     from kvstore.cli import build_parser
@@ -172,27 +202,40 @@ def test_help_documents_every_option() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert isinstance(sub.choices, dict)
-    assert set(sub.choices) == {"stats", "ls", "lookup", "delete", "pin", "unpin", "clear",
-                                "health", "info", "bench"}
+    assert set(sub.choices) == {
+        "stats",
+        "ls",
+        "lookup",
+        "delete",
+        "pin",
+        "unpin",
+        "clear",
+        "health",
+        "info",
+        "bench",
+    }
     for name, sp in {"": parser, **sub.choices}.items():
         text = sp.format_help()
         for action in sp._actions:
             for opt in action.option_strings:
                 assert opt in text, f"`kvstore {name} --help` does not mention {opt}"
             if action.option_strings and action.help is None:
-                raise AssertionError(f"`kvstore {name}`: option {action.option_strings} "
-                                     "has no help text")
+                raise AssertionError(
+                    f"`kvstore {name}`: option {action.option_strings} has no help text"
+                )
     r = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "lookup" in r.stdout and "--json" in r.stdout, r.stdout
 
 
 # -- read-only commands ----------------------------------------------------------------------------
 
+
 def test_stats_human_and_json(server: Server, stored: dict) -> None:
     human, doc = ok(cli(server, "stats")), as_json(call(server, "stats", "--json"))
     assert "chunks:" in human and "TIER" in human, human
-    assert any(line.startswith("memory") and "64.0 MiB" in line for line in human.splitlines()), \
+    assert any(line.startswith("memory") and "64.0 MiB" in line for line in human.splitlines()), (
         f"no memory tier row with its 64 MiB capacity:\n{human}"
+    )
     assert doc["chunks"] >= 8 and doc["namespaces"] >= 2, doc
     assert [t["name"] for t in doc["tiers"]] == ["memory", "disk"], doc["tiers"]
     assert doc["tiers"][0]["capacity_bytes"] == 64 << 20
@@ -202,8 +245,9 @@ def test_ls_namespaces(server: Server, stored: dict) -> None:
     human, doc = ok(cli(server, "ls")), as_json(call(server, "ls", "--json"))
     for ns in (NS_A, NS_B):
         row = next((ln for ln in human.splitlines() if ns.fingerprint.hex() in ln), "")
-        assert f"model={ns.model}" in row and "dtype=float16" in row and "16.0 KiB" in row, \
+        assert f"model={ns.model}" in row and "dtype=float16" in row and "16.0 KiB" in row, (
             f"no row naming {ns.model} with 16.0 KiB:\n{human}"
+        )
     by_fp = {n["fingerprint"]: n for n in doc["namespaces"]}
     a = by_fp[NS_A.fingerprint.hex()]
     assert (a["chunks"], a["bytes"], a["namespace"]["model"]) == (4, 4 * PAYLOAD, NS_A.model), a
@@ -214,8 +258,9 @@ def test_ls_chunks_with_filters(server: Server, stored: dict) -> None:
     human = ok(call(server, "ls", fp[:8]))  # a unique prefix will do
     for key in stored["a"]:
         row = next((ln for ln in human.splitlines() if key.hex() in ln), "")
-        assert "memory" in row and "4.0 KiB" in row and row.rstrip().endswith("no"), \
+        assert "memory" in row and "4.0 KiB" in row and row.rstrip().endswith("no"), (
             f"chunk {key.hex()[:16]} not listed with tier, size and pin state:\n{human}"
+        )
     doc = as_json(call(server, "ls", "--namespace", fp, "--json"))
     assert {c["key"] for c in doc["chunks"]} == {k.hex() for k in stored["a"]}, doc
     c0 = doc["chunks"][0]
@@ -224,28 +269,54 @@ def test_ls_chunks_with_filters(server: Server, stored: dict) -> None:
     limited = as_json(call(server, "ls", fp, "--limit", "2", "--json"))
     assert len(limited["chunks"]) == 2 and limited["truncated"], limited
     assert as_json(call(server, "ls", fp, "--tier", "remote", "--json"))["chunks"] == []
-    assert "no chunks match" in ok(call(server, "ls", "--model", NS_A.model, "--dtype",
-                                        "float16", "--layout", "test", "--pinned"))
+    assert "no chunks match" in ok(
+        call(
+            server,
+            "ls",
+            "--model",
+            NS_A.model,
+            "--dtype",
+            "float16",
+            "--layout",
+            "test",
+            "--pinned",
+        )
+    )
     assert "unique prefix" in failed(call(server, "ls", "zz"), 2)
 
 
 def test_lookup_hit_across_chunks(server: Server, stored: dict) -> None:
-    args = ["lookup", "--model", NS_A.model, "--dtype", "float16", "--layout", "test",
-            *map(str, PROMPT)]
+    args = [
+        "lookup",
+        "--model",
+        NS_A.model,
+        "--dtype",
+        "float16",
+        "--layout",
+        "test",
+        *map(str, PROMPT),
+    ]
     human, doc = ok(cli(server, *args)), as_json(call(server, *args, "--json"))
     assert "64 of 64 tokens (100.0%)" in human and "stop: complete" in human, human
     for i, key in enumerate(stored["a"]):
         row = next((ln for ln in human.splitlines() if key.hex() in ln), "")
-        assert row.split()[:4] == [str(i), f"{i * 16}-{i * 16 + 15}", "16/16", "memory"], \
+        assert row.split()[:4] == [str(i), f"{i * 16}-{i * 16 + 15}", "16/16", "memory"], (
             f"chunk {i} row: {row!r}\n{human}"
+        )
     assert (doc["matched_tokens"], doc["stop"]) == (64, "complete"), doc
     assert [c["key"] for c in doc["chunks"]] == [k.hex() for k in stored["a"]]
-    assert doc["by_tier"] == {"memory": 64} and doc["namespace"]["fingerprint"] == \
-        NS_A.fingerprint.hex()
+    assert (
+        doc["by_tier"] == {"memory": 64}
+        and doc["namespace"]["fingerprint"] == NS_A.fingerprint.hex()
+    )
     assert doc["cut"] is None and doc["stored_prefix_tokens"] == 64, doc
     coarse = as_json(call(server, *args, "--granularity", "24", "--json"))
-    assert (coarse["matched_tokens"], coarse["stored_prefix_tokens"], coarse["stop"],
-            coarse["cut"]["reason"]) == (48, 64, "complete", "granularity"), coarse
+    assert (
+        coarse["matched_tokens"],
+        coarse["stored_prefix_tokens"],
+        coarse["stop"],
+        coarse["cut"]["reason"],
+    ) == (48, 64, "complete", "granularity"), coarse
 
 
 def test_lookup_diverged_prompt(server: Server, stored: dict) -> None:
@@ -261,8 +332,16 @@ def test_lookup_diverged_prompt(server: Server, stored: dict) -> None:
 
 def test_lookup_other_namespace(server: Server, stored: dict) -> None:
     # Same model and tokens, another KV dtype: nothing is served, and the CLI says why.
-    args = ["lookup", "--model", NS_A.model, "--dtype", "bfloat16", "--layout", "test",
-            *map(str, PROMPT)]
+    args = [
+        "lookup",
+        "--model",
+        NS_A.model,
+        "--dtype",
+        "bfloat16",
+        "--layout",
+        "test",
+        *map(str, PROMPT),
+    ]
     human, doc = ok(call(server, *args)), as_json(call(server, *args, "--json"))
     assert "0 of 64 tokens" in human and "other namespaces hold more" in human, human
     row = next(ln for ln in human.splitlines() if ln.startswith(NS_A.fingerprint.hex()))
@@ -273,8 +352,7 @@ def test_lookup_other_namespace(server: Server, stored: dict) -> None:
     assert other[NS_B.fingerprint.hex()]["differs_in"] == ["model", "dtype"], other
 
 
-def test_lookup_token_sources_and_min_tokens(server: Server, stored: dict,
-                                             tmp_path: Path) -> None:
+def test_lookup_token_sources_and_min_tokens(server: Server, stored: dict, tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(2000)}, unk_token="w0"))
@@ -287,21 +365,29 @@ def test_lookup_token_sources_and_min_tokens(server: Server, stored: dict,
         cli(server, *ns, stdin=" ".join(map(str, PROMPT[:20]))),  # a real pipe
         call(server, *ns, "-", stdin=",".join(map(str, PROMPT[:20]))),
         call(server, *ns, "--tokens-file", str(tmp_path / "ids.json")),
-        call(server, *ns, "--text", " ".join(f"w{t}" for t in PROMPT[:20]), "--tokenizer",
-             str(tmp_path / "tok")),
+        call(
+            server,
+            *ns,
+            "--text",
+            " ".join(f"w{t}" for t in PROMPT[:20]),
+            "--tokenizer",
+            str(tmp_path / "tok"),
+        ),
     ]
     for r in runs:
         doc = as_json(r)
         # 16 tokens of chunk 0, then the first 4 of the stored chunk 1 (the prompt is shorter).
         assert (doc["total_tokens"], doc["matched_tokens"]) == (20, 20), (r.args, doc)
     below = call(server, *ns[:-1], "--min-tokens", "32", *map(str, PROMPT[:20]))
-    assert "cut: below_min_tokens" in ok(below) and "stored prefix 20" in below.stdout, \
-        below.stdout
+    assert "cut: below_min_tokens" in ok(below) and "stored prefix 20" in below.stdout, below.stdout
     doc = as_json(call(server, *ns, "--min-tokens", "32", *map(str, PROMPT[:20])))
     # An engine gets 0; the chunk rows still say where the 20 stored tokens are, and why the
     # stored prefix ends (the stored chunk 1 goes on where the prompt ends).
-    assert (doc["matched_tokens"], doc["stored_prefix_tokens"], doc["stop"]) == \
-        (0, 20, "diverged"), doc
+    assert (doc["matched_tokens"], doc["stored_prefix_tokens"], doc["stop"]) == (
+        0,
+        20,
+        "diverged",
+    ), doc
     assert doc["cut"]["reason"] == "below_min_tokens" and "32" in doc["cut"]["explanation"]
     assert "empty" in failed(call(server, *ns, "-", stdin=""))
 
@@ -309,8 +395,9 @@ def test_lookup_token_sources_and_min_tokens(server: Server, stored: dict,
 def test_lookup_bad_arguments(server: Server, stored: dict) -> None:
     assert "namespace" in failed(call(server, "lookup", "1", "2"), 2)
     assert "x2" in failed(call(server, "lookup", "--model", "m", "1", "x2"), 2)
-    assert "not both" in failed(call(server, "lookup", "--model", "m", "--namespace-fp",
-                                     NS_A.fingerprint.hex(), "1"), 2)
+    assert "not both" in failed(
+        call(server, "lookup", "--model", "m", "--namespace-fp", NS_A.fingerprint.hex(), "1"), 2
+    )
     assert "tp_rank" in failed(call(server, "lookup", "--model", "m", "--tp-rank", "2", "1"), 2)
     assert "token ids must be" in failed(call(server, "lookup", "--model", "m", "1", "-5"))
 
@@ -320,12 +407,19 @@ def test_info_and_health(server: Server, stored: dict) -> None:
     fields = dict(ln.split(":", 1) for ln in info.splitlines())
     assert (fields["chunk tokens"].strip(), fields["tiers"].strip()) == ("16", "memory, disk"), info
     doc = as_json(call(server, "info", "--json"))
-    assert (doc["chunk_tokens"], doc["tiers"], doc["shm_usable"]) == (16, ["memory", "disk"],
-                                                                       True), doc
+    assert (doc["chunk_tokens"], doc["tiers"], doc["shm_usable"]) == (
+        16,
+        ["memory", "disk"],
+        True,
+    ), doc
     assert ok(cli(server, "health")).startswith(f"serving: {server.url}")
     assert as_json(call(server, "--json", "health")) | {"server_version": ""} == {
-        "url": server.url, "serving": True, "status": "serving", "error": "",
-        "server_version": ""}
+        "url": server.url,
+        "serving": True,
+        "status": "serving",
+        "error": "",
+        "server_version": "",
+    }
 
 
 def test_url_flag_wins_over_environment(server: Server, stored: dict) -> None:
@@ -335,12 +429,16 @@ def test_url_flag_wins_over_environment(server: Server, stored: dict) -> None:
 
 # -- unreachable server ----------------------------------------------------------------
 
+
 def test_unreachable_server_is_one_clear_line(server: Server) -> None:
-    runs = [cli(None, "health", url=server.dead_url), cli(None, "ls", url=server.dead_url),
-            call(server, "stats", url=server.dead_url),
-            call(server, "lookup", "--model", "m", "1", "2", url=server.dead_url),
-            call(server, "pin", "ab" * 32, url=server.dead_url),
-            call(server, "health", "--json", url=server.dead_url)]
+    runs = [
+        cli(None, "health", url=server.dead_url),
+        cli(None, "ls", url=server.dead_url),
+        call(server, "stats", url=server.dead_url),
+        call(server, "lookup", "--model", "m", "1", "2", url=server.dead_url),
+        call(server, "pin", "ab" * 32, url=server.dead_url),
+        call(server, "health", "--json", url=server.dead_url),
+    ]
     for r in runs:
         err = failed(r)
         lines = err.strip().splitlines()
@@ -352,13 +450,17 @@ def test_unreachable_server_is_one_clear_line(server: Server) -> None:
 
 # -- commands that change the store ----------------------------------------------------------------
 
+
 def test_delete(server: Server) -> None:
     ns = Namespace("cli-delete", dtype="float16")
     with Client(server.url) as c:
         keys = put_chain(c, ns, PROMPT)
     assert ok(cli(server, "delete", keys[2].hex())).strip() == "deleted 1 of 1 chunks"
-    doc = as_json(call(server, "lookup", "--model", ns.model, "--dtype", "float16", "--json",
-                       *map(str, PROMPT)))
+    doc = as_json(
+        call(
+            server, "lookup", "--model", ns.model, "--dtype", "float16", "--json", *map(str, PROMPT)
+        )
+    )
     assert (doc["matched_tokens"], doc["stop"], doc["stop_chunk"]) == (32, "deleted", 2), doc
     doc = as_json(call(server, "delete", keys[2].hex(), keys[3].hex(), "--json"))
     assert (doc["requested"], doc["deleted"], doc["not_found"]) == (2, 1, [keys[2].hex()]), doc
@@ -406,9 +508,14 @@ def test_clear_asks_on_a_terminal(server: Server, answer: str, removed: bool) ->
     master, slave = pty.openpty()
     env = {**os.environ, "KVSTORE_URL": server.url}
     try:
-        p = subprocess.Popen([*CLI, "clear", "--model", ns.model, "--dtype", "float16"],
-                             stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+        p = subprocess.Popen(
+            [*CLI, "clear", "--model", ns.model, "--dtype", "float16"],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         os.write(master, f"{answer}\n".encode())
         out, err = p.communicate(timeout=60)
     finally:
@@ -425,8 +532,19 @@ def test_bench(server: Server, stored: dict) -> None:
     human = ok(cli(server, "bench", "--count", "3", "--size", "256KiB"))
     assert "via shm" in human and "verified 3 of 3 chunks" in human, human
     assert next(ln for ln in human.splitlines() if ln.startswith("put")).split()[1] == "3"
-    doc = as_json(call(server, "bench", "--count", "2", "--size", "1MiB", "--no-shm", "--json",
-                       url=server.tcp_url))
+    doc = as_json(
+        call(
+            server,
+            "bench",
+            "--count",
+            "2",
+            "--size",
+            "1MiB",
+            "--no-shm",
+            "--json",
+            url=server.tcp_url,
+        )
+    )
     assert (doc["plane"], doc["verified"], doc["count"]) == ("stream", 2, 2), doc
     assert doc["put"]["gb_per_s"] > 0 and doc["get"]["gb_per_s"] > 0, doc
     assert doc["put"]["statuses"] == {"stored": 2}, doc

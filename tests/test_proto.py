@@ -12,15 +12,18 @@ SCRIPT = ROOT / "scripts" / "gen_proto.py"
 
 
 def _run(script: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, str(script), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_stubs_match_proto() -> None:
     done = _run(SCRIPT)
-    assert done.returncode == 0, (
-        f"generated stubs are stale:\n{done.stdout}\n{done.stderr}"
-    )
+    assert done.returncode == 0, f"generated stubs are stale:\n{done.stdout}\n{done.stderr}"
 
 
 def test_check_fails_on_stale_stubs(tmp_path: Path) -> None:
@@ -28,11 +31,17 @@ def test_check_fails_on_stale_stubs(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "proto", tmp_path / "proto")
     (tmp_path / "scripts").mkdir()
     shutil.copy(SCRIPT, tmp_path / "scripts" / "gen_proto.py")
-    shutil.copytree(ROOT / "kvstore" / "v1", tmp_path / "kvstore" / "v1",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "kvstore" / "v1",
+        tmp_path / "kvstore" / "v1",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     proto = tmp_path / "proto" / "kvstore" / "v1" / "kvstore.proto"
-    proto.write_text(proto.read_text().replace("message InfoRequest {}",
-                                               "message InfoRequest { bool verbose = 1; }"))
+    proto.write_text(
+        proto.read_text().replace(
+            "message InfoRequest {}", "message InfoRequest { bool verbose = 1; }"
+        )
+    )
     done = _run(tmp_path / "scripts" / "gen_proto.py")
     assert done.returncode == 1, f"check passed on a stale stub: {done.stdout}{done.stderr}"
     assert "do not match proto/" in done.stderr, done.stderr

@@ -190,9 +190,7 @@ def test_breaker_non_failure_exceptions_count_as_success() -> None:
 
 def test_breaker_snapshot_and_config() -> None:
     clock = FakeClock()
-    b = CircuitBreaker.from_config(
-        RemoteConfig(failure_threshold=1, cooldown_ms=2000), clock=clock
-    )
+    b = CircuitBreaker.from_config(RemoteConfig(failure_threshold=1, cooldown_ms=2000), clock=clock)
     b.record_failure(TimeoutError("slow"))
     snap = b.snapshot()
     assert snap["state"] == "open" and snap["consecutive_failures"] == 1

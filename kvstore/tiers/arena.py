@@ -300,8 +300,9 @@ class ArenaView:
     them, then ``write``/``read_into`` at the extents of a reservation or lease.
     """
 
-    def __init__(self, path: str, fd: int, size: int, *, writable: bool, populate: bool,
-                 owner: bool = False) -> None:
+    def __init__(
+        self, path: str, fd: int, size: int, *, writable: bool, populate: bool, owner: bool = False
+    ) -> None:
         flags = mmap.MAP_SHARED
         if populate and hasattr(mmap, "MAP_POPULATE"):
             flags |= mmap.MAP_POPULATE  # map every page now, not on first touch mid-copy
@@ -319,8 +320,9 @@ class ArenaView:
         self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
 
     @classmethod
-    def open(cls, path: str, size: int | None = None, *, writable: bool = True,
-             populate: bool = False) -> ArenaView:
+    def open(
+        cls, path: str, size: int | None = None, *, writable: bool = True, populate: bool = False
+    ) -> ArenaView:
         """Map an existing arena file (``size`` defaults to the file's size).
 
         ``populate`` maps every page now: slower to open (~0.6 s per GiB here),
@@ -445,8 +447,9 @@ class ArenaView:
         """
         return self._copy_hashed(extents, start, as_u8(out, writable=True), False)
 
-    def _copy_hashed(self, extents: Sequence[Extent], start: int, buf: np.ndarray,
-                     into_arena: bool) -> int:
+    def _copy_hashed(
+        self, extents: Sequence[Extent], start: int, buf: np.ndarray, into_arena: bool
+    ) -> int:
         size = buf.size
         if (off := _one_extent(extents, start, size)) >= 0:
             return accel.scatter_xxh3(self.array, buf, ((off, 0, size),), into_arena)

@@ -87,8 +87,14 @@ class DiskTier(Tier):
     name = "disk"
     level = 2
 
-    def __init__(self, config: DiskConfig, data_dir: str, *, clock: Clock = monotonic,
-                 map_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: DiskConfig,
+        data_dir: str,
+        *,
+        clock: Clock = monotonic,
+        map_size: int | None = None,
+    ) -> None:
         """``map_size`` overrides LMDB's map size (tests use it to provoke MapFullError)."""
         super().__init__()
         self.config = config
@@ -106,8 +112,20 @@ class DiskTier(Tier):
         self._dirty: set[bytes] = set()  # entries whose access info is not yet written back
         self._used = 0
         self._seq = 0
-        self._n = dict.fromkeys(("hits", "misses", "puts", "evictions", "corrupt", "errors",
-                                 "rejected", "bytes_in", "bytes_out"), 0)
+        self._n = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "puts",
+                "evictions",
+                "corrupt",
+                "errors",
+                "rejected",
+                "bytes_in",
+                "bytes_out",
+            ),
+            0,
+        )
         self._healthy = True
         self._last_error = ""
         self._lock_fd = self._acquire_dir_lock()
@@ -135,8 +153,10 @@ class DiskTier(Tier):
                 pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             finally:
                 os.close(fd)
-            raise TierError(f"{self.path} is in use by another kvstore process (pid {pid}); "
-                            "stop it or give this one another disk path") from e
+            raise TierError(
+                f"{self.path} is in use by another kvstore process (pid {pid}); "
+                "stop it or give this one another disk path"
+            ) from e
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
@@ -144,8 +164,16 @@ class DiskTier(Tier):
     def _open_env(self) -> lmdb.Environment:
         sync = self.config.durability == "fsync"
         try:
-            env = lmdb.open(self.path, map_size=self._map_size, max_dbs=2, subdir=True,
-                            sync=sync, metasync=sync, writemap=False, max_readers=512)
+            env = lmdb.open(
+                self.path,
+                map_size=self._map_size,
+                max_dbs=2,
+                subdir=True,
+                sync=sync,
+                metasync=sync,
+                writemap=False,
+                max_readers=512,
+            )
             try:
                 self._records = env.open_db(b"records")
                 self._meta = env.open_db(b"meta")
@@ -158,7 +186,8 @@ class DiskTier(Tier):
                 f"cannot open the disk tier's LMDB database at {self.path}: {e}. The files "
                 "are damaged or not an LMDB database; move the directory aside (e.g. "
                 f"mv {self.path} {self.path}.broken) and restart to begin with an empty disk "
-                "tier") from e
+                "tier"
+            ) from e
         return env
 
     def _load_index(self) -> None:
@@ -172,8 +201,9 @@ class DiskTier(Tier):
                     try:
                         entry, _ = parse_meta(key, v)
                     except CorruptRecord as e:
-                        log.warning("disk tier %s: dropping damaged meta of %s: %s",
-                                    self.path, key.hex(), e)
+                        log.warning(
+                            "disk tier %s: dropping damaged meta of %s: %s", self.path, key.hex(), e
+                        )
                         broken.append(key)
                         continue
                     entries.append((key, entry))
@@ -182,11 +212,16 @@ class DiskTier(Tier):
                 orphans = txn.stat(self._records)["entries"] != len(entries)
                 if orphans:
                     known = {k for k, _ in entries}.union(broken)
-                    broken += [bytes(k) for k in txn.cursor(self._records).iternext(values=False)
-                               if bytes(k) not in known]
+                    broken += [
+                        bytes(k)
+                        for k in txn.cursor(self._records).iternext(values=False)
+                        if bytes(k) not in known
+                    ]
         except lmdb.Error as e:
-            raise TierError(f"cannot read the disk tier index at {self.path}: {e}; move the "
-                            "directory aside and restart to begin with an empty disk tier") from e
+            raise TierError(
+                f"cannot read the disk tier index at {self.path}: {e}; move the "
+                "directory aside and restart to begin with an empty disk tier"
+            ) from e
         entries.sort(key=lambda kv: kv[1].seq)
         self._index = OrderedDict(entries)
         self._used = sum(e.size for _, e in entries)
@@ -222,9 +257,13 @@ class DiskTier(Tier):
         except lmdb.Error as e:
             raise self._backend_error(what, e) from e
 
-    def _write(self, *, deletes: Sequence[bytes] = (),
-               put: tuple[bytes, bytes | bytearray, bytes] | None = None,
-               metas: dict[bytes, Entry] | None = None) -> list[bool]:
+    def _write(
+        self,
+        *,
+        deletes: Sequence[bytes] = (),
+        put: tuple[bytes, bytes | bytearray, bytes] | None = None,
+        metas: dict[bytes, Entry] | None = None,
+    ) -> list[bool]:
         """One write transaction: delete keys, put one (key, record, meta), rewrite the
         trailer of the meta entries in ``metas``. Returns which deletes existed."""
         existed = []
@@ -255,8 +294,10 @@ class DiskTier(Tier):
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
         self._check_open()
         if memoryview(payload).nbytes != header.stored_size:
-            raise InvalidArgument(f"payload is {memoryview(payload).nbytes} bytes, its header "
-                                  f"says {header.stored_size}")
+            raise InvalidArgument(
+                f"payload is {memoryview(payload).nbytes} bytes, its header "
+                f"says {header.stored_size}"
+            )
         key = bytes(header.key)
         if key in self._index:
             return PutStatus.EXISTS
@@ -279,8 +320,9 @@ class DiskTier(Tier):
         blob[header.header_size :] = payload
         return blob
 
-    def _put_locked(self, key: bytes, fingerprint: bytes, n_tokens: int,
-                    blob: bytes | bytearray) -> PutStatus:
+    def _put_locked(
+        self, key: bytes, fingerprint: bytes, n_tokens: int, blob: bytes | bytearray
+    ) -> PutStatus:
         size = len(blob)
         header_bytes = memoryview(blob)[: FIXED_BYTES + 4 * n_tokens]  # without the padding
         victims = self._pick_victims(self._used + size - self.config.capacity_bytes, set())
@@ -296,8 +338,9 @@ class DiskTier(Tier):
                 self._seq += 1
                 entry.seq = self._seq
             try:
-                self._write(deletes=victims, put=(key, blob, pack_meta(entry, header_bytes)),
-                            metas=metas)
+                self._write(
+                    deletes=victims, put=(key, blob, pack_meta(entry, header_bytes)), metas=metas
+                )
                 break
             except (lmdb.Error, OSError) as e:
                 self._restore_dirty(metas)
@@ -336,8 +379,9 @@ class DiskTier(Tier):
             self._healthy = True
         return PutStatus.STORED
 
-    def _pick_victims(self, need: int, exclude: set[bytes], partial: bool = False
-                      ) -> list[bytes] | None:
+    def _pick_victims(
+        self, need: int, exclude: set[bytes], partial: bool = False
+    ) -> list[bytes] | None:
         """LRU unpinned keys freeing at least ``need`` bytes; None if impossible
         (or, with ``partial``, every evictable key)."""
         if need <= 0:
@@ -360,8 +404,10 @@ class DiskTier(Tier):
             return
         blobs: list[tuple[bytes, RecordHeader, bytes]] = []
         damaged: list[bytes] = []
-        with self._backend("read for eviction"), self._env.begin(db=self._records,
-                                                                buffers=True) as txn:
+        with (
+            self._backend("read for eviction"),
+            self._env.begin(db=self._records, buffers=True) as txn,
+        ):
             for key in victims:
                 view = txn.get(key)
                 try:
@@ -413,8 +459,11 @@ class DiskTier(Tier):
         with self._wlock:
             self._check_open()
             with self._lock:
-                keys = [k for k, e in self._index.items()
-                        if fingerprint is None or e.fingerprint == fingerprint]
+                keys = [
+                    k
+                    for k, e in self._index.items()
+                    if fingerprint is None or e.fingerprint == fingerprint
+                ]
             with self._backend("clear"):
                 if fingerprint is None:
                     with self._env.begin(write=True) as txn:
@@ -545,8 +594,14 @@ class DiskTier(Tier):
                     continue  # the record itself is verified on every read
                 e = self._index.get(key)
                 e = e if e is not None else stored  # in memory: access info not yet written
-                yield ChunkInfo(key=ChunkKey(key), header=header, size=e.size, pinned=e.pinned,
-                                last_access_ms=e.last_ms, hits=e.hits)
+                yield ChunkInfo(
+                    key=ChunkKey(key),
+                    header=header,
+                    size=e.size,
+                    pinned=e.pinned,
+                    last_access_ms=e.last_ms,
+                    hits=e.hits,
+                )
             if not ok:
                 return
             self._check_open()
@@ -556,22 +611,41 @@ class DiskTier(Tier):
         with self._lock:
             n = self._n
             s = TierStats(
-                name=self.name, level=self.level, capacity_bytes=self.config.capacity_bytes,
-                used_bytes=self._used, chunks=len(self._index), healthy=self._healthy,
-                hits=n["hits"], misses=n["misses"], puts=n["puts"], evictions=n["evictions"],
-                corrupt=n["corrupt"], errors=n["errors"], rejected=n["rejected"],
-                bytes_in=n["bytes_in"], bytes_out=n["bytes_out"])
+                name=self.name,
+                level=self.level,
+                capacity_bytes=self.config.capacity_bytes,
+                used_bytes=self._used,
+                chunks=len(self._index),
+                healthy=self._healthy,
+                hits=n["hits"],
+                misses=n["misses"],
+                puts=n["puts"],
+                evictions=n["evictions"],
+                corrupt=n["corrupt"],
+                errors=n["errors"],
+                rejected=n["rejected"],
+                bytes_in=n["bytes_in"],
+                bytes_out=n["bytes_out"],
+            )
             dirty = len(self._dirty)
-        detail: dict[str, Any] = {"path": self.path, "codec": self._codec.name.lower(),
-                                  "durability": self.config.durability, "dirty_access": dirty,
-                                  "last_error": self._last_error}
+        detail: dict[str, Any] = {
+            "path": self.path,
+            "codec": self._codec.name.lower(),
+            "durability": self.config.durability,
+            "dirty_access": dirty,
+            "last_error": self._last_error,
+        }
         if self._closed:
             s.healthy, s.detail = False, detail
             return s
         try:
             info = self._env.info()
-            detail.update(map_size=info["map_size"], last_txnid=info["last_txnid"],
-                          num_readers=info["num_readers"], page_size=self._env.stat()["psize"])
+            detail.update(
+                map_size=info["map_size"],
+                last_txnid=info["last_txnid"],
+                num_readers=info["num_readers"],
+                page_size=self._env.stat()["psize"],
+            )
             detail["file_size"] = os.path.getsize(os.path.join(self.path, "data.mdb"))
         except (lmdb.Error, OSError) as e:
             s.healthy = False
@@ -591,8 +665,9 @@ class DiskTier(Tier):
                     self._write(metas=metas)
                 self._env.sync(True)
             except lmdb.Error as e:
-                log.warning("disk tier %s: could not write back access info at close: %s",
-                            self.path, e)
+                log.warning(
+                    "disk tier %s: could not write back access info at close: %s", self.path, e
+                )
             finally:
                 self._closed = True
                 self._env.close()

@@ -43,8 +43,9 @@ class Entry:
 
 
 def pack_meta(e: Entry, header_bytes: bytes | memoryview) -> bytes:
-    fixed = _META.pack(_META_VERSION, _PINNED if e.pinned else 0, e.hits & 0xFFFFFFFF,
-                       e.size, e.last_ms, e.seq)
+    fixed = _META.pack(
+        _META_VERSION, _PINNED if e.pinned else 0, e.hits & 0xFFFFFFFF, e.size, e.last_ms, e.seq
+    )
     h = xxhash.xxh3_64(fixed)
     h.update(header_bytes)
     return fixed + _META_CHECK.pack(h.intdigest()) + bytes(header_bytes)

@@ -110,8 +110,9 @@ class MemoryTier(Tier):
     name = "memory"
     level = 1
 
-    def __init__(self, config: MemoryConfig, *, clock: Clock = monotonic,
-                 create: bool = True) -> None:
+    def __init__(
+        self, config: MemoryConfig, *, clock: Clock = monotonic, create: bool = True
+    ) -> None:
         super().__init__()
         if not create and not config.path:
             raise ConfigError("memory.path must name an existing arena when create=False")
@@ -280,8 +281,9 @@ class MemoryTier(Tier):
         heapq.heappush(self._expiry, (expires, hid))
         live = len(self._leases) + len(self._reservations)
         if len(self._expiry) > 64 + 4 * live:  # mostly released or renewed: rebuild
-            self._expiry = [(h.expires_at, i) for t in (self._leases, self._reservations)
-                            for i, h in t.items()]
+            self._expiry = [
+                (h.expires_at, i) for t in (self._leases, self._reservations) for i, h in t.items()
+            ]
             heapq.heapify(self._expiry)
 
     def _drop_hold_locked(self, hid: int) -> bool:
@@ -316,8 +318,9 @@ class MemoryTier(Tier):
             return self._sweep_locked()
 
     # -- zero-copy data plane ------------------------------------------------------
-    def reserve(self, header: RecordHeader, *, owner: str = "",
-                checksum_at_commit: bool = False) -> Reservation | PutStatus:
+    def reserve(
+        self, header: RecordHeader, *, owner: str = "", checksum_at_commit: bool = False
+    ) -> Reservation | PutStatus:
         """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put.
 
         ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; the writer
@@ -360,7 +363,9 @@ class MemoryTier(Tier):
             if hold.checksum_at_commit and checksum is None:
                 bad = "was made with checksum_at_commit: commit needs the payload checksum"
             elif not hold.checksum_at_commit and checksum not in (
-                    None, hold.entry.header.payload_checksum):
+                None,
+                hold.entry.header.payload_checksum,
+            ):
                 bad = "the checksum at commit differs from the header's"
             if bad:  # a used reservation either way: its pages go back
                 self._free_locked(hold.entry)
@@ -397,8 +402,7 @@ class MemoryTier(Tier):
             self._check_open()
             return reservation_id in self._reservations and self._drop_hold_locked(reservation_id)
 
-    def acquire(self, key: ChunkKey, *, owner: str = "", payload: bool = True
-                ) -> ReadLease | None:
+    def acquire(self, key: ChunkKey, *, owner: str = "", payload: bool = True) -> ReadLease | None:
         """A read lease on a (verified) chunk, or None on a miss.
 
         ``payload=False``: the holder verifies the payload it reads, so only the header
@@ -407,8 +411,7 @@ class MemoryTier(Tier):
         entry = self._ref(key)
         if entry is None:
             return None
-        if self._verify and not (self._in_place_ok(entry) if payload
-                                 else self._header_ok(entry)):
+        if self._verify and not (self._in_place_ok(entry) if payload else self._header_ok(entry)):
             self._drop_corrupt(entry)
             return None
         with self._lock:
@@ -457,8 +460,12 @@ class MemoryTier(Tier):
         """Drop every lease and reservation tagged ``owner`` (a client went away); how many."""
         with self._lock:
             self._check_open()
-            ids = [hid for table in (self._leases, self._reservations)
-                   for hid, hold in table.items() if hold.owner == owner]
+            ids = [
+                hid
+                for table in (self._leases, self._reservations)
+                for hid, hold in table.items()
+                if hold.owner == owner
+            ]
             for hid in ids:
                 self._drop_hold_locked(hid)
             return len(ids)
@@ -560,7 +567,8 @@ class MemoryTier(Tier):
             if dst.size != n:
                 if dst.size < n:
                     raise InvalidArgument(
-                        f"output buffer holds {dst.size} bytes, the payload is {n}")
+                        f"output buffer holds {dst.size} bytes, the payload is {n}"
+                    )
                 dst = dst[:n]
             arena = self._arena
             if not self._verify:
@@ -591,11 +599,13 @@ class MemoryTier(Tier):
         """Chunks in LRU order (least recently used first), as of the call."""
         with self._lock:  # not a generator: a closed tier raises at the call
             self._check_open()
-            return iter([
-                ChunkInfo(e.header.key, e.header, e.size, e.pinned, e.last_access_ms, e.hits)
-                for e in self._chunks.values()
-                if fingerprint is None or e.header.fingerprint == fingerprint
-            ])
+            return iter(
+                [
+                    ChunkInfo(e.header.key, e.header, e.size, e.pinned, e.last_access_ms, e.hits)
+                    for e in self._chunks.values()
+                    if fingerprint is None or e.header.fingerprint == fingerprint
+                ]
+            )
 
     # -- writes ------------------------------------------------------------------
     def _check_raw(self, header: RecordHeader) -> None:
@@ -641,8 +651,11 @@ class MemoryTier(Tier):
     def clear(self, fingerprint: bytes | None = None) -> int:
         with self._lock:
             self._check_open()
-            doomed = [e for e in self._chunks.values()
-                      if fingerprint is None or e.header.fingerprint == fingerprint]
+            doomed = [
+                e
+                for e in self._chunks.values()
+                if fingerprint is None or e.header.fingerprint == fingerprint
+            ]
             for entry in doomed:
                 self._remove_locked(entry)
             return len(doomed)
@@ -672,12 +685,19 @@ class MemoryTier(Tier):
                 chunks=len(self._chunks),
                 healthy=not self._closed,
                 detail={  # page figures include reservations and chunks still leased
-                    "path": self.path, "page_bytes": self.page_bytes, "pages_total": a.n_pages,
-                    "pages_used": a.n_pages - a.free_pages, "pages_free": a.free_pages,
-                    "free_extents": a.fragments, "largest_free_pages": a.largest_free,
-                    "active_leases": len(self._leases), "reservations": len(self._reservations),
-                    "deleted_while_leased": len(pending), "evicting_pages": self._evicting_pages,
-                    "expired": self._expired, "verify_reads": self._verify,
+                    "path": self.path,
+                    "page_bytes": self.page_bytes,
+                    "pages_total": a.n_pages,
+                    "pages_used": a.n_pages - a.free_pages,
+                    "pages_free": a.free_pages,
+                    "free_extents": a.fragments,
+                    "largest_free_pages": a.largest_free,
+                    "active_leases": len(self._leases),
+                    "reservations": len(self._reservations),
+                    "deleted_while_leased": len(pending),
+                    "evicting_pages": self._evicting_pages,
+                    "expired": self._expired,
+                    "verify_reads": self._verify,
                     "pinned": sum(1 for e in self._chunks.values() if e.pinned),
                 },
             )

@@ -102,8 +102,9 @@ class RemoteTier(Tier):
         self.config = config
         self.flavor, self.cluster, self._client_url = parse_url(config.url)
         self.codec = Codec.parse(config.codec)
-        (self._cls, self._lib_retry, self._down, self._backend,
-         self._oom) = client_classes(self.flavor, self.cluster)
+        (self._cls, self._lib_retry, self._down, self._backend, self._oom) = client_classes(
+            self.flavor, self.cluster
+        )
         self._retry = Retry.from_config(config, sleep=sleep, retry_on=self._down)
         self._breaker = CircuitBreaker.from_config(config, clock=clock)
         self._wall = wall
@@ -158,7 +159,8 @@ class RemoteTier(Tier):
         self._check_open()
         try:
             return self._breaker.call(
-                lambda: fn(self._connect()), retry=self._retry if retry else None,
+                lambda: fn(self._connect()),
+                retry=self._retry if retry else None,
                 failure_on=self._down,
                 name=f"remote {redact(self.config.url)}",
             )
@@ -182,11 +184,13 @@ class RemoteTier(Tier):
 
         Never transactional; a cluster pipeline splits the commands by node.
         """
+
         def run(client: Any) -> list[Any]:
             pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
             for method, *args in cmds:
                 getattr(pipe, method)(*args)
             return list(pipe.execute())
+
         return self._call(op, run, retry=retry) if cmds else []
 
     def _count(self, **deltas: int) -> None:
@@ -272,8 +276,9 @@ class RemoteTier(Tier):
             removed, chunk_prefix = 0, f"{self._p}:c:".encode()
             for some in _batched(self._scan_names(f"{self._p}:[ckn]:*")):
                 done = self._pipe("clear", [("delete", n) for n in some])
-                removed += sum(1 for n, d in zip(some, done, strict=True)
-                               if d and n.startswith(chunk_prefix))
+                removed += sum(
+                    1 for n, d in zip(some, done, strict=True) if d and n.startswith(chunk_prefix)
+                )
             fixed = (self._sz, self._used, self._lru, self._pin)
             self._pipe("clear", [("delete", k) for k in fixed])
             return removed
@@ -284,8 +289,9 @@ class RemoteTier(Tier):
             removed += self._remove(list(zip(batch, headers, strict=True)))[0]
             # Every child of a chunk of this namespace is in this namespace too.
             self._pipe("clear", [("delete", self._k(k, fingerprint)) for k in batch])
-        self._pipe("clear", [("delete", self._n(fingerprint)),
-                             ("delete", self._k(ROOT, fingerprint))])
+        self._pipe(
+            "clear", [("delete", self._n(fingerprint)), ("delete", self._k(ROOT, fingerprint))]
+        )
         return removed
 
     def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
@@ -350,8 +356,10 @@ class RemoteTier(Tier):
         for _ in range(10_000):  # bounded: a misbehaving server must not spin us forever
             if freed >= need:
                 return True
-            cands = [ChunkKey(bytes(k))
-                     for k in self._cmd("evict", "zrange", self._lru, skip, skip + BATCH - 1)]
+            cands = [
+                ChunkKey(bytes(k))
+                for k in self._cmd("evict", "zrange", self._lru, skip, skip + BATCH - 1)
+            ]
             if not cands:
                 if recounted:
                     return False
@@ -419,9 +427,7 @@ class RemoteTier(Tier):
             return [False] * len(keys)
         return [bool(f) for f in found]
 
-    def children(
-        self, parent: ChunkKey, fingerprint: bytes | None = None
-    ) -> dict[ChunkKey, bytes]:
+    def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
         """Stored children of ``parent``: child key -> its token ids (u32le bytes).
 
         ROOT's children are kept per namespace (ROOT is every namespace's parent),
@@ -440,8 +446,10 @@ class RemoteTier(Tier):
         for child, tokens in raw.items():
             if len(child) != KEY_BYTES or not tokens or len(tokens) % 4:
                 continue
-            if fingerprint is not None and chunk_key(
-                parent, Fingerprint(fingerprint), tokens) != child:
+            if (
+                fingerprint is not None
+                and chunk_key(parent, Fingerprint(fingerprint), tokens) != child
+            ):
                 continue
             out[ChunkKey(bytes(child))] = bytes(tokens)
         return out
@@ -453,18 +461,18 @@ class RemoteTier(Tier):
     def _scan(self, fingerprint: bytes | None) -> Iterator[ChunkInfo]:
         if fingerprint is None:
             cut = len(self._p) + 3  # names of other prefixes ("kvs:c:x") match too: skip them
-            keys: Iterator[ChunkKey] = (ChunkKey(bytes.fromhex(n[cut:].decode()))
-                                        for n in self._scan_names(f"{self._p}:c:*")
-                                        if _HEX_KEY.fullmatch(n[cut:]))
+            keys: Iterator[ChunkKey] = (
+                ChunkKey(bytes.fromhex(n[cut:].decode()))
+                for n in self._scan_names(f"{self._p}:c:*")
+                if _HEX_KEY.fullmatch(n[cut:])
+            )
         else:
             members = self._cmd("scan", "smembers", self._n(fingerprint))
             keys = (ChunkKey(bytes(m)) for m in members)
         for batch in _batched(keys):
             yield from self._scan_batch(batch, fingerprint)
 
-    def _scan_batch(
-        self, batch: list[ChunkKey], fingerprint: bytes | None
-    ) -> Iterator[ChunkInfo]:
+    def _scan_batch(self, batch: list[ChunkKey], fingerprint: bytes | None) -> Iterator[ChunkInfo]:
         headers = self._read_headers(batch)
         pins = self._cmd("scan", "smismember", self._pin, batch)
         seen: list[float | None] = [None] * len(batch)
@@ -494,8 +502,7 @@ class RemoteTier(Tier):
         out: list[RecordHeader | None] = [None] * len(keys)
         todo, size = list(range(len(keys))), HEAD_GUESS
         while todo:
-            parts = self._pipe("read", [("getrange", self._c(keys[i]), 0, size - 1)
-                                        for i in todo])
+            parts = self._pipe("read", [("getrange", self._c(keys[i]), 0, size - 1) for i in todo])
             again = []
             for i, part in zip(todo, parts, strict=True):
                 try:
@@ -519,7 +526,8 @@ class RemoteTier(Tier):
             cursor = 0
             while True:
                 cursors, names = self._cmd(
-                    "scan", "scan", cursor, match=pattern, count=1000, target_nodes=node)
+                    "scan", "scan", cursor, match=pattern, count=1000, target_nodes=node
+                )
                 yield from names
                 cursor = cursors[node.name]
                 if not cursor:
@@ -561,12 +569,20 @@ class RemoteTier(Tier):
         state = self._breaker.snapshot()
         with self._stats_lock:
             snap = TierStats(**{**vars(self._counts), "detail": {}})
-            snap.healthy = (not self._closed and state["state"] == BreakerState.CLOSED.value
-                            and state["consecutive_failures"] == 0)
+            snap.healthy = (
+                not self._closed
+                and state["state"] == BreakerState.CLOSED.value
+                and state["consecutive_failures"] == 0
+            )
             snap.detail = {
-                **state, "url": redact(self.config.url), "flavor": self.flavor,
-                "cluster": self.cluster, "codec": self.codec.name.lower(),
-                "prefix": self._p, "skipped": self._skipped, "closed": self._closed,
+                **state,
+                "url": redact(self.config.url),
+                "flavor": self.flavor,
+                "cluster": self.cluster,
+                "codec": self.codec.name.lower(),
+                "prefix": self._p,
+                "skipped": self._skipped,
+                "closed": self._closed,
             }
         return snap
 

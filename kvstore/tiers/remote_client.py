@@ -44,8 +44,9 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-def client_classes(flavor: str, cluster: bool) -> tuple[Any, Any, tuple[type[BaseException], ...],
-                                                        tuple[type[BaseException], ...], type]:
+def client_classes(
+    flavor: str, cluster: bool
+) -> tuple[Any, Any, tuple[type[BaseException], ...], tuple[type[BaseException], ...], type]:
     """(client class, no-retry policy, "remote down" errors, all backend errors, OOM error)."""
     exc: Any
     plain: Any
@@ -71,8 +72,17 @@ def client_classes(flavor: str, cluster: bool) -> tuple[Any, Any, tuple[type[Bas
         base, cluster_exc = exc.ValkeyError, exc.ValkeyClusterException
         no_retry = valkey.retry.Retry(valkey.backoff.NoBackoff(), 0)
     down: tuple[type[BaseException], ...] = (
-        exc.ConnectionError, exc.TimeoutError, exc.ClusterError, exc.TryAgainError,
-        cluster_exc, OSError,
+        exc.ConnectionError,
+        exc.TimeoutError,
+        exc.ClusterError,
+        exc.TryAgainError,
+        cluster_exc,
+        OSError,
     )
-    return (cluster_cls if cluster else plain, no_retry, down,
-            (base, cluster_exc, OSError), exc.OutOfMemoryError)
+    return (
+        cluster_cls if cluster else plain,
+        no_retry,
+        down,
+        (base, cluster_exc, OSError),
+        exc.OutOfMemoryError,
+    )

@@ -141,8 +141,9 @@ def run_llm(
         steps = []
         for step in comp.logprobs or []:
             # Sort by (-logprob, id) so top-k order is stable when values tie.
-            pairs = sorted(((int(t), float(lp.logprob)) for t, lp in step.items()),
-                           key=lambda p: (-p[1], p[0]))
+            pairs = sorted(
+                ((int(t), float(lp.logprob)) for t, lp in step.items()), key=lambda p: (-p[1], p[0])
+            )
             steps.append([[t, lp] for t, lp in pairs])
         results.append(
             {
@@ -193,15 +194,20 @@ def run_llm_subprocess(
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--model", str(model_dir),
-        "--prompts", str(prompts_path),
-        "--out", str(out_path),
-        "--kwargs", json.dumps(kwargs),
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts_path),
+        "--out",
+        str(out_path),
+        "--kwargs",
+        json.dumps(kwargs),
     ]
     child_env = {**os.environ, **_ENV_DEFAULTS, **(env or {})}
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, timeout=timeout, check=False
+        )
     log_text = log_path.read_text(errors="replace")
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(
@@ -246,8 +252,9 @@ def _main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(data))
     for i, r in enumerate(data["results"]):
         first = r["logprobs"][0][0] if r["logprobs"] else None
-        print(f"prompt {i}: tokens={r['token_ids']} cached={r['num_cached_tokens']} "
-              f"top1[0]={first}")
+        print(
+            f"prompt {i}: tokens={r['token_ids']} cached={r['num_cached_tokens']} top1[0]={first}"
+        )
     print("timings:", json.dumps({k: round(v, 2) for k, v in data["timings"].items()}))
     return 0
 

@@ -32,8 +32,15 @@ LAYOUTS = ["LBHNC", "LBNHC", "BLHNC"]
 
 
 def make_cache(
-    device: str, layout: str, *, layers: int = 3, blocks: int = 48, block_size: int = 16,
-    heads: int = 2, head_dim: int = 32, fill: str = "random",
+    device: str,
+    layout: str,
+    *,
+    layers: int = 3,
+    blocks: int = 48,
+    block_size: int = 16,
+    heads: int = 2,
+    head_dim: int = 32,
+    fill: str = "random",
 ) -> dict[str, torch.Tensor]:
     """Per-layer logical ``[blocks, heads, block_size, 2*head_dim]`` views, as vLLM makes them."""
     new = torch.randn if fill == "random" else torch.zeros
@@ -71,9 +78,15 @@ def _put(client: Client, layout: BlockLayout, buf: torch.Tensor, blocks: int, sa
     tokens = tokens_to_bytes(list(range(salt, salt + blocks * 16)))
     key = chunk_key(ROOT, NS.fingerprint, tokens)
     payload = buf.numpy()
-    header = make_header(key=key, parent=ROOT, fingerprint=NS.fingerprint, token_bytes=tokens,
-                         dtype="bfloat16", shape=layout.payload_shape(blocks),
-                         payload=memoryview(payload.data))
+    header = make_header(
+        key=key,
+        parent=ROOT,
+        fingerprint=NS.fingerprint,
+        token_bytes=tokens,
+        dtype="bfloat16",
+        shape=layout.payload_shape(blocks),
+        payload=memoryview(payload.data),
+    )
     assert client.put(header, payload).ok, "the server refused a well-formed chunk"
     return key
 
@@ -117,8 +130,9 @@ def test_blocks_gathered_straight_into_a_reservation(device: str, client: Client
     picked = [5, 9, 2, 33]
     tokens = tokens_to_bytes(list(range(7000 + DEVICES.index(device), 7000 + 64)))[:256]
     key = chunk_key(ROOT, NS.fingerprint, tokens)
-    header = unsealed_header(key, ROOT, NS.fingerprint, tokens, "bfloat16",
-                             layout.payload_shape(len(picked)))
+    header = unsealed_header(
+        key, ROOT, NS.fingerprint, tokens, "bfloat16", layout.payload_shape(len(picked))
+    )
     (res,) = client.reserve([header])
     assert isinstance(res, Reservation), f"no reservation: {res}"
     pins = PinnedArenas()
@@ -192,6 +206,7 @@ def test_cuda_gather_is_ordered_with_the_compute_stream() -> None:
 
 def test_saver_runs_jobs_in_order_and_drains() -> None:
     done: list[int] = []
+
     def run(job: int) -> int:
         done.append(job)
         return 16
@@ -262,4 +277,3 @@ def test_saver_close_gives_up_on_a_stuck_job() -> None:
     assert not saver.close(0.2), "close claimed a stuck job had finished"
     assert time.monotonic() - t0 < 5, "close waited past its timeout"
     gate.set()
-

@@ -55,14 +55,24 @@ class Stub:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def events(self) -> list[bytes]:
-        return [b'data: {"id":"chat-1","choices":[{"delta":{"content":"%s-%d"}}]}\n\n'
-                % (self.name.encode(), i) for i in range(3)] + [b"data: [DONE]\n\n"]
+        return [
+            b'data: {"id":"chat-1","choices":[{"delta":{"content":"%s-%d"}}]}\n\n'
+            % (self.name.encode(), i)
+            for i in range(3)
+        ] + [b"data: [DONE]\n\n"]
 
     def completion(self) -> bytes:
-        return json.dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
-                           "choices": [{"index": 0, "text": f"answer from {self.name}",
-                                        "finish_reason": "length"}],
-                           "usage": {"prompt_tokens": 5, "completion_tokens": 3}}).encode()
+        return json.dumps(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": "m",
+                "choices": [
+                    {"index": 0, "text": f"answer from {self.name}", "finish_reason": "length"}
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+            }
+        ).encode()
 
 
 def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
@@ -126,8 +136,11 @@ def stubs() -> Iterator[Callable[..., Stub]]:
         stub = Stub(name, mode)
         stub.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(stub))
         stub.server.daemon_threads = True
-        threading.Thread(target=stub.server.serve_forever, args=(0.05,),  # fast shutdown
-                         daemon=True).start()
+        threading.Thread(
+            target=stub.server.serve_forever,
+            args=(0.05,),  # fast shutdown
+            daemon=True,
+        ).start()
         made.append(stub)
         return stub
 
@@ -149,12 +162,14 @@ class Proxy:
     def conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=10)
 
-    def post(self, path: str, body: dict[str, Any] | bytes,
-             headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    def post(
+        self, path: str, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None
+    ) -> tuple[int, str, bytes]:
         c = self.conn()
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        c.request("POST", path, body=data,
-                  headers={"Content-Type": "application/json", **(headers or {})})
+        c.request(
+            "POST", path, body=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
         r = c.getresponse()
         out = (r.status, r.getheader("Content-Type") or "", r.read())
         c.close()
@@ -169,8 +184,21 @@ def proxy(tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
         log = tmp_path / f"proxy-{len(procs)}.log"
         with open(log, "w") as err:
             proc = subprocess.Popen(
-                [sys.executable, str(PROXY), "--port", "0", "--prefill", prefill,
-                 "--decode", decode, *extra], stdout=subprocess.PIPE, stderr=err, text=True)
+                [
+                    sys.executable,
+                    str(PROXY),
+                    "--port",
+                    "0",
+                    "--prefill",
+                    prefill,
+                    "--decode",
+                    decode,
+                    *extra,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -197,12 +225,20 @@ def dead_url() -> Iterator[str]:
     s.close()
 
 
-COMPLETION = {"model": "m", "prompt": "the same long document ...", "max_tokens": 20,
-              "temperature": 0, "min_tokens": 5, "n": 2, "cache_salt": "tenant-a"}
+COMPLETION = {
+    "model": "m",
+    "prompt": "the same long document ...",
+    "max_tokens": 20,
+    "temperature": 0,
+    "min_tokens": 5,
+    "n": 2,
+    "cache_salt": "tenant-a",
+}
 
 
-def test_completion_prefills_then_relays_decode(stubs: Callable[..., Stub],
-                                                proxy: Callable[..., Proxy]) -> None:
+def test_completion_prefills_then_relays_decode(
+    stubs: Callable[..., Stub], proxy: Callable[..., Proxy]
+) -> None:
     pre, dec = stubs("prefill"), stubs("decode")
     p = proxy(pre.url, dec.url)
     raw = json.dumps(COMPLETION).encode()
@@ -222,15 +258,25 @@ def test_completion_prefills_then_relays_decode(stubs: Callable[..., Stub],
         assert s.seen[0].headers.get("Authorization") == "Bearer k", f"{s.name}: no auth header"
 
 
-def test_chat_stream_is_relayed_as_it_arrives(stubs: Callable[..., Stub],
-                                              proxy: Callable[..., Proxy]) -> None:
+def test_chat_stream_is_relayed_as_it_arrives(
+    stubs: Callable[..., Stub], proxy: Callable[..., Proxy]
+) -> None:
     pre, dec = stubs("prefill"), stubs("decode")
     p = proxy(pre.url, dec.url)
-    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-           "stream_options": {"include_usage": True}, "max_completion_tokens": 50}
+    req = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 50,
+    }
     c = p.conn()
-    c.request("POST", "/v1/chat/completions", body=json.dumps(req),
-              headers={"Content-Type": "application/json"})
+    c.request(
+        "POST",
+        "/v1/chat/completions",
+        body=json.dumps(req),
+        headers={"Content-Type": "application/json"},
+    )
     r = c.getresponse()
     assert r.status == 200
     assert r.getheader("Content-Type") == "text/event-stream; charset=utf-8"
@@ -242,7 +288,8 @@ def test_chat_stream_is_relayed_as_it_arrives(stubs: Callable[..., Stub],
     rest = r.read()
     c.close()
     assert first + rest == b"".join(events), (
-        "the SSE stream must arrive intact (a 'gate timed out' mark: the proxy buffered it)")
+        "the SSE stream must arrive intact (a 'gate timed out' mark: the proxy buffered it)"
+    )
     sent = pre.seen[0].json()
     assert sent["max_tokens"] == 1 and sent["max_completion_tokens"] == 1, sent
     assert sent["stream"] is False and "stream_options" not in sent, sent
@@ -251,9 +298,9 @@ def test_chat_stream_is_relayed_as_it_arrives(stubs: Callable[..., Stub],
 
 
 @pytest.mark.parametrize("failure", ["error", "down", "timeout"])
-def test_prefill_failure_still_answers_from_decode(failure: str, stubs: Callable[..., Stub],
-                                                   proxy: Callable[..., Proxy],
-                                                   dead_url: str) -> None:
+def test_prefill_failure_still_answers_from_decode(
+    failure: str, stubs: Callable[..., Stub], proxy: Callable[..., Proxy], dead_url: str
+) -> None:
     pre = stubs("prefill", {"error": "error", "down": "ok", "timeout": "hang"}[failure])
     dec = stubs("decode")
     p = proxy(dead_url if failure == "down" else pre.url, dec.url, "--timeout", "0.5")
@@ -266,8 +313,9 @@ def test_prefill_failure_still_answers_from_decode(failure: str, stubs: Callable
     assert want[failure] in log, f"the warning must say why ({want[failure]}):\n{log}"
 
 
-def test_decode_down_gives_502_with_a_message(stubs: Callable[..., Stub],
-                                              proxy: Callable[..., Proxy], dead_url: str) -> None:
+def test_decode_down_gives_502_with_a_message(
+    stubs: Callable[..., Stub], proxy: Callable[..., Proxy], dead_url: str
+) -> None:
     pre = stubs("prefill")
     p = proxy(pre.url, dead_url)
     for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
@@ -283,16 +331,21 @@ def test_decode_down_gives_502_with_a_message(stubs: Callable[..., Stub],
     assert len(pre.seen) == 1, "the prefill still ran for the completion"
 
 
-def test_passthrough_errors_and_keep_alive(stubs: Callable[..., Stub],
-                                           proxy: Callable[..., Proxy]) -> None:
+def test_passthrough_errors_and_keep_alive(
+    stubs: Callable[..., Stub], proxy: Callable[..., Proxy]
+) -> None:
     pre, dec = stubs("prefill"), stubs("decode")
     p = proxy(pre.url, dec.url)
     c = p.conn()  # one connection for every request: HTTP/1.1 framing must stay right
     answers = []
-    for method, path, body in [("GET", "/v1/models", None), ("GET", "/health", None),
-                               ("POST", "/v1/completions", b"{not json"),
-                               ("POST", "/v1/completions", json.dumps(COMPLETION).encode()),
-                               ("GET", "/metrics", None), ("POST", "/v1/embeddings", b"{}")]:
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+        ("POST", "/v1/completions", b"{not json"),
+        ("POST", "/v1/completions", json.dumps(COMPLETION).encode()),
+        ("GET", "/metrics", None),
+        ("POST", "/v1/embeddings", b"{}"),
+    ]:
         c.request(method, path, body=body)
         r = c.getresponse()
         answers.append((r.status, r.read()))
@@ -304,5 +357,9 @@ def test_passthrough_errors_and_keep_alive(stubs: Callable[..., Stub],
     assert [a[0] for a in answers[4:]] == [404, 404], answers[4:]
     assert json.loads(answers[5][1])["error"]["message"].startswith("no route"), answers[5]
     assert [s.path for s in pre.seen] == ["/v1/completions"], "only valid completions prefill"
-    assert [s.path for s in dec.seen] == ["/v1/models", "/health", "/v1/completions",
-                                          "/v1/completions"], [s.path for s in dec.seen]
+    assert [s.path for s in dec.seen] == [
+        "/v1/models",
+        "/health",
+        "/v1/completions",
+        "/v1/completions",
+    ], [s.path for s in dec.seen]

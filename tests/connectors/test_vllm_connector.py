@@ -166,13 +166,18 @@ def test_prefix_hits_under_chunked_prefill_match_recompute(
     s = stats(server.unix_url)
     assert s.matched_tokens > 0 and s.hits > 0, s
     assert server.stop() == 0
-    done = [line.split(" requests=", 1)[1] for line in server.log().splitlines()
-            if "stopped in" in line and " requests=" in line]
+    done = [
+        line.split(" requests=", 1)[1]
+        for line in server.log().splitlines()
+        if "stopped in" in line and " requests=" in line
+    ]
     calls = json.loads(done[-1]) if done else {}
     assert calls.get("ReserveMany", 0) >= 1 and calls.get("Put", 0) == 0, (
-        f"saves on the server's host must be written in place into the arena, not put: {calls}")
+        f"saves on the server's host must be written in place into the arena, not put: {calls}"
+    )
     assert calls.get("CommitMany", 0) >= 1 and calls.get("Commit", 0) == 0, (
-        f"sync saves must commit a step's chunks in one round trip: {calls}")
+        f"sync saves must commit a step's chunks in one round trip: {calls}"
+    )
 
 
 def test_pd_consumer_loads_from_disk_after_restart(

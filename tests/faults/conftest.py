@@ -22,11 +22,20 @@ import pytest
 
 from tests.server.conftest import KVServer, make_server  # noqa: F401 - fixture re-exported
 
-RESULTS = Path(os.environ.get("KVSTORE_FAULTS_RESULTS",
-                              Path(__file__).with_name(".results.json")))
+RESULTS = Path(os.environ.get("KVSTORE_FAULTS_RESULTS", Path(__file__).with_name(".results.json")))
 _records: dict[str, dict[str, Any]] = {}
-FIELDS = ("group", "scenario", "done", "faults", "requests", "fuzzed", "lost", "wrong",
-          "recovery_s", "notes")
+FIELDS = (
+    "group",
+    "scenario",
+    "done",
+    "faults",
+    "requests",
+    "fuzzed",
+    "lost",
+    "wrong",
+    "recovery_s",
+    "notes",
+)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -57,8 +66,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     except (OSError, ValueError):
         data = {}
     ran = {rec["test"].split("[")[0] for rec in _records.values()}
-    scenarios = {k: v for k, v in data.get("scenarios", {}).items()
-                 if v.get("test", "").split("[")[0] not in ran and not _gone(v.get("test", ""))}
+    scenarios = {
+        k: v
+        for k, v in data.get("scenarios", {}).items()
+        if v.get("test", "").split("[")[0] not in ran and not _gone(v.get("test", ""))
+    }
     for rec in _records.values():
         scenarios[rec["id"]] = rec
     data["scenarios"] = scenarios
@@ -77,10 +89,21 @@ def record(request: pytest.FixtureRequest) -> Callable[..., dict[str, Any]]:
     def rec(group: str, scenario: str, done: str, **fields: Any) -> dict[str, Any]:
         unknown = set(fields) - set(FIELDS)
         assert not unknown, f"unknown result fields {unknown}"
-        row: dict[str, Any] = {"id": f"{group}: {scenario}", "test": request.node.nodeid,
-                               "group": group, "scenario": scenario, "done": done,
-                               "faults": 0, "requests": 0, "fuzzed": 0, "lost": 0, "wrong": 0,
-                               "recovery_s": None, "notes": "", **fields}
+        row: dict[str, Any] = {
+            "id": f"{group}: {scenario}",
+            "test": request.node.nodeid,
+            "group": group,
+            "scenario": scenario,
+            "done": done,
+            "faults": 0,
+            "requests": 0,
+            "fuzzed": 0,
+            "lost": 0,
+            "wrong": 0,
+            "recovery_s": None,
+            "notes": "",
+            **fields,
+        }
         row["seconds"] = round(time.monotonic() - t0, 1)
         if row["recovery_s"] is not None:
             row["recovery_s"] = round(float(row["recovery_s"]), 2)

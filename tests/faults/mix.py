@@ -47,7 +47,8 @@ DOWN = (ServerUnavailable, DeadlineExceeded)  # what a fault makes calls raise
 def payload_for(key: bytes, nbytes: int) -> np.ndarray:
     """The payload every chunk with this key carries: random bytes seeded by the key."""
     return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
 
 
 @dataclass
@@ -192,11 +193,15 @@ class Mix:
         for i in range(self.cfg.clients):
             t = Tally()
             self._tallies.append(t)
-            ns = Namespace(model="faults-mix", dtype="bfloat16",
-                           layout=f"{self.cfg.tag}-{self.cfg.seed}-{i}-bpt{self.cfg.bytes_per_token}")
+            ns = Namespace(
+                model="faults-mix",
+                dtype="bfloat16",
+                layout=f"{self.cfg.tag}-{self.cfg.seed}-{i}-bpt{self.cfg.bytes_per_token}",
+            )
             self.namespaces.append(ns)
-            th = threading.Thread(target=self._worker, args=(i, ns, t), daemon=True,
-                                  name=f"mix-{i}")
+            th = threading.Thread(
+                target=self._worker, args=(i, ns, t), daemon=True, name=f"mix-{i}"
+            )
             self._threads.append(th)
             th.start()
         return self
@@ -254,13 +259,17 @@ class Mix:
         cfg = self.cfg
         rng = random.Random(cfg.seed * 1000 + i)
         url = cfg.url if isinstance(cfg.url, str) else cfg.url[i % len(cfg.url)]
-        families = [np.array([rng.randrange(1, 50_000) for _ in range(cfg.chunk_tokens)],
-                             dtype=np.uint32) for _ in range(3)]
+        families = [
+            np.array([rng.randrange(1, 50_000) for _ in range(cfg.chunk_tokens)], dtype=np.uint32)
+            for _ in range(3)
+        ]
         prompts = []
         for _ in range(cfg.prompts):
             n = rng.randint(1, 4) * cfg.chunk_tokens - rng.choice([0, 0, cfg.chunk_tokens // 2])
-            tail = np.array([rng.randrange(1, 50_000) for _ in range(max(0, n - cfg.chunk_tokens))],
-                            dtype=np.uint32)
+            tail = np.array(
+                [rng.randrange(1, 50_000) for _ in range(max(0, n - cfg.chunk_tokens))],
+                dtype=np.uint32,
+            )
             toks = np.concatenate([rng.choice(families), tail])[: max(n, 1)]
             prompts.append(_Prompt(ns, toks, cfg.chunk_tokens))
         try:
@@ -298,8 +307,9 @@ class Mix:
             with self._cv:
                 self._cv.notify_all()
 
-    def _put(self, c: kvstore.Client, rng: random.Random, ns: Namespace,
-             prompts: list[_Prompt], t: Tally) -> None:
+    def _put(
+        self, c: kvstore.Client, rng: random.Random, ns: Namespace, prompts: list[_Prompt], t: Tally
+    ) -> None:
         p = rng.choice(prompts)
         bpt = self.cfg.bytes_per_token
         parent = ROOT
@@ -308,14 +318,14 @@ class Mix:
             data = payload_for(key, nbytes)
             t.puts += 1
             try:
-                got, status = c.put_chunk(ns, parent, part, data, "bfloat16",
-                                          (len(part), bpt // 2))
+                got, status = c.put_chunk(ns, parent, part, data, "bfloat16", (len(part), bpt // 2))
             except BaseException:
                 self.ledger.gone(key)  # maybe stored, maybe not: promise nothing
                 raise
             if got != key:
-                t.note("wrong", f"put_chunk returned key {got.hex()[:16]}, "
-                                f"expected {key.hex()[:16]}")
+                t.note(
+                    "wrong", f"put_chunk returned key {got.hex()[:16]}, expected {key.hex()[:16]}"
+                )
                 return
             if status.ok:
                 t.stored += 1
@@ -325,8 +335,9 @@ class Mix:
                 return
             parent = key
 
-    def _get(self, c: kvstore.Client, rng: random.Random, ns: Namespace,
-             prompts: list[_Prompt], t: Tally) -> None:
+    def _get(
+        self, c: kvstore.Client, rng: random.Random, ns: Namespace, prompts: list[_Prompt], t: Tally
+    ) -> None:
         key = self.ledger.pick(rng)
         if key is None:
             return
@@ -337,7 +348,8 @@ class Mix:
                 out = np.zeros(self.ledger.size.get(key, 0) + 8, dtype=np.uint8)
                 header = c.get_into(key, out)
                 got: tuple[RecordHeader, Any] | None = (
-                    None if header is None else (header, out[: header.raw_size]))
+                    None if header is None else (header, out[: header.raw_size])
+                )
             else:
                 got = c.get(key)
         except CorruptRecord as e:
@@ -352,11 +364,15 @@ class Mix:
         header, data = got
         want = payload_for(key, header.raw_size)
         if header.key != key or not np.array_equal(np.frombuffer(data, np.uint8), want):
-            t.note("wrong", f"get {key.hex()[:16]}: header key {header.key.hex()[:16]}, "
-                            f"{header.raw_size} bytes differ from what was stored")
+            t.note(
+                "wrong",
+                f"get {key.hex()[:16]}: header key {header.key.hex()[:16]}, "
+                f"{header.raw_size} bytes differ from what was stored",
+            )
 
-    def _lookup(self, c: kvstore.Client, rng: random.Random, ns: Namespace,
-                prompts: list[_Prompt], t: Tally) -> None:
+    def _lookup(
+        self, c: kvstore.Client, rng: random.Random, ns: Namespace, prompts: list[_Prompt], t: Tally
+    ) -> None:
         p = rng.choice(prompts)
         # Only this thread changes this namespace: its live prefix is exact.
         live_run = 0
@@ -368,19 +384,26 @@ class Mix:
         t.lookups += 1
         r = c.lookup(ns, p.tokens)
         if r.matched_tokens > len(p.tokens) or r.total_tokens != len(p.tokens):
-            t.note("wrong", f"lookup matched {r.matched_tokens} of {r.total_tokens} tokens, "
-                            f"prompt has {len(p.tokens)}")
+            t.note(
+                "wrong",
+                f"lookup matched {r.matched_tokens} of {r.total_tokens} tokens, "
+                f"prompt has {len(p.tokens)}",
+            )
         for j, m in enumerate(r.chunks):
             if not m.partial and (j >= len(p.keys) or m.key != p.keys[j]):
                 t.note("wrong", f"lookup chunk {j} is {m.key.hex()[:16]}, not the prompt's")
                 break
         granularity_floor = floor - floor % 4
         if r.matched_tokens < granularity_floor and not self.cfg.evictions:
-            t.note("lost", f"lookup matched {r.matched_tokens} tokens; {live_run} live chunks "
-                           f"({floor} tokens) are stored")
+            t.note(
+                "lost",
+                f"lookup matched {r.matched_tokens} tokens; {live_run} live chunks "
+                f"({floor} tokens) are stored",
+            )
 
-    def _delete(self, c: kvstore.Client, rng: random.Random, ns: Namespace,
-                prompts: list[_Prompt], t: Tally) -> None:
+    def _delete(
+        self, c: kvstore.Client, rng: random.Random, ns: Namespace, prompts: list[_Prompt], t: Tally
+    ) -> None:
         p = rng.choice(prompts)
         live = [k for k in p.keys if self.ledger.snapshot(k)[1]]
         if not live:
@@ -402,21 +425,25 @@ class Mix:
             found = client.exists(batch)
             with self.ledger.lock:
                 for k, b, tiers in zip(batch, before, found, strict=True):
-                    if 2 in tiers and (self.ledger.version.get(k, 0), self.ledger.live.get(k))\
-                            == b:
+                    if 2 in tiers and (self.ledger.version.get(k, 0), self.ledger.live.get(k)) == b:
                         self.ledger.durable.add(k)
         return len(self.ledger.durable)
 
 
-def reconcile(ledger: Ledger, client: kvstore.Client, *, verify: bool = True
-              ) -> dict[str, Any]:
+def reconcile(ledger: Ledger, client: kvstore.Client, *, verify: bool = True) -> dict[str, Any]:
     """After a crash and restart: every durable key must be there (else lost), every key
     found must read back byte-exact (else wrong); live keys that were only in memory and
     are gone now are dropped from the ledger (``volatile``: acknowledged, not written down).
     """
     keys = ledger.live_keys()
-    out: dict[str, Any] = {"checked": len(keys), "lost": 0, "wrong": 0, "volatile": 0,
-                           "found": 0, "details": []}
+    out: dict[str, Any] = {
+        "checked": len(keys),
+        "lost": 0,
+        "wrong": 0,
+        "volatile": 0,
+        "found": 0,
+        "details": [],
+    }
     for s in range(0, len(keys), 500):
         batch = keys[s : s + 500]
         found = client.exists(batch)

@@ -34,28 +34,45 @@ def _tier(c: kvstore.Client, name: str) -> Any:
 
 
 def _mix(srv: KVServer, seconds: float, seed: int, tag: str, bpt: int = 1024) -> Mix:
-    return Mix(MixConfig(url=[srv.unix_url, srv.tcp_url], clients=8, seconds=seconds,
-                         weights=(0.6, 0.3, 0.05, 0.05), evictions=True, timeout=10.0,
-                         bytes_per_token=bpt,
-                         shm=lambda i: i % 2 == 0, seed=seed, tag=tag))
+    return Mix(
+        MixConfig(
+            url=[srv.unix_url, srv.tcp_url],
+            clients=8,
+            seconds=seconds,
+            weights=(0.6, 0.3, 0.05, 0.05),
+            evictions=True,
+            timeout=10.0,
+            bytes_per_token=bpt,
+            shm=lambda i: i % 2 == 0,
+            seed=seed,
+            tag=tag,
+        )
+    )
 
 
 def test_disk_budget_full_evicts_under_concurrent_writers(
-        make_server: Callable[..., KVServer], record: Callable[..., Any]) -> None:
+    make_server: Callable[..., KVServer], record: Callable[..., Any]
+) -> None:
     srv = make_server("budget", args=[*ARGS, "--disk-capacity", "1MiB"], memory="1MiB").start()
     tally = _mix(srv, 5.0, 4, "budget").run()
     with kvstore.Client(srv.unix_url) as c:
         disk, mem = _tier(c, "disk"), _tier(c, "memory")
         n, wrong, problems = _verify_everything(c)
-    record("Capacity", "disk budget full",
-           "8 clients x 5 s, put-heavy, into a 1 MiB arena and a 1 MiB disk budget",
-           faults=disk.evictions, requests=tally.requests + n, lost=tally.lost,
-           wrong=tally.wrong + wrong,
-           notes=f"{mem.evictions} L1 and {disk.evictions} L2 evictions; {tally.full} puts "
-                 f"refused with a status; slowest call {tally.slowest:.2f} s; "
-                 f"disk used {disk.used_bytes} of {disk.capacity_bytes} bytes")
+    record(
+        "Capacity",
+        "disk budget full",
+        "8 clients x 5 s, put-heavy, into a 1 MiB arena and a 1 MiB disk budget",
+        faults=disk.evictions,
+        requests=tally.requests + n,
+        lost=tally.lost,
+        wrong=tally.wrong + wrong,
+        notes=f"{mem.evictions} L1 and {disk.evictions} L2 evictions; {tally.full} puts "
+        f"refused with a status; slowest call {tally.slowest:.2f} s; "
+        f"disk used {disk.used_bytes} of {disk.capacity_bytes} bytes",
+    )
     assert tally.errors == 0 and tally.wrong == 0 and wrong == 0, (
-        f"{tally.summary()}\n" + "\n".join(tally.details + problems))
+        f"{tally.summary()}\n" + "\n".join(tally.details + problems)
+    )
     assert not problems, problems
     assert disk.evictions > 0 and mem.evictions > 0, (mem, disk)
     assert disk.used_bytes <= disk.capacity_bytes, disk
@@ -67,9 +84,12 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 4 MiB filesystem (tmpfs), where LMDB's writes fail with ENOSPC; needs root."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-            capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         yield mnt
@@ -78,9 +98,14 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_full_filesystem_under_concurrent_writers(
-        make_server: Callable[..., KVServer], small_fs: Path, record: Callable[..., Any]) -> None:
-    srv = make_server("enospc", args=[*ARGS, "--disk-capacity", "64MiB"], memory="2MiB",
-                      data_dir=small_fs / "data").start()
+    make_server: Callable[..., KVServer], small_fs: Path, record: Callable[..., Any]
+) -> None:
+    srv = make_server(
+        "enospc",
+        args=[*ARGS, "--disk-capacity", "64MiB"],
+        memory="2MiB",
+        data_dir=small_fs / "data",
+    ).start()
     tally = _mix(srv, 5.0, 5, "enospc", bpt=4096).run()
     with kvstore.Client(srv.unix_url) as c:
         disk = _tier(c, "disk")
@@ -89,17 +114,23 @@ def test_full_filesystem_under_concurrent_writers(
     with kvstore.Client(srv.unix_url) as c:
         n, wrong, problems = _verify_everything(c)
         reopened = _tier(c, "disk")
-    record("Capacity", "filesystem full (ENOSPC)",
-           "8 clients x 5 s, put-heavy (64 KiB chunks), L2 on a 4 MiB tmpfs with a 64 MiB "
-           "budget; then a "
-           "restart and every stored chunk read back",
-           faults=disk.errors, requests=tally.requests + n, lost=tally.lost,
-           wrong=tally.wrong + wrong,
-           notes=f"{disk.errors} disk-full write errors, {disk.evictions} evictions to make "
-                 f"room; {reopened.chunks} chunks on disk after the restart, {n} read back")
+    record(
+        "Capacity",
+        "filesystem full (ENOSPC)",
+        "8 clients x 5 s, put-heavy (64 KiB chunks), L2 on a 4 MiB tmpfs with a 64 MiB "
+        "budget; then a "
+        "restart and every stored chunk read back",
+        faults=disk.errors,
+        requests=tally.requests + n,
+        lost=tally.lost,
+        wrong=tally.wrong + wrong,
+        notes=f"{disk.errors} disk-full write errors, {disk.evictions} evictions to make "
+        f"room; {reopened.chunks} chunks on disk after the restart, {n} read back",
+    )
     assert rc == 0, srv.log()
     assert tally.errors == 0 and tally.wrong == 0 and wrong == 0, (
-        f"{tally.summary()}\n" + "\n".join(tally.details + problems))
+        f"{tally.summary()}\n" + "\n".join(tally.details + problems)
+    )
     assert not problems, problems
     assert disk.errors > 0, f"the filesystem never filled up: {disk}"
     assert reopened.corrupt == 0 and n == reopened.chunks > 0, reopened
@@ -107,7 +138,8 @@ def test_full_filesystem_under_concurrent_writers(
 
 
 def test_arena_full_of_pinned_and_leased_chunks_answers_full(
-        make_server: Callable[..., KVServer], record: Callable[..., Any]) -> None:
+    make_server: Callable[..., KVServer], record: Callable[..., Any]
+) -> None:
     """No lower tier and every page of a 1 MiB arena pinned or leased: 8 concurrent writers
     get FULL at once (back-pressure with a clear status), and room comes back with the pages."""
     srv = make_server("arena", args=[*ARGS, "--no-disk"], memory="1MiB").start()
@@ -163,12 +195,17 @@ def test_arena_full_of_pinned_and_leased_chunks_answers_full(
         toks, key, data = chunk(5000)
         _, after = holder.put_chunk(ns, ROOT, toks, data, "bfloat16", (16, 512))
     full = sum(s == PutStatus.FULL for s in statuses)
-    record("Capacity", "arena full of pinned and leased chunks",
-           f"{pages}-page arena, no lower tier, every page pinned or leased; 8 concurrent writers "
-           "x 10 puts over both data planes; then pins and leases given back",
-           faults=full, requests=len(statuses) + len(errors) + len(keys), wrong=damaged,
-           notes=f"{full} puts answered FULL, {len(errors)} errors, {hung} writers hung; "
-                 f"put after release: {after.value}")
+    record(
+        "Capacity",
+        "arena full of pinned and leased chunks",
+        f"{pages}-page arena, no lower tier, every page pinned or leased; 8 concurrent writers "
+        "x 10 puts over both data planes; then pins and leases given back",
+        faults=full,
+        requests=len(statuses) + len(errors) + len(keys),
+        wrong=damaged,
+        notes=f"{full} puts answered FULL, {len(errors)} errors, {hung} writers hung; "
+        f"put after release: {after.value}",
+    )
     assert hung == 0, "a writer hung: deadlock"
     assert not errors, errors[:5]
     assert statuses and all(s == PutStatus.FULL for s in statuses), statuses

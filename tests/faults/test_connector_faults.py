@@ -56,8 +56,9 @@ def server(work: Path) -> Iterator[KVServer]:
         s.stop(signal.SIGKILL)
 
 
-def test_unreachable_stalled_and_killed_server(work: Path, server: KVServer,
-                                               record: Callable[..., Any]) -> None:
+def test_unreachable_stalled_and_killed_server(
+    work: Path, server: KVServer, record: Callable[..., Any]
+) -> None:
     out_file = work / "faults2.out.json"
     events: dict[str, Any] = {}
 
@@ -89,9 +90,14 @@ def test_unreachable_stalled_and_killed_server(work: Path, server: KVServer,
             threading.Thread(target=kill_soon, daemon=True).start()
 
     t0 = time.monotonic()
-    results = run_engine(work, "faults2", [PHASE_HIT] * 5,
-                         kv_config(server.unix_url, timeout_ms=1000), sync=work / "sync",
-                         between=between)
+    results = run_engine(
+        work,
+        "faults2",
+        [PHASE_HIT] * 5,
+        kv_config(server.unix_url, timeout_ms=1000),
+        sync=work / "sync",
+        between=between,
+    )
     seconds = time.monotonic() - t0
     p1, p2, p3, p4, p5 = results
     mismatched = []
@@ -101,12 +107,17 @@ def test_unreachable_stalled_and_killed_server(work: Path, server: KVServer,
         except AssertionError as e:
             mismatched.append(str(e))
     cached = [sum(r["num_cached_tokens"] for r in p) for p in results]
-    record("Connector", "server unreachable at start, stalled (SIGSTOP), killed mid-phase",
-           "one vLLM engine, 5 phases of the same 10 prompts: server not running at engine "
-           "start; started; SIGSTOP past the deadlines; SIGCONT; SIGKILL 0.2 s into the phase",
-           faults=3, requests=5 * len(PHASE_HIT), wrong=len(mismatched),
-           notes=f"tokens loaded per phase {cached}; phases finished when the kill came: "
-                 f"{events.get('phases_done_at_kill')}; engine run {seconds:.0f} s")
+    record(
+        "Connector",
+        "server unreachable at start, stalled (SIGSTOP), killed mid-phase",
+        "one vLLM engine, 5 phases of the same 10 prompts: server not running at engine "
+        "start; started; SIGSTOP past the deadlines; SIGCONT; SIGKILL 0.2 s into the phase",
+        faults=3,
+        requests=5 * len(PHASE_HIT),
+        wrong=len(mismatched),
+        notes=f"tokens loaded per phase {cached}; phases finished when the kill came: "
+        f"{events.get('phases_done_at_kill')}; engine run {seconds:.0f} s",
+    )
     assert not mismatched, mismatched
     assert cached[0] == 0, "nothing can load from a server that is not running"
     assert cached[2] == 0, "nothing can load from a stalled server"

@@ -33,8 +33,9 @@ def _put_chunks(c: kvstore.Client, tag: str, n: int = N) -> list[ChunkKey]:
     for i in range(n):
         toks = list(range(i * 16 + 1, i * 16 + 17))
         key = chunk_key(ROOT, ns.fingerprint, tokens_to_bytes(toks))
-        got, status = c.put_chunk(ns, ROOT, toks, payload_for(key, 16 * 1024), "bfloat16",
-                                  (16, 512))
+        got, status = c.put_chunk(
+            ns, ROOT, toks, payload_for(key, 16 * 1024), "bfloat16", (16, 512)
+        )
         assert status.ok and got == key, status
         keys.append(key)
     return keys
@@ -42,12 +43,16 @@ def _put_chunks(c: kvstore.Client, tag: str, n: int = N) -> list[ChunkKey]:
 
 def _offsets(rng: np.random.Generator, size: int) -> list[int]:
     """Where to flip: the magic, the header, the token ids, the payload, the last byte."""
-    return [0, int(rng.integers(8, 64)), int(rng.integers(64, 128)),
-            int(rng.integers(256, size - 1)), size - 1]
+    return [
+        0,
+        int(rng.integers(8, 64)),
+        int(rng.integers(64, 128)),
+        int(rng.integers(256, size - 1)),
+        size - 1,
+    ]
 
 
-def _read_all(c: kvstore.Client, keys: list[ChunkKey], damaged: set[ChunkKey]
-              ) -> dict[str, int]:
+def _read_all(c: kvstore.Client, keys: list[ChunkKey], damaged: set[ChunkKey]) -> dict[str, int]:
     """Read every key: damaged ones must be misses (or the good copy of a lower tier),
     intact ones byte-exact; count what was served wrong and what was lost."""
     out = {"reads": 0, "wrong": 0, "lost": 0, "misses": 0}
@@ -67,8 +72,9 @@ def _tier(c: kvstore.Client, name: str) -> Any:
     return next(t for t in c.stats().tiers if t.name == name)
 
 
-def test_flipped_bits_in_lmdb_records(make_server: Callable[..., KVServer],
-                                      record: Callable[..., Any]) -> None:
+def test_flipped_bits_in_lmdb_records(
+    make_server: Callable[..., KVServer], record: Callable[..., Any]
+) -> None:
     srv = make_server("lmdb", args=ARGS).start()
     with kvstore.Client(srv.unix_url) as c:
         keys = _put_chunks(c, "lmdb")
@@ -95,12 +101,18 @@ def test_flipped_bits_in_lmdb_records(make_server: Callable[..., KVServer],
         disk = _tier(shm_c, "disk")
         left = [k for k, t in zip(keys, shm_c.exists(keys), strict=True) if k in damaged and t]
     wrong, lost = out["wrong"] + out2["wrong"], out["lost"] + out2["lost"]
-    record("Corruption", "bits flipped in LMDB",
-           f"{flips} single-bit flips in L2 records and index entries (magic, header, token ids, "
-           "payload, last byte) with the server stopped; restart; every chunk read twice over "
-           "shm and gRPC",
-           faults=flips, requests=out["reads"] + out2["reads"], lost=lost, wrong=wrong,
-           notes=f"disk tier counted {disk.corrupt} corrupt; {len(left)} damaged records left")
+    record(
+        "Corruption",
+        "bits flipped in LMDB",
+        f"{flips} single-bit flips in L2 records and index entries (magic, header, token ids, "
+        "payload, last byte) with the server stopped; restart; every chunk read twice over "
+        "shm and gRPC",
+        faults=flips,
+        requests=out["reads"] + out2["reads"],
+        lost=lost,
+        wrong=wrong,
+        notes=f"disk tier counted {disk.corrupt} corrupt; {len(left)} damaged records left",
+    )
     assert wrong == 0 and lost == 0, (out, out2)
     assert disk.corrupt == flips, f"each damaged record is counted once: {disk.corrupt} of {flips}"
     assert not left, f"damaged records must be deleted: {len(left)} still there"
@@ -108,8 +120,9 @@ def test_flipped_bits_in_lmdb_records(make_server: Callable[..., KVServer],
 
 
 @pytest.mark.parametrize("lower", [False, True], ids=["no-disk", "with-disk"])
-def test_flipped_bits_in_the_arena(make_server: Callable[..., KVServer], lower: bool,
-                                   record: Callable[..., Any]) -> None:
+def test_flipped_bits_in_the_arena(
+    make_server: Callable[..., KVServer], lower: bool, record: Callable[..., Any]
+) -> None:
     """Bytes of L1 records changed behind the server's back (a rogue writer on the host)."""
     srv = make_server("arena", args=[*ARGS, *([] if lower else ["--no-disk"])]).start()
     rng = np.random.default_rng(8)
@@ -131,8 +144,7 @@ def test_flipped_bits_in_the_arena(make_server: Callable[..., KVServer], lower: 
                 for ext_off, ext_len in extents:  # the extent holding record byte `off`
                     if off < ext_len:
                         b = os.pread(fd, 1, ext_off + off)
-                        os.pwrite(fd, bytes([b[0] ^ (1 << int(rng.integers(0, 8)))]),
-                                  ext_off + off)
+                        os.pwrite(fd, bytes([b[0] ^ (1 << int(rng.integers(0, 8)))]), ext_off + off)
                         break
                     off -= ext_len
                 damaged.add(key)
@@ -144,13 +156,18 @@ def test_flipped_bits_in_the_arena(make_server: Callable[..., KVServer], lower: 
         mem = _tier(c, "memory")
     wrong = out["wrong"] + out2["wrong"]
     lost = out["lost"] + out2["lost"]
-    record("Corruption", f"bits flipped in the arena ({'with' if lower else 'no'} L2)",
-           f"{len(damaged)} single-bit flips in L1 records (header and payload) of a running "
-           "server, written into the shared-memory file; every chunk read twice over shm and "
-           f"gRPC{'; the good copies on disk are served instead' if lower else ''}",
-           faults=len(damaged), requests=out["reads"] + out2["reads"], lost=lost, wrong=wrong,
-           notes=f"memory tier counted {mem.corrupt} corrupt; "
-                 f"{out['misses'] + out2['misses']} misses")
+    record(
+        "Corruption",
+        f"bits flipped in the arena ({'with' if lower else 'no'} L2)",
+        f"{len(damaged)} single-bit flips in L1 records (header and payload) of a running "
+        "server, written into the shared-memory file; every chunk read twice over shm and "
+        f"gRPC{'; the good copies on disk are served instead' if lower else ''}",
+        faults=len(damaged),
+        requests=out["reads"] + out2["reads"],
+        lost=lost,
+        wrong=wrong,
+        notes=f"memory tier counted {mem.corrupt} corrupt; {out['misses'] + out2['misses']} misses",
+    )
     assert wrong == 0 and lost == 0, (out, out2)
     assert mem.corrupt == len(damaged), f"memory corrupt {mem.corrupt} of {len(damaged)}"
     if lower:
@@ -172,8 +189,9 @@ def _wait_written_down(c: kvstore.Client, keys: list[ChunkKey]) -> bool:
 
 
 @pytest.mark.parametrize("flavor", ["redis", "valkey"])
-def test_flipped_bits_in_remote_values(make_server: Callable[..., KVServer], tmp_path: Path,
-                                       record: Callable[..., Any], flavor: str) -> None:
+def test_flipped_bits_in_remote_values(
+    make_server: Callable[..., KVServer], tmp_path: Path, record: Callable[..., Any], flavor: str
+) -> None:
     """Host A writes through to Redis/Valkey; values are damaged there; host B (its own
     L1/L2, the same remote) reads them."""
     if not available(flavor):
@@ -206,14 +224,19 @@ def test_flipped_bits_in_remote_values(make_server: Callable[..., KVServer], tmp
         gone = [k for k in damaged if r.exists(f"kvs:c:{k.hex()}")]
         r.close()
         wrong, lost = out["wrong"] + out2["wrong"], out["lost"] + out2["lost"]
-        record("Corruption", f"bits flipped in {flavor} values",
-               f"{len(damaged)} single-bit flips in remote records (header, token ids, "
-               "compressed payload); a second server sharing the remote reads every chunk "
-               "twice over shm and gRPC",
-               faults=len(damaged), requests=out["reads"] + out2["reads"], lost=lost,
-               wrong=wrong,
-               notes=f"remote tier counted {rem.corrupt} corrupt; {len(gone)} damaged values "
-                     f"left in {flavor}")
+        record(
+            "Corruption",
+            f"bits flipped in {flavor} values",
+            f"{len(damaged)} single-bit flips in remote records (header, token ids, "
+            "compressed payload); a second server sharing the remote reads every chunk "
+            "twice over shm and gRPC",
+            faults=len(damaged),
+            requests=out["reads"] + out2["reads"],
+            lost=lost,
+            wrong=wrong,
+            notes=f"remote tier counted {rem.corrupt} corrupt; {len(gone)} damaged values "
+            f"left in {flavor}",
+        )
         assert wrong == 0 and lost == 0, (out, out2)
         assert rem.corrupt == len(damaged), f"remote corrupt {rem.corrupt} of {len(damaged)}"
         assert not gone, f"damaged remote values must be deleted: {len(gone)} left"

@@ -44,12 +44,24 @@ def _verify_everything(c: kvstore.Client) -> tuple[int, int, list[str]]:
 
 
 def test_kill9_under_concurrent_writes_loses_nothing_written_down(
-        make_server: Callable[..., KVServer], record: Callable[..., Any]) -> None:
-    srv = make_server("crash", args=["--chunk-tokens", "16", "--granularity", "4",
-                                     "--log-level", "warning"]).start()
-    mix = Mix(MixConfig(url=[srv.unix_url, srv.tcp_url], clients=6, seconds=600,
-                        weights=(0.8, 0.15, 0.0, 0.05), tolerate_down=True, timeout=3.0,
-                        shm=lambda i: i % 2 == 0, seed=2, tag="crash"))
+    make_server: Callable[..., KVServer], record: Callable[..., Any]
+) -> None:
+    srv = make_server(
+        "crash", args=["--chunk-tokens", "16", "--granularity", "4", "--log-level", "warning"]
+    ).start()
+    mix = Mix(
+        MixConfig(
+            url=[srv.unix_url, srv.tcp_url],
+            clients=6,
+            seconds=600,
+            weights=(0.8, 0.15, 0.0, 0.05),
+            tolerate_down=True,
+            timeout=3.0,
+            shm=lambda i: i % 2 == 0,
+            seed=2,
+            tag="crash",
+        )
+    )
     totals: dict[str, int] = {"lost": 0, "wrong": 0, "volatile": 0, "found": 0, "read": 0}
     problems: list[str] = []
     recoveries: list[float] = []
@@ -89,16 +101,18 @@ def test_kill9_under_concurrent_writes_loses_nothing_written_down(
                 out = reconcile(mix.ledger, c)
                 n, wrong, found_problems = _verify_everything(c)
                 if n != disk.chunks:
-                    problems.append(f"cycle {cycle}: listed {n} chunks, the disk tier holds "
-                                    f"{disk.chunks}")
+                    problems.append(
+                        f"cycle {cycle}: listed {n} chunks, the disk tier holds {disk.chunks}"
+                    )
             for k in ("lost", "wrong", "volatile", "found"):
                 totals[k] += out[k]
             totals["wrong"] += wrong
             totals["read"] += n
             problems += out["details"] + found_problems
             if arena and arena.rsplit("/", 1)[-1] in arena_files():
-                problems.append(f"cycle {cycle}: the killed server's arena {arena} is left "
-                                "in /dev/shm")
+                problems.append(
+                    f"cycle {cycle}: the killed server's arena {arena} is left in /dev/shm"
+                )
             if durable_before == 0:
                 problems.append(f"cycle {cycle}: no chunk was seen on disk before the kill")
             killed.clear()
@@ -108,15 +122,21 @@ def test_kill9_under_concurrent_writes_loses_nothing_written_down(
         tally = mix.join(30)
         probe.join(10)
     rc = srv.stop()
-    record("Crash", "kill -9 during concurrent writes",
-           f"{CYCLES} x SIGKILL of the server while 6 clients write (3 shm, 3 gRPC), restart on "
-           "the same data dir; every chunk listed after a restart read back and compared",
-           faults=CYCLES, requests=tally.requests + totals["read"], lost=totals["lost"],
-           wrong=totals["wrong"] + tally.wrong, recovery_s=max(recoveries, default=None),
-           notes=f"{totals['found']} acknowledged chunks found again; {totals['volatile']} "
-                 "acknowledged but only in memory at the kill (L1 is volatile); "
-                 f"{totals['read']} chunks re-read; recovery = restart to serving "
-                 "(LMDB reopened, index rebuilt)")
+    record(
+        "Crash",
+        "kill -9 during concurrent writes",
+        f"{CYCLES} x SIGKILL of the server while 6 clients write (3 shm, 3 gRPC), restart on "
+        "the same data dir; every chunk listed after a restart read back and compared",
+        faults=CYCLES,
+        requests=tally.requests + totals["read"],
+        lost=totals["lost"],
+        wrong=totals["wrong"] + tally.wrong,
+        recovery_s=max(recoveries, default=None),
+        notes=f"{totals['found']} acknowledged chunks found again; {totals['volatile']} "
+        "acknowledged but only in memory at the kill (L1 is volatile); "
+        f"{totals['read']} chunks re-read; recovery = restart to serving "
+        "(LMDB reopened, index rebuilt)",
+    )
     assert not problems, "\n".join(problems[:20])
     assert totals["lost"] == 0 and totals["wrong"] == 0 and tally.wrong == 0, totals
     assert tally.errors == 0, "\n".join(tally.details)

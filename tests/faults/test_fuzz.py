@@ -36,12 +36,26 @@ from tests.faults.mix import payload_for
 from tests.server.conftest import KVServer
 
 EXAMPLES = 60  # per RPC (and per kind of raw input)
-OK_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.DATA_LOSS}
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.large_base_example])
+OK_CODES = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.DATA_LOSS,
+}
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+    ],
+)
 NS = Namespace(model="faults-fuzz", dtype="bfloat16", layout="bpt64")
 counts: Counter[str] = Counter()
 bad: list[str] = []
@@ -49,9 +63,20 @@ bad: list[str] = []
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVServer]:
-    srv = KVServer(tmp_path_factory.mktemp("fuzz"), "fuzz",
-                   args=["--chunk-tokens", "16", "--granularity", "4", "--log-level", "warning",
-                         "--lease-ms", "3000"]).start()
+    srv = KVServer(
+        tmp_path_factory.mktemp("fuzz"),
+        "fuzz",
+        args=[
+            "--chunk-tokens",
+            "16",
+            "--granularity",
+            "4",
+            "--log-level",
+            "warning",
+            "--lease-ms",
+            "3000",
+        ],
+    ).start()
     yield srv
     srv.stop()
 
@@ -79,8 +104,12 @@ def channel(server: KVServer) -> Iterator[grpc.Channel]:
 
 
 def _method(channel: grpc.Channel, name: str, kind: str) -> Callable[..., Any]:
-    make = {"uu": channel.unary_unary, "us": channel.unary_stream,
-            "su": channel.stream_unary, "ss": channel.stream_stream}[kind]
+    make = {
+        "uu": channel.unary_unary,
+        "us": channel.unary_stream,
+        "su": channel.stream_unary,
+        "ss": channel.stream_stream,
+    }[kind]
     return make(f"/{SERVICE_NAME}/{name}", request_serializer=None, response_deserializer=None)
 
 
@@ -110,21 +139,45 @@ def call(channel: grpc.Channel, name: str, kind: str, request: Any, what: str) -
 
 
 # -- strategies ---------------------------------------------------------------------------------
-u32 = st.one_of(st.sampled_from([0, 1, 3, 4, 16, 17, 2**31 - 1, 2**31, 2**32 - 1]),
-                st.integers(0, 2**32 - 1))
+u32 = st.one_of(
+    st.sampled_from([0, 1, 3, 4, 16, 17, 2**31 - 1, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1)
+)
 u64 = st.one_of(st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
-blob = st.one_of(st.binary(max_size=48), st.binary(min_size=32, max_size=32),
-                 st.binary(min_size=16, max_size=16), st.just(b"\xff" * 70_000))
-text = st.one_of(st.text(max_size=40), st.just("x" * 70_000), st.just(""),
-                 st.text(alphabet=st.characters(min_codepoint=0x80), max_size=10))
-token_ids = st.one_of(st.binary(max_size=300),
-                      st.lists(st.integers(0, 2**32 - 1), max_size=200).map(
-                          lambda xs: np.array(xs, dtype="<u4").tobytes()),
-                      st.just(np.arange(100_000, dtype="<u4").tobytes()),
-                      st.just(np.arange(64, dtype="<u4").tobytes()))
-namespaces = st.builds(pb.Namespace, model=text, revision=text, dtype=text, layout=text,
-                       device=text, tp_rank=u32, tp_size=u32, pp_rank=u32, pp_size=u32,
-                       lora=text, salt=text, extra=st.dictionaries(text, text, max_size=3))
+blob = st.one_of(
+    st.binary(max_size=48),
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=16, max_size=16),
+    st.just(b"\xff" * 70_000),
+)
+text = st.one_of(
+    st.text(max_size=40),
+    st.just("x" * 70_000),
+    st.just(""),
+    st.text(alphabet=st.characters(min_codepoint=0x80), max_size=10),
+)
+token_ids = st.one_of(
+    st.binary(max_size=300),
+    st.lists(st.integers(0, 2**32 - 1), max_size=200).map(
+        lambda xs: np.array(xs, dtype="<u4").tobytes()
+    ),
+    st.just(np.arange(100_000, dtype="<u4").tobytes()),
+    st.just(np.arange(64, dtype="<u4").tobytes()),
+)
+namespaces = st.builds(
+    pb.Namespace,
+    model=text,
+    revision=text,
+    dtype=text,
+    layout=text,
+    device=text,
+    tp_rank=u32,
+    tp_size=u32,
+    pp_rank=u32,
+    pp_size=u32,
+    lora=text,
+    salt=text,
+    extra=st.dictionaries(text, text, max_size=3),
+)
 
 
 def _keys(stored: list[ChunkKey]) -> st.SearchStrategy[bytes]:
@@ -138,10 +191,10 @@ def headers(draw: st.DrawFn) -> bytes:
     toks = draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))
     tb = np.array(toks, dtype="<u4").tobytes()
     parent = draw(st.one_of(st.just(ROOT), st.binary(min_size=32, max_size=32)))
-    fp = Fingerprint(draw(st.one_of(st.just(NS.fingerprint),
-                                    st.binary(min_size=16, max_size=16))))
-    key = draw(st.one_of(st.just(chunk_key(ChunkKey(parent), fp, tb)),
-                         st.binary(min_size=32, max_size=32)))
+    fp = Fingerprint(draw(st.one_of(st.just(NS.fingerprint), st.binary(min_size=16, max_size=16))))
+    key = draw(
+        st.one_of(st.just(chunk_key(ChunkKey(parent), fp, tb)), st.binary(min_size=32, max_size=32))
+    )
     dtype = draw(st.sampled_from(sorted(DTYPES)))
     shape = tuple(draw(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=8)))
     itemsize = DTYPES[dtype][1]
@@ -149,9 +202,19 @@ def headers(draw: st.DrawFn) -> bytes:
     raw_size = draw(st.one_of(st.just(consistent), st.integers(0, 2**63)))
     stored_size = draw(st.one_of(st.just(raw_size), st.integers(0, 1 << 20)))
     codec = draw(st.sampled_from(list(Codec)))
-    h = RecordHeader(key=ChunkKey(key), parent=ChunkKey(parent), fingerprint=fp, token_bytes=tb,
-                     dtype=dtype, shape=shape, codec=codec, raw_size=raw_size,
-                     stored_size=stored_size, payload_checksum=draw(u64), created_ms=draw(u64))
+    h = RecordHeader(
+        key=ChunkKey(key),
+        parent=ChunkKey(parent),
+        fingerprint=fp,
+        token_bytes=tb,
+        dtype=dtype,
+        shape=shape,
+        codec=codec,
+        raw_size=raw_size,
+        stored_size=stored_size,
+        payload_checksum=draw(u64),
+        created_ms=draw(u64),
+    )
     try:
         packed = h.pack()
     except Exception:  # a field struct cannot pack: send something else broken
@@ -181,8 +244,21 @@ def put_streams(draw: st.DrawFn) -> list[bytes]:
     else:
         header, data = draw(headers()), draw(st.binary(max_size=2048))
     frames = [frame(1, header)] if draw(st.integers(0, 9)) else []
-    mode = draw(st.sampled_from(["exact", "short", "long", "split", "second header", "huge",
-                                 "garbage", "empty pieces", "nothing"]))
+    mode = draw(
+        st.sampled_from(
+            [
+                "exact",
+                "short",
+                "long",
+                "split",
+                "second header",
+                "huge",
+                "garbage",
+                "empty pieces",
+                "nothing",
+            ]
+        )
+    )
     if mode == "exact":
         frames.append(frame(2, data))
     elif mode == "short":
@@ -214,8 +290,11 @@ def _bad_utf8(msg: bytes, field: int) -> bytes:
 def _fuzz_lookup(channel: grpc.Channel, data: st.DataObject) -> None:
     req = pb.LookupRequest(
         fingerprint=data.draw(st.one_of(blob, st.just(NS.fingerprint))),
-        token_ids=data.draw(token_ids), min_tokens=data.draw(u32),
-        granularity=data.draw(u32), explain=data.draw(st.booleans()))
+        token_ids=data.draw(token_ids),
+        min_tokens=data.draw(u32),
+        granularity=data.draw(u32),
+        explain=data.draw(st.booleans()),
+    )
     if data.draw(st.booleans()):
         req.namespace.CopyFrom(data.draw(namespaces))
     raw = req.SerializeToString()
@@ -236,25 +315,42 @@ def test_fuzz_put_and_reserve(channel: grpc.Channel, stored: list[ChunkKey]) -> 
         call(channel, "Put", "su", frames, "put stream")
 
     @FUZZ
-    @given(header=st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])),
-           at_commit=st.booleans())
+    @given(
+        header=st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])),
+        at_commit=st.booleans(),
+    )
     def reserve(header: bytes, at_commit: bool) -> None:
-        call(channel, "Reserve", "uu",
-             pb.ReserveRequest(header=header, checksum_at_commit=at_commit), "reserve")
+        call(
+            channel,
+            "Reserve",
+            "uu",
+            pb.ReserveRequest(header=header, checksum_at_commit=at_commit),
+            "reserve",
+        )
 
     @FUZZ
-    @given(headers_=st.lists(st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])),
-                             max_size=6),
-           at_commit=st.booleans(), commit_sum=st.one_of(st.none(), u64))
+    @given(
+        headers_=st.lists(
+            st.one_of(headers(), blob, valid_header().map(lambda hd: hd[0])), max_size=6
+        ),
+        at_commit=st.booleans(),
+        commit_sum=st.one_of(st.none(), u64),
+    )
     def reserve_many(headers_: list[bytes], at_commit: bool, commit_sum: int | None) -> None:
         reqs = [pb.ReserveRequest(header=h, checksum_at_commit=at_commit) for h in headers_]
-        got = call(channel, "ReserveMany", "uu", pb.ReserveManyRequest(requests=reqs),
-                   "reserve_many")
+        got = call(
+            channel, "ReserveMany", "uu", pb.ReserveManyRequest(requests=reqs), "reserve_many"
+        )
         answer = pb.ReserveManyResponse.FromString(got) if got else pb.ReserveManyResponse()
         for r in answer.responses:  # commit what was reserved, with any checksum
             if r.reservation_id:
-                call(channel, "Commit", "uu", pb.CommitRequest(
-                    reservation_id=r.reservation_id, payload_checksum=commit_sum), "commit")
+                call(
+                    channel,
+                    "Commit",
+                    "uu",
+                    pb.CommitRequest(reservation_id=r.reservation_id, payload_checksum=commit_sum),
+                    "commit",
+                )
 
     put()
     reserve()
@@ -272,13 +368,19 @@ def test_fuzz_key_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
         call(channel, "Acquire", "uu", pb.AcquireRequest(key=key), "acquire")
 
     @FUZZ
-    @given(ks=st.one_of(st.lists(keys, max_size=20), st.just([ROOT] * 20_000)),
-           which=st.sampled_from(["Exists", "Pin", "Delete"]), pinned=st.booleans())
+    @given(
+        ks=st.one_of(st.lists(keys, max_size=20), st.just([ROOT] * 20_000)),
+        which=st.sampled_from(["Exists", "Pin", "Delete"]),
+        pinned=st.booleans(),
+    )
     def many(ks: list[bytes], which: str, pinned: bool) -> None:
         if which == "Delete":
             ks = [k for k in ks if k not in stored]  # keep the canaries
-        msg = {"Exists": pb.ExistsRequest(keys=ks), "Pin": pb.PinRequest(keys=ks, pinned=pinned),
-               "Delete": pb.DeleteRequest(keys=ks)}[which]
+        msg = {
+            "Exists": pb.ExistsRequest(keys=ks),
+            "Pin": pb.PinRequest(keys=ks, pinned=pinned),
+            "Delete": pb.DeleteRequest(keys=ks),
+        }[which]
         call(channel, which, "uu", msg, which.lower())
 
     get()
@@ -288,22 +390,29 @@ def test_fuzz_key_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
 
 def test_fuzz_lease_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
     @FUZZ
-    @given(rid=u64, ids=st.lists(u64, max_size=50),
-           which=st.sampled_from(["Commit", "Abort", "CommitMany"]))
+    @given(
+        rid=u64,
+        ids=st.lists(u64, max_size=50),
+        which=st.sampled_from(["Commit", "Abort", "CommitMany"]),
+    )
     def holds(rid: int, ids: list[int], which: str) -> None:
-        msg = {"Commit": pb.CommitRequest(reservation_id=rid),
-               "Abort": pb.AbortRequest(reservation_id=rid),
-               "CommitMany": pb.CommitManyRequest(commits=[
-                   pb.CommitRequest(reservation_id=i, payload_checksum=rid) for i in ids])
-               }[which]
+        msg = {
+            "Commit": pb.CommitRequest(reservation_id=rid),
+            "Abort": pb.AbortRequest(reservation_id=rid),
+            "CommitMany": pb.CommitManyRequest(
+                commits=[pb.CommitRequest(reservation_id=i, payload_checksum=rid) for i in ids]
+            ),
+        }[which]
         call(channel, which, "uu", msg, which.lower())
         call(channel, "Release", "uu", pb.ReleaseRequest(lease_ids=ids), "release")
 
     @FUZZ
     @given(owners=st.lists(st.one_of(text, st.binary(max_size=10)), max_size=4))
     def session(owners: list[Any]) -> None:
-        msgs = [pb.SessionPing(owner=o).SerializeToString() if isinstance(o, str)
-                else _bad_utf8(b"", 1) for o in owners]
+        msgs = [
+            pb.SessionPing(owner=o).SerializeToString() if isinstance(o, str) else _bad_utf8(b"", 1)
+            for o in owners
+        ]
         call(channel, "Session", "ss", msgs, "session")
 
     holds()
@@ -313,11 +422,18 @@ def test_fuzz_lease_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
 
 def test_fuzz_management_rpcs(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
     @FUZZ
-    @given(fp=st.one_of(blob, st.just(NS.fingerprint)), size=u32, token=text, tier=u32,
-           pinned=st.booleans(), utf8=st.integers(0, 9))
+    @given(
+        fp=st.one_of(blob, st.just(NS.fingerprint)),
+        size=u32,
+        token=text,
+        tier=u32,
+        pinned=st.booleans(),
+        utf8=st.integers(0, 9),
+    )
     def listing(fp: bytes, size: int, token: str, tier: int, pinned: bool, utf8: int) -> None:
-        raw = pb.ListRequest(fingerprint=fp, page_size=size, page_token=token, tier=tier,
-                             pinned_only=pinned).SerializeToString()
+        raw = pb.ListRequest(
+            fingerprint=fp, page_size=size, page_token=token, tier=tier, pinned_only=pinned
+        ).SerializeToString()
         call(channel, "List", "uu", _bad_utf8(raw, 3) if utf8 == 0 else raw, "list")
 
     @FUZZ
@@ -352,17 +468,20 @@ def wrong_types(draw: st.DrawFn) -> bytes:
     return out
 
 
-METHODS = [(m.name, ("s" if m.client_streaming else "u") + ("s" if m.server_streaming else "u"))
-           for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
+METHODS = [
+    (m.name, ("s" if m.client_streaming else "u") + ("s" if m.server_streaming else "u"))
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
+]
 
 
 def test_fuzz_raw_bytes_to_every_method(channel: grpc.Channel, stored: list[ChunkKey]) -> None:
     """Bytes that may not be protobuf at all, or fields with the wrong wire types."""
 
     @settings(FUZZ, max_examples=10 * EXAMPLES)
-    @given(method=st.sampled_from(METHODS),
-           raw=st.lists(st.one_of(st.binary(max_size=120), wrong_types()), min_size=1,
-                        max_size=3))
+    @given(
+        method=st.sampled_from(METHODS),
+        raw=st.lists(st.one_of(st.binary(max_size=120), wrong_types()), min_size=1, max_size=3),
+    )
     def fuzz(method: tuple[str, str], raw: list[bytes]) -> None:
         name, kind = method
         if name == "Clear":
@@ -373,10 +492,13 @@ def test_fuzz_raw_bytes_to_every_method(channel: grpc.Channel, stored: list[Chun
     assert not bad, "\n".join(bad)
 
 
-def test_zz_server_survived_the_fuzzing(server: KVServer, stored: list[ChunkKey],
-                                        record: Callable[..., Any]) -> None:
-    with kvstore.Client(server.tcp_url, shm=False) as g, \
-            kvstore.Client(server.unix_url, shm=True) as s:
+def test_zz_server_survived_the_fuzzing(
+    server: KVServer, stored: list[ChunkKey], record: Callable[..., Any]
+) -> None:
+    with (
+        kvstore.Client(server.tcp_url, shm=False) as g,
+        kvstore.Client(server.unix_url, shm=True) as s,
+    ):
         alive = g.health()
         wrong = lost = 0
         for c in (g, s):
@@ -385,18 +507,25 @@ def test_zz_server_survived_the_fuzzing(server: KVServer, stored: list[ChunkKey]
                 lost += got is None
                 wrong += got is not None and got[1] != payload_for(key, 1024).tobytes()
         ns = Namespace(model="faults-fuzz", dtype="bfloat16", layout="after")
-        key, status = s.put_chunk(ns, ROOT, list(range(16)), np.zeros(1024, np.uint8),
-                                  "bfloat16", (16, 32))
+        key, status = s.put_chunk(
+            ns, ROOT, list(range(16)), np.zeros(1024, np.uint8), "bfloat16", (16, 32)
+        )
         after = status.ok and g.get(key) is not None
     log = server.log()
     total = sum(counts.values())
-    record("Bad input", "fuzzed RPCs",
-           f"hypothesis-generated requests to all {len(METHODS)} RPCs: empty, huge, "
-           "max-unsigned and random fields, crafted headers (lying sizes, token counts, codecs), "
-           "Put streams short/long/split/oversize, raw non-protobuf bytes, invalid UTF-8",
-           fuzzed=total, requests=total, lost=lost, wrong=wrong,
-           notes=", ".join(f"{k} {v}" for k, v in sorted(counts.items())) +
-                 f"; bad answers {len(bad)}")
+    record(
+        "Bad input",
+        "fuzzed RPCs",
+        f"hypothesis-generated requests to all {len(METHODS)} RPCs: empty, huge, "
+        "max-unsigned and random fields, crafted headers (lying sizes, token counts, codecs), "
+        "Put streams short/long/split/oversize, raw non-protobuf bytes, invalid UTF-8",
+        fuzzed=total,
+        requests=total,
+        lost=lost,
+        wrong=wrong,
+        notes=", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        + f"; bad answers {len(bad)}",
+    )
     assert alive and after, f"server not serving after the fuzzing:\n{log}"
     assert not bad, "\n".join(bad)
     assert lost == 0 and wrong == 0, (lost, wrong)
@@ -405,17 +534,73 @@ def test_zz_server_survived_the_fuzzing(server: KVServer, stored: list[ChunkKey]
 
 # -- the CLI ------------------------------------------------------------------------------------
 COMMANDS = ["stats", "info", "health", "ls", "lookup", "delete", "pin", "unpin", "clear"]
-JUNK = ["0", "-1", "1e9", "nan", "inf", "16", "abc", "a=b", "=", ",", "1,2,3", "[1, 2]", "00" * 32,
-        "ff" * 16, "f" * 5, "\u00ff", "\x00", "", " ", "-", "--", "memory", "disk", "remote", "4",
-        "unix:///nonexistent", "grpc://127.0.0.1:1", "grpcs://[::1]:99999", "/dev/null",
-        "99999999999999999999", "1.5", "-0"]
-OPTIONS = ["--json", "--tier", "--pinned", "--all-chunks", "--limit", "--model", "--revision",
-           "--dtype", "--layout", "--device", "--tp-rank", "--tp-size", "--pp-rank", "--lora",
-           "--salt", "--extra", "--namespace-fp", "--namespace", "--min-tokens", "--granularity",
-           "--tokens-file", "--text", "--no-special-tokens", "--all", "--yes", "-y", "--timeout",
-           "--token", "--url", "--help"]
-junk = st.one_of(st.sampled_from(JUNK), st.text(max_size=12),
-                 st.integers(-(2**70), 2**70).map(str))
+JUNK = [
+    "0",
+    "-1",
+    "1e9",
+    "nan",
+    "inf",
+    "16",
+    "abc",
+    "a=b",
+    "=",
+    ",",
+    "1,2,3",
+    "[1, 2]",
+    "00" * 32,
+    "ff" * 16,
+    "f" * 5,
+    "\u00ff",
+    "\x00",
+    "",
+    " ",
+    "-",
+    "--",
+    "memory",
+    "disk",
+    "remote",
+    "4",
+    "unix:///nonexistent",
+    "grpc://127.0.0.1:1",
+    "grpcs://[::1]:99999",
+    "/dev/null",
+    "99999999999999999999",
+    "1.5",
+    "-0",
+]
+OPTIONS = [
+    "--json",
+    "--tier",
+    "--pinned",
+    "--all-chunks",
+    "--limit",
+    "--model",
+    "--revision",
+    "--dtype",
+    "--layout",
+    "--device",
+    "--tp-rank",
+    "--tp-size",
+    "--pp-rank",
+    "--lora",
+    "--salt",
+    "--extra",
+    "--namespace-fp",
+    "--namespace",
+    "--min-tokens",
+    "--granularity",
+    "--tokens-file",
+    "--text",
+    "--no-special-tokens",
+    "--all",
+    "--yes",
+    "-y",
+    "--timeout",
+    "--token",
+    "--url",
+    "--help",
+]
+junk = st.one_of(st.sampled_from(JUNK), st.text(max_size=12), st.integers(-(2**70), 2**70).map(str))
 
 
 @st.composite
@@ -439,19 +624,33 @@ def cli_argv(draw: st.DrawFn) -> list[str]:
 
 
 _KEYS = ["00" * 32, "ab" * 32, chunk_key(ROOT, NS.fingerprint, tokens_to_bytes(range(16))).hex()]
-POSITIONAL = {"delete": _KEYS, "pin": _KEYS, "unpin": _KEYS,
-              "ls": [NS.fingerprint.hex(), "0", "ab"], "clear": [NS.fingerprint.hex()[:4], "ff"],
-              "lookup": ["0", "1,2,3", "4294967296", "-1", "-", "1 2",
-                         " ".join(map(str, range(40)))]}
-PLAUSIBLE = {"--tier": ["memory", "disk", "remote", "1", "3"], "--limit": ["0", "5", "-3"],
-             "--model": ["faults-fuzz", "m"], "--dtype": ["bfloat16", "float32", "x"],
-             "--layout": ["bpt64", "L"], "--tp-rank": ["0", "1", "-1"],
-             "--tp-size": ["1", "0"], "--extra": ["a=b", "k=", "novalue"],
-             "--namespace-fp": ["ab", NS.fingerprint.hex(), "zz"],
-             "--namespace": ["0", NS.fingerprint.hex()[:6]], "--min-tokens": ["0", "4", "-4"],
-             "--granularity": ["0", "3", "4", "16", "-16"], "--timeout": ["0", "0.5", "-1"],
-             "--tokens-file": ["/dev/null", "/nonexistent", "/etc/hostname", "/"],
-             "--salt": ["", "t"], "--text": ["hello"], "--token": ["x"]}
+POSITIONAL = {
+    "delete": _KEYS,
+    "pin": _KEYS,
+    "unpin": _KEYS,
+    "ls": [NS.fingerprint.hex(), "0", "ab"],
+    "clear": [NS.fingerprint.hex()[:4], "ff"],
+    "lookup": ["0", "1,2,3", "4294967296", "-1", "-", "1 2", " ".join(map(str, range(40)))],
+}
+PLAUSIBLE = {
+    "--tier": ["memory", "disk", "remote", "1", "3"],
+    "--limit": ["0", "5", "-3"],
+    "--model": ["faults-fuzz", "m"],
+    "--dtype": ["bfloat16", "float32", "x"],
+    "--layout": ["bpt64", "L"],
+    "--tp-rank": ["0", "1", "-1"],
+    "--tp-size": ["1", "0"],
+    "--extra": ["a=b", "k=", "novalue"],
+    "--namespace-fp": ["ab", NS.fingerprint.hex(), "zz"],
+    "--namespace": ["0", NS.fingerprint.hex()[:6]],
+    "--min-tokens": ["0", "4", "-4"],
+    "--granularity": ["0", "3", "4", "16", "-16"],
+    "--timeout": ["0", "0.5", "-1"],
+    "--tokens-file": ["/dev/null", "/nonexistent", "/etc/hostname", "/"],
+    "--salt": ["", "t"],
+    "--text": ["hello"],
+    "--token": ["x"],
+}
 
 
 def test_fuzz_cli_arguments(server: KVServer, record: Callable[..., Any]) -> None:
@@ -490,10 +689,14 @@ def test_fuzz_cli_arguments(server: KVServer, record: Callable[..., Any]) -> Non
     fuzz()
     with kvstore.Client(server.unix_url) as c:
         alive = c.health()
-    record("Bad input", "fuzzed CLI arguments",
-           "hypothesis-generated argument lists of the kvstore CLI (its commands and options "
-           "with junk values: bad sizes, numbers, keys, URLs, non-ASCII) against a live server",
-           fuzzed=sum(results.values()) + len(problems), requests=sum(results.values()),
-           notes=f"exit codes {dict(sorted(results.items()))}; {len(problems)} tracebacks")
+    record(
+        "Bad input",
+        "fuzzed CLI arguments",
+        "hypothesis-generated argument lists of the kvstore CLI (its commands and options "
+        "with junk values: bad sizes, numbers, keys, URLs, non-ASCII) against a live server",
+        fuzzed=sum(results.values()) + len(problems),
+        requests=sum(results.values()),
+        notes=f"exit codes {dict(sorted(results.items()))}; {len(problems)} tracebacks",
+    )
     assert not problems, "\n".join(problems[:10])
     assert alive

@@ -28,15 +28,28 @@ LOAD_S = 8.0
 SLOWEST_OK_S = 2.5  # remote timeout_ms=200 with one retry: no call should come near this
 
 
-def _server(make_server: Callable[..., KVServer], tmp_path: Path, url: str) -> tuple[KVServer,
-                                                                                       int]:
+def _server(make_server: Callable[..., KVServer], tmp_path: Path, url: str) -> tuple[KVServer, int]:
     config = tmp_path / "remote.toml"
-    config.write_text(f'[remote]\nurl = "{url}"\ntimeout_ms = 200\nconnect_timeout_ms = 200\n'
-                      'retries = 1\nfailure_threshold = 2\ncooldown_ms = 500\n')
+    config.write_text(
+        f'[remote]\nurl = "{url}"\ntimeout_ms = 200\nconnect_timeout_ms = 200\n'
+        "retries = 1\nfailure_threshold = 2\ncooldown_ms = 500\n"
+    )
     port = free_port()
-    srv = make_server("remote", args=["--config", str(config), "--chunk-tokens", "16",
-                                      "--granularity", "4", "--metrics-port", str(port),
-                                      "--log-level", "error"]).start()
+    srv = make_server(
+        "remote",
+        args=[
+            "--config",
+            str(config),
+            "--chunk-tokens",
+            "16",
+            "--granularity",
+            "4",
+            "--metrics-port",
+            str(port),
+            "--log-level",
+            "error",
+        ],
+    ).start()
     return srv, port
 
 
@@ -66,10 +79,20 @@ def _reaches_remote(c: kvstore.Client, tag: str) -> bool:
     return True
 
 
-def _outage(srv: KVServer, port: int, down: Callable[[], object], up: Callable[[], object],
-            tag: str) -> tuple[Tally, dict[str, Any]]:
-    mix = Mix(MixConfig(url=[srv.unix_url, srv.tcp_url], clients=8, seconds=LOAD_S,
-                        shm=lambda i: i % 2 == 0, timeout=5.0, seed=3, tag=tag))
+def _outage(
+    srv: KVServer, port: int, down: Callable[[], object], up: Callable[[], object], tag: str
+) -> tuple[Tally, dict[str, Any]]:
+    mix = Mix(
+        MixConfig(
+            url=[srv.unix_url, srv.tcp_url],
+            clients=8,
+            seconds=LOAD_S,
+            shm=lambda i: i % 2 == 0,
+            timeout=5.0,
+            seed=3,
+            tag=tag,
+        )
+    )
     out: dict[str, Any] = {}
     with kvstore.Client(srv.unix_url, shm=False) as c:
         assert _remote(c).healthy, "the remote must be healthy before the fault"
@@ -79,14 +102,16 @@ def _outage(srv: KVServer, port: int, down: Callable[[], object], up: Callable[[
         errors_before = _remote(c).errors
         down()
         t_down = time.monotonic()
-        out["detect_s"] = wait_for(lambda: not _remote(c).healthy, 10.0,
-                                   "Stats to report the remote tier unhealthy")
+        out["detect_s"] = wait_for(
+            lambda: not _remote(c).healthy, 10.0, "Stats to report the remote tier unhealthy"
+        )
         out["metric_down"] = _metric_healthy(port)
         time.sleep(max(0.0, 3.0 - (time.monotonic() - t_down)))  # serve a while without it
         up()
         t_up = time.monotonic()
-        out["recovery_s"] = wait_for(lambda: _remote(c).healthy, 15.0,
-                                     "the remote tier to be healthy again")
+        out["recovery_s"] = wait_for(
+            lambda: _remote(c).healthy, 15.0, "the remote tier to be healthy again"
+        )
         out["recovery_s"] = time.monotonic() - t_up
         out["metric_up"] = _metric_healthy(port)
         out["errors"] = _remote(c).errors - errors_before
@@ -99,7 +124,8 @@ def _outage(srv: KVServer, port: int, down: Callable[[], object], up: Callable[[
 def _check(srv: KVServer, tally: Tally, out: dict[str, Any]) -> None:
     assert out["alive"], srv.log()
     assert tally.errors == 0 and tally.lost == 0 and tally.wrong == 0, (
-        f"{tally.summary()}\n" + "\n".join(tally.details))
+        f"{tally.summary()}\n" + "\n".join(tally.details)
+    )
     assert tally.slowest < SLOWEST_OK_S, f"a call took {tally.slowest:.2f} s without the remote"
     assert out["metric_down"] == 0.0 and out["metric_up"] == 1.0, out
     assert out["errors"] > 0, f"the remote's failures must be counted: {out}"
@@ -108,26 +134,34 @@ def _check(srv: KVServer, tally: Tally, out: dict[str, Any]) -> None:
 
 
 @pytest.mark.skipif(not available("redis"), reason="redis-server is not installed")
-def test_redis_stopped_and_started_under_load(make_server: Callable[..., KVServer],
-                                              tmp_path: Path, record: Callable[..., Any]) -> None:
+def test_redis_stopped_and_started_under_load(
+    make_server: Callable[..., KVServer], tmp_path: Path, record: Callable[..., Any]
+) -> None:
     with RedisServer("redis") as redis:
         srv, port = _server(make_server, tmp_path, redis.url)
         tally, out = _outage(srv, port, redis.stop, redis.start, "redis")
-        record("Remote tier", "Redis stopped and started under load",
-               f"8 clients x {LOAD_S:.0f} s of put/get/lookup/delete; Redis stopped for ~3 s "
-               "mid-load, then started again (empty)",
-               faults=1, requests=tally.requests, lost=tally.lost, wrong=tally.wrong,
-               recovery_s=out["recovery_s"],
-               notes=f"unhealthy in Stats after {out['detect_s']:.2f} s; slowest call "
-                     f"{tally.slowest:.2f} s; {out['errors']} remote errors counted; "
-                     f"recovery = Redis up to tier healthy")
+        record(
+            "Remote tier",
+            "Redis stopped and started under load",
+            f"8 clients x {LOAD_S:.0f} s of put/get/lookup/delete; Redis stopped for ~3 s "
+            "mid-load, then started again (empty)",
+            faults=1,
+            requests=tally.requests,
+            lost=tally.lost,
+            wrong=tally.wrong,
+            recovery_s=out["recovery_s"],
+            notes=f"unhealthy in Stats after {out['detect_s']:.2f} s; slowest call "
+            f"{tally.slowest:.2f} s; {out['errors']} remote errors counted; "
+            f"recovery = Redis up to tier healthy",
+        )
         _check(srv, tally, out)
         assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.skipif(not available("valkey"), reason="valkey-server is not installed")
-def test_valkey_cluster_node_down_under_load(make_server: Callable[..., KVServer],
-                                             tmp_path: Path, record: Callable[..., Any]) -> None:
+def test_valkey_cluster_node_down_under_load(
+    make_server: Callable[..., KVServer], tmp_path: Path, record: Callable[..., Any]
+) -> None:
     with ServerCluster(3, "valkey") as cluster:
         srv, port = _server(make_server, tmp_path, cluster.url)
 
@@ -136,12 +170,18 @@ def test_valkey_cluster_node_down_under_load(make_server: Callable[..., KVServer
             cluster.wait_ok()
 
         tally, out = _outage(srv, port, lambda: cluster.stop_node(1), up, "cluster")
-        record("Remote tier", "Valkey cluster node down under load",
-               f"8 clients x {LOAD_S:.0f} s; one of 3 Valkey cluster primaries stopped for "
-               "~3 s mid-load, then started again",
-               faults=1, requests=tally.requests, lost=tally.lost, wrong=tally.wrong,
-               recovery_s=out["recovery_s"],
-               notes=f"unhealthy in Stats after {out['detect_s']:.2f} s; slowest call "
-                     f"{tally.slowest:.2f} s; {out['errors']} remote errors counted")
+        record(
+            "Remote tier",
+            "Valkey cluster node down under load",
+            f"8 clients x {LOAD_S:.0f} s; one of 3 Valkey cluster primaries stopped for "
+            "~3 s mid-load, then started again",
+            faults=1,
+            requests=tally.requests,
+            lost=tally.lost,
+            wrong=tally.wrong,
+            recovery_s=out["recovery_s"],
+            notes=f"unhealthy in Stats after {out['detect_s']:.2f} s; slowest call "
+            f"{tally.slowest:.2f} s; {out['errors']} remote errors counted",
+        )
         _check(srv, tally, out)
         assert srv.stop() == 0, srv.log()

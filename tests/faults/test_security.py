@@ -30,8 +30,10 @@ from tests.server.conftest import KVServer
 from tests.server.test_security import _self_signed
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
-METHODS = [(m.name, m.client_streaming, m.server_streaming)
-           for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods]
+METHODS = [
+    (m.name, m.client_streaming, m.server_streaming)
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
+]
 
 
 @pytest.fixture
@@ -39,18 +41,37 @@ def secured(make_server: Callable[..., KVServer], tmp_path: Path) -> tuple[KVSer
     cert, key = _self_signed(tmp_path)
     tenants = tmp_path / "tenants"
     tenants.write_text(f"# tenant:token\nalpha:{ALPHA}\n\nbeta:{BETA}\n")
-    srv = make_server("secure", args=["--tls-cert", str(cert), "--tls-key", str(key),
-                                      "--token", ADMIN, "--tenant-tokens", str(tenants),
-                                      "--chunk-tokens", "16", "--granularity", "4"]).start()
+    srv = make_server(
+        "secure",
+        args=[
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--token",
+            ADMIN,
+            "--tenant-tokens",
+            str(tenants),
+            "--chunk-tokens",
+            "16",
+            "--granularity",
+            "4",
+        ],
+    ).start()
     return srv, cert
 
 
-def _raw_call(channel: grpc.Channel, name: str, cs: bool, ss: bool,
-              metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+def _raw_call(
+    channel: grpc.Channel, name: str, cs: bool, ss: bool, metadata: tuple[tuple[str, str], ...]
+) -> grpc.StatusCode:
     path = f"/{SERVICE_NAME}/{name}"
     kw: dict[str, Any] = {"request_serializer": None, "response_deserializer": None}
-    make = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-            (True, False): channel.stream_unary, (True, True): channel.stream_stream}[(cs, ss)]
+    make = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }[(cs, ss)]
     fn = make(path, **kw)
     req: Any = iter([b""]) if cs else b""
     try:
@@ -63,43 +84,57 @@ def _raw_call(channel: grpc.Channel, name: str, cs: bool, ss: bool,
 
 
 def test_every_rpc_refuses_missing_and_wrong_tokens_over_tls(
-        secured: tuple[KVServer, Path], record: Callable[..., Any]) -> None:
+    secured: tuple[KVServer, Path], record: Callable[..., Any]
+) -> None:
     srv, cert = secured
     creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     refused, accepted, leaks = 0, 0, []
-    with grpc.secure_channel(f"localhost:{srv.port}", creds) as tls, \
-            grpc.insecure_channel(f"unix:{srv.socket}") as unix:
+    with (
+        grpc.secure_channel(f"localhost:{srv.port}", creds) as tls,
+        grpc.insecure_channel(f"unix:{srv.socket}") as unix,
+    ):
         for channel in (tls, unix):
             for name, cs, ss in METHODS:
-                for meta in ((), (("authorization", "Bearer nope"),),
-                             (("authorization", f"Bearer {ADMIN}x"),),
-                             (("authorization", ADMIN),)):
+                for meta in (
+                    (),
+                    (("authorization", "Bearer nope"),),
+                    (("authorization", f"Bearer {ADMIN}x"),),
+                    (("authorization", ADMIN),),
+                ):
                     code = _raw_call(channel, name, cs, ss, meta)
                     if code == grpc.StatusCode.UNAUTHENTICATED:
                         refused += 1
                     else:
                         leaks.append(f"{name} with {meta}: {code.name}")
-            accepted += _raw_call(channel, "Info", False, False,
-                                  (("authorization", f"Bearer {ADMIN}"),)) == grpc.StatusCode.OK
+            accepted += (
+                _raw_call(channel, "Info", False, False, (("authorization", f"Bearer {ADMIN}"),))
+                == grpc.StatusCode.OK
+            )
     with kvstore.Client(f"grpcs://127.0.0.1:{srv.port}", tls_ca=str(cert), token=ADMIN) as c:
         ns = Namespace(model="faults-sec", dtype="bfloat16", layout="tls")
-        key, status = c.put_chunk(ns, ROOT, list(range(16)), np.arange(1024, dtype=np.uint8),
-                                  "bfloat16", (16, 32))
+        key, status = c.put_chunk(
+            ns, ROOT, list(range(16)), np.arange(1024, dtype=np.uint8), "bfloat16", (16, 32)
+        )
         got = c.get(key)
         tls_ok = status.ok and got is not None and got[1] == bytes(range(256)) * 4
     with kvstore.Client(srv.tcp_url, token=ADMIN) as plain, pytest.raises(ServerUnavailable):
         plain.info(timeout=5)  # plaintext to the TLS port
-    with kvstore.Client(f"grpcs://127.0.0.1:{srv.port}", token=ADMIN) as untrusted, \
-            pytest.raises(ServerUnavailable):
+    with (
+        kvstore.Client(f"grpcs://127.0.0.1:{srv.port}", token=ADMIN) as untrusted,
+        pytest.raises(ServerUnavailable),
+    ):
         untrusted.info(timeout=5)  # the self-made certificate is not trusted by default
-    record("Security", "missing, wrong or malformed tokens; TLS",
-           f"all {len(METHODS)} RPCs without a token, with two wrong tokens and without the "
-           "Bearer prefix, over TLS (self-made certificate) and the Unix socket; a round trip "
-           "over TLS; plaintext to the TLS port; TLS without trusting the certificate",
-           faults=refused + len(leaks) + 2, requests=refused + len(leaks) + accepted + 4,
-           wrong=len(leaks) + (0 if tls_ok else 1),
-           notes=f"{refused} calls refused with UNAUTHENTICATED; plaintext and untrusted TLS "
-                 "refused")
+    record(
+        "Security",
+        "missing, wrong or malformed tokens; TLS",
+        f"all {len(METHODS)} RPCs without a token, with two wrong tokens and without the "
+        "Bearer prefix, over TLS (self-made certificate) and the Unix socket; a round trip "
+        "over TLS; plaintext to the TLS port; TLS without trusting the certificate",
+        faults=refused + len(leaks) + 2,
+        requests=refused + len(leaks) + accepted + 4,
+        wrong=len(leaks) + (0 if tls_ok else 1),
+        notes=f"{refused} calls refused with UNAUTHENTICATED; plaintext and untrusted TLS refused",
+    )
     assert not leaks, leaks
     assert accepted == 2 and tls_ok
     assert srv.stop() == 0, srv.log()
@@ -117,8 +152,9 @@ def _chunks(c: kvstore.Client, ns: Namespace, n: int, start: int) -> list[ChunkK
     return keys
 
 
-def test_tenants_cannot_reach_each_other(secured: tuple[KVServer, Path],
-                                         record: Callable[..., Any]) -> None:
+def test_tenants_cannot_reach_each_other(
+    secured: tuple[KVServer, Path], record: Callable[..., Any]
+) -> None:
     srv, cert = secured
     url = f"grpcs://localhost:{srv.port}"
     ns_a = Namespace(model="faults-sec", dtype="bfloat16", layout="t", salt="alpha")
@@ -144,9 +180,11 @@ def test_tenants_cannot_reach_each_other(secured: tuple[KVServer, Path],
             return
         expect(f"{what}: allowed", False)
 
-    with kvstore.Client(url, tls_ca=str(cert), token=ALPHA) as a, \
-            kvstore.Client(url, tls_ca=str(cert), token=BETA) as b, \
-            kvstore.Client(srv.unix_url, token=ADMIN) as admin:
+    with (
+        kvstore.Client(url, tls_ca=str(cert), token=ALPHA) as a,
+        kvstore.Client(url, tls_ca=str(cert), token=BETA) as b,
+        kvstore.Client(srv.unix_url, token=ADMIN) as admin,
+    ):
         assert not a.shm_active and a.info().shm_path == "", "tenants get no shared memory"
         keys_a = _chunks(a, ns_a, 3, 1000)  # put_chunk proves the namespace by itself
         keys_a2 = _chunks(a, ns_a2, 1, 5000)
@@ -169,63 +207,87 @@ def test_tenants_cannot_reach_each_other(secured: tuple[KVServer, Path],
         denied("list alpha", lambda: list(b.list(fp_a)))
         denied("lookup alpha by fingerprint", lambda: b.lookup(fp_a, prompt))
         denied("lookup alpha's namespace", lambda: b.lookup(ns_a, prompt))
-        denied("lookup without the beta salt",
-               lambda: b.lookup(Namespace(model="faults-sec", dtype="bfloat16", layout="t"),
-                                prompt))
-        denied("lookup with salt alphabet", lambda: b.lookup(
-            Namespace(model="faults-sec", dtype="bfloat16", layout="t", salt="alphabet"), prompt))
-        expect("explain", all(m.fingerprint != fp_a for m in
-                              b.lookup(ns_b, prompt, explain=True).other_namespaces))
+        denied(
+            "lookup without the beta salt",
+            lambda: b.lookup(Namespace(model="faults-sec", dtype="bfloat16", layout="t"), prompt),
+        )
+        denied(
+            "lookup with salt alphabet",
+            lambda: b.lookup(
+                Namespace(model="faults-sec", dtype="bfloat16", layout="t", salt="alphabet"), prompt
+            ),
+        )
+        expect(
+            "explain",
+            all(
+                m.fingerprint != fp_a for m in b.lookup(ns_b, prompt, explain=True).other_namespaces
+            ),
+        )
         denied("clear alpha", lambda: b.clear(fp_a))
         denied("clear all", lambda: b.clear(all=True))
         toks = list(range(9000, 9016))
-        forged = chunk_header(ns_a, ROOT, toks, payload_for(b"x" * 32, 1024),
-                                             "bfloat16", (16, 32))
-        denied("put into alpha's namespace",
-               lambda: b.put(forged, payload_for(b"x" * 32, 1024)))
-        denied("put_chunk into alpha's namespace", lambda: b.put_chunk(
-            ns_a, keys_a[-1], toks, payload_for(b"y" * 32, 1024), "bfloat16", (16, 32)))
-        for name, req in (("reserve", lambda: stub.Reserve(pb.ReserveRequest(
-                header=forged.pack()), metadata=meta)),
-                          ("acquire", lambda: stub.Acquire(pb.AcquireRequest(key=keys_a[0]),
-                                                           metadata=meta))):
+        forged = chunk_header(ns_a, ROOT, toks, payload_for(b"x" * 32, 1024), "bfloat16", (16, 32))
+        denied("put into alpha's namespace", lambda: b.put(forged, payload_for(b"x" * 32, 1024)))
+        denied(
+            "put_chunk into alpha's namespace",
+            lambda: b.put_chunk(
+                ns_a, keys_a[-1], toks, payload_for(b"y" * 32, 1024), "bfloat16", (16, 32)
+            ),
+        )
+        for name, req in (
+            (
+                "reserve",
+                lambda: stub.Reserve(pb.ReserveRequest(header=forged.pack()), metadata=meta),
+            ),
+            ("acquire", lambda: stub.Acquire(pb.AcquireRequest(key=keys_a[0]), metadata=meta)),
+        ):
             try:
                 req()
                 expect(f"{name}: allowed", False)
             except grpc.RpcError as e:
-                expect(f"{name}: {e.code().name}",
-                       e.code() == grpc.StatusCode.FAILED_PRECONDITION)
+                expect(f"{name}: {e.code().name}", e.code() == grpc.StatusCode.FAILED_PRECONDITION)
 
         # alpha still has everything, byte for byte; the admin sees both tenants.
         for k in keys_a + keys_a2:
             got = a.get(k)
-            expect("alpha reads its own", got is not None
-                   and got[1] == payload_for(k, 1024).tobytes())
+            expect(
+                "alpha reads its own", got is not None and got[1] == payload_for(k, 1024).tobytes()
+            )
         expect("alpha looks up", a.lookup(ns_a, prompt).matched_tokens == 48)
         expect("admin sees all", {*keys_a, *keys_b} <= {v.key for v in admin.list()})
 
     # After a restart nothing is known as alpha's until alpha proves it again.
     srv.stop(signal.SIGTERM)
     srv.start()
-    with kvstore.Client(url, tls_ca=str(cert), token=ALPHA) as a, \
-            kvstore.Client(url, tls_ca=str(cert), token=BETA) as b:
+    with (
+        kvstore.Client(url, tls_ca=str(cert), token=ALPHA) as a,
+        kvstore.Client(url, tls_ca=str(cert), token=BETA) as b,
+    ):
         expect("beta after restart", b.get(keys_a[0]) is None)
         denied("beta lookup after restart", lambda: b.lookup(ns_a, prompt))
         expect("alpha before proving", a.get(keys_a[0]) is None)
         expect("alpha proves", a.lookup(ns_a, prompt).matched_tokens == 48)
         got = a.get(keys_a[0])
-        expect("alpha after proving", got is not None
-               and got[1] == payload_for(keys_a[0], 1024).tobytes())
+        expect(
+            "alpha after proving",
+            got is not None and got[1] == payload_for(keys_a[0], 1024).tobytes(),
+        )
         expect("beta still nothing", b.get(keys_a[0]) is None and b.exists(keys_a) == [()] * 3)
         lost = sum(a.get(k) is None for k in keys_a)
-    record("Security", "tenants",
-           "tenant beta, knowing tenant alpha's chunk keys and fingerprint, tries get, get_into, "
-           "exists, pin, delete, list, namespaces, stats, lookup (by fingerprint, with alpha's "
-           "namespace, with other salts, explain), clear, put and put_chunk into alpha's "
-           "namespace, reserve, acquire; then a restart",
-           faults=attempts, requests=attempts, lost=lost, wrong=len(leaked),
-           notes="every attempt refused or answered as a miss; alpha reads its own byte for "
-                 "byte; after a restart a namespace is reachable once its tenant proves it")
+    record(
+        "Security",
+        "tenants",
+        "tenant beta, knowing tenant alpha's chunk keys and fingerprint, tries get, get_into, "
+        "exists, pin, delete, list, namespaces, stats, lookup (by fingerprint, with alpha's "
+        "namespace, with other salts, explain), clear, put and put_chunk into alpha's "
+        "namespace, reserve, acquire; then a restart",
+        faults=attempts,
+        requests=attempts,
+        lost=lost,
+        wrong=len(leaked),
+        notes="every attempt refused or answered as a miss; alpha reads its own byte for "
+        "byte; after a restart a namespace is reachable once its tenant proves it",
+    )
     assert not leaked, leaked
     assert lost == 0
     assert srv.stop() == 0, srv.log()
@@ -237,15 +299,32 @@ def test_tenant_tokens_file_is_validated(tmp_path: Path) -> None:
 
     from tests.server.conftest import clean_env
 
-    for text, message in (("alpha\n", "expected tenant:token"),
-                          ("al pha:t\n", "must be 1-64"),
-                          ("a:t\nb:t\n", "tokens must be unique"),
-                          ("# nothing\n", "names no tenant")):
+    for text, message in (
+        ("alpha\n", "expected tenant:token"),
+        ("al pha:t\n", "must be 1-64"),
+        ("a:t\nb:t\n", "tokens must be unique"),
+        ("# nothing\n", "names no tenant"),
+    ):
         f = tmp_path / "tenants"
         f.write_text(text)
-        done = subprocess.run([sys.executable, "-m", "kvstore.server.main", "--unix-socket", "",
-                               "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
-                               "--tenant-tokens", str(f)], capture_output=True, text=True,
-                              timeout=30, env=clean_env())
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstore.server.main",
+                "--unix-socket",
+                "",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--tenant-tokens",
+                str(f),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=clean_env(),
+        )
         assert done.returncode == 2, (text, done.returncode, done.stderr)
         assert message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -44,9 +44,16 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class KVServer:
-    def __init__(self, root: Path, name: str = "kv", *, args: Sequence[str] = (),
-                 data_dir: Path | None = None, env: dict[str, str] | None = None,
-                 memory: str = "64MiB") -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str = "kv",
+        *,
+        args: Sequence[str] = (),
+        data_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        memory: str = "64MiB",
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.name = name
@@ -68,15 +75,30 @@ class KVServer:
         return f"unix://{self.socket}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "kvstore.server.main",
-                "--listen", f"127.0.0.1:{self.port}", "--unix-socket", str(self.socket),
-                "--data-dir", str(self.data_dir), "--memory-capacity", self.memory,
-                "--sweep-interval", "0.2", "--grace", "5", *self.args]
+        return [
+            sys.executable,
+            "-m",
+            "kvstore.server.main",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--unix-socket",
+            str(self.socket),
+            "--data-dir",
+            str(self.data_dir),
+            "--memory-capacity",
+            self.memory,
+            "--sweep-interval",
+            "0.2",
+            "--grace",
+            "5",
+            *self.args,
+        ]
 
     def start(self, *, wait: bool = True) -> KVServer:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         log.close()
         _live.add(self.proc)
         if wait:
@@ -91,8 +113,10 @@ class KVServer:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"kvstore-server exited with {self.proc.returncode} "
-                                         f"during startup:\n{self.log()}")
+                    raise AssertionError(
+                        f"kvstore-server exited with {self.proc.returncode} "
+                        f"during startup:\n{self.log()}"
+                    )
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -109,8 +133,9 @@ class KVServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"kvstore-server did not exit in {timeout} s:\n{self.log()}"
-                                 ) from None
+            raise AssertionError(
+                f"kvstore-server did not exit in {timeout} s:\n{self.log()}"
+            ) from None
         _live.discard(self.proc)
         return rc
 

@@ -36,8 +36,14 @@ def shape_for(n_tokens: int, bytes_per_token: int) -> tuple[int, int]:
     return (n_tokens, bytes_per_token // 2)
 
 
-def put_chain(client: object, ns: Namespace, toks: np.ndarray, chunk_tokens: int,
-              bytes_per_token: int, seed: int = 0) -> list[tuple[ChunkKey, np.ndarray]]:
+def put_chain(
+    client: object,
+    ns: Namespace,
+    toks: np.ndarray,
+    chunk_tokens: int,
+    bytes_per_token: int,
+    seed: int = 0,
+) -> list[tuple[ChunkKey, np.ndarray]]:
     """Put every chunk of a prompt; (key, payload) of each, in order."""
     out = []
     parent = ROOT
@@ -45,15 +51,17 @@ def put_chain(client: object, ns: Namespace, toks: np.ndarray, chunk_tokens: int
         part = toks[s : s + chunk_tokens]
         data = payload(len(part) * bytes_per_token, seed + i)
         key, status = client.put_chunk(  # type: ignore[attr-defined]
-            ns, parent, part, data, "bfloat16", shape_for(len(part), bytes_per_token))
+            ns, parent, part, data, "bfloat16", shape_for(len(part), bytes_per_token)
+        )
         assert status.ok, f"chunk {i} not stored: {status}"
         out.append((key, data))
         parent = key
     return out
 
 
-def chunk_header_for(ns: Namespace, toks: np.ndarray, bytes_per_token: int, seed: int,
-                     parent: ChunkKey = ROOT) -> RecordHeader:
+def chunk_header_for(
+    ns: Namespace, toks: np.ndarray, bytes_per_token: int, seed: int, parent: ChunkKey = ROOT
+) -> RecordHeader:
     """The header of a chunk whose payload is ``payload(len(toks) * bpt, seed)``."""
     from kvstore.client import chunk_header
 

@@ -18,16 +18,28 @@ from tests.server.helpers import chunk_header_for, namespace, payload, shape_for
 
 def command(url: str, chunk_tokens: int, bytes_per_token: int, tag: str) -> list[str]:
     """The command line that runs a holder against the server at ``url``."""
-    return [sys.executable, "-m", "tests.server.holder", url, str(chunk_tokens),
-            str(bytes_per_token), tag]
+    return [
+        sys.executable,
+        "-m",
+        "tests.server.holder",
+        url,
+        str(chunk_tokens),
+        str(bytes_per_token),
+        tag,
+    ]
 
 
 def main(url: str, chunk_tokens: int, bytes_per_token: int, tag: str) -> None:
     c = kvstore.Client(url, shm=True)
     ns = namespace(tag, bytes_per_token)
-    key, status = c.put_chunk(ns, ROOT, tokens(chunk_tokens, 77),
-                              payload(chunk_tokens * bytes_per_token, 1), "bfloat16",
-                              shape_for(chunk_tokens, bytes_per_token))
+    key, status = c.put_chunk(
+        ns,
+        ROOT,
+        tokens(chunk_tokens, 77),
+        payload(chunk_tokens * bytes_per_token, 1),
+        "bfloat16",
+        shape_for(chunk_tokens, bytes_per_token),
+    )
     assert status.ok, status
     assert c.acquire(key) is not None
     other = chunk_header_for(ns, tokens(chunk_tokens, 78), bytes_per_token, seed=2)

@@ -32,13 +32,18 @@ def _wait_for(cond: Any, timeout: float, what: str) -> None:
 def test_killed_client_leaks_no_pages(server: KVServer) -> None:
     with kvstore.Client(server.unix_url, shm=True) as c:
         before = memory_detail(c)
-        proc = subprocess.Popen(holder.command(server.unix_url, 256, 4096, "holder"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=clean_env(), cwd=str(_repo_root()))
+        proc = subprocess.Popen(
+            holder.command(server.unix_url, 256, 4096, "holder"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=clean_env(),
+            cwd=str(_repo_root()),
+        )
         try:
             line = proc.stdout.readline() if proc.stdout else b""
             assert line.strip() == b"ready", (
-                f"holder did not start: {line!r} {proc.stderr.read() if proc.stderr else b''!r}")
+                f"holder did not start: {line!r} {proc.stderr.read() if proc.stderr else b''!r}"
+            )
             held = memory_detail(c)
             assert held["active_leases"] >= before["active_leases"] + 1, held
             assert held["reservations"] >= before["reservations"] + 1, held
@@ -52,9 +57,14 @@ def test_killed_client_leaks_no_pages(server: KVServer) -> None:
                 proc.wait()
 
         # lease_ms is 30 s: only the end of the Session stream can free these now.
-        _wait_for(lambda: memory_detail(c)["active_leases"] == before["active_leases"]
-                  and memory_detail(c)["reservations"] == before["reservations"], 5.0,
-                  "the killed client's lease and reservation to be dropped")
+        _wait_for(
+            lambda: (
+                memory_detail(c)["active_leases"] == before["active_leases"]
+                and memory_detail(c)["reservations"] == before["reservations"]
+            ),
+            5.0,
+            "the killed client's lease and reservation to be dropped",
+        )
         after = memory_detail(c)
         stored_pages = -(-(256 * 4096 + 4096) // after["page_bytes"])  # the committed chunk
         assert after["pages_used"] == before["pages_used"] + stored_pages, (before, after)
@@ -66,21 +76,28 @@ def test_closed_client_drops_its_leases(server: KVServer) -> None:
         base = memory_detail(watcher)["active_leases"]
         c = kvstore.Client(server.unix_url, shm=True)
         ns = namespace("closer", 4096)
-        key, _ = c.put_chunk(ns, ROOT, tokens(16, 5), payload(16 * 4096, 4), "bfloat16",
-                             shape_for(16, 4096))
+        key, _ = c.put_chunk(
+            ns, ROOT, tokens(16, 5), payload(16 * 4096, 4), "bfloat16", shape_for(16, 4096)
+        )
         leases = [c.acquire(key) for _ in range(3)]
         assert all(leases) and memory_detail(watcher)["active_leases"] == base + 3
         c.close()  # ends the Session without releasing
-        _wait_for(lambda: memory_detail(watcher)["active_leases"] == base, 5.0,
-                  "leases of a closed client to be dropped")
+        _wait_for(
+            lambda: memory_detail(watcher)["active_leases"] == base,
+            5.0,
+            "leases of a closed client to be dropped",
+        )
 
 
 def test_leases_are_per_session(server: KVServer) -> None:
-    with kvstore.Client(server.unix_url, shm=True) as a, \
-            kvstore.Client(server.unix_url, shm=True) as b:
+    with (
+        kvstore.Client(server.unix_url, shm=True) as a,
+        kvstore.Client(server.unix_url, shm=True) as b,
+    ):
         ns = namespace("per-session", 4096)
-        key, _ = a.put_chunk(ns, ROOT, tokens(16, 6), payload(16 * 4096, 8), "bfloat16",
-                             shape_for(16, 4096))
+        key, _ = a.put_chunk(
+            ns, ROOT, tokens(16, 6), payload(16 * 4096, 8), "bfloat16", shape_for(16, 4096)
+        )
         lease = a.acquire(key)
         assert lease is not None
         release = pb.ReleaseRequest(lease_ids=[lease.id])

@@ -21,18 +21,37 @@ from tests.servers import RedisServer, available, free_port
 
 
 def test_help_documents_every_option() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvstore.server.main", "--help"],
-                          capture_output=True, text=True, timeout=30, env=clean_env())
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore.server.main", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
     assert done.returncode == 0, done.stderr
-    for option in ("--listen", "--unix-socket", "--token", "--token-file", "--tls-cert",
-                   "--tls-key", "--insecure", "--metrics-port", "--max-message-bytes",
-                   "--piece-bytes", "--max-concurrent-rpcs", "--log-format", "--config",
-                   "--data-dir", "--memory-capacity", "--remote", "KVSTORE_"):
+    for option in (
+        "--listen",
+        "--unix-socket",
+        "--token",
+        "--token-file",
+        "--tls-cert",
+        "--tls-key",
+        "--insecure",
+        "--metrics-port",
+        "--max-message-bytes",
+        "--piece-bytes",
+        "--max-concurrent-rpcs",
+        "--log-format",
+        "--config",
+        "--data-dir",
+        "--memory-capacity",
+        "--remote",
+        "KVSTORE_",
+    ):
         assert option in done.stdout, f"--help does not mention {option}"
 
 
-def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KVServer]
-                                                   ) -> None:
+def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KVServer]) -> None:
     first = make_server("first").start()
     second = make_server("second", data_dir=first.data_dir).start(wait=False)
     rc = second.wait(30)
@@ -45,8 +64,9 @@ def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KV
     assert first.stop() == 0, first.log()
 
 
-def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..., KVServer]
-                                                        ) -> None:
+def test_sigterm_under_load_loses_no_acknowledged_chunk(
+    make_server: Callable[..., KVServer],
+) -> None:
     srv = make_server("load").start()
     acked: list[ChunkKey] = []
     errors: list[str] = []
@@ -60,8 +80,9 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
             while not stop.is_set():
                 data = payload(64 * 1024, idx * 100_000 + i)
                 try:
-                    key, status = c.put_chunk(ns, ROOT, tokens(64, idx * 10_000_000 + i * 64),
-                                              data, "bfloat16", (64, 512))
+                    key, status = c.put_chunk(
+                        ns, ROOT, tokens(64, idx * 10_000_000 + i * 64), data, "bfloat16", (64, 512)
+                    )
                 except KVStoreError as e:  # the server went away mid-call: not acknowledged
                     errors.append(str(e))
                     return
@@ -73,9 +94,12 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
     survivor = kvstore.Client(srv.unix_url, shm=True)  # lives through the restart below
     assert survivor.shm_active
     old_arena = survivor.info().shm_path
-    threads = [threading.Thread(target=writer, args=(i, url, shm))
-               for i, (url, shm) in enumerate([(srv.unix_url, True), (srv.unix_url, True),
-                                               (srv.tcp_url, False), (srv.tcp_url, False)])]
+    threads = [
+        threading.Thread(target=writer, args=(i, url, shm))
+        for i, (url, shm) in enumerate(
+            [(srv.unix_url, True), (srv.unix_url, True), (srv.tcp_url, False), (srv.tcp_url, False)]
+        )
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 20
@@ -97,8 +121,9 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
         got = c.get(acked[-1])
         assert got is not None and len(got[1]) == 64 * 1024
         # The client found the new server's arena by itself.
-        key, status = c.put_chunk(namespace("after-restart", 64), ROOT, tokens(16),
-                                  payload(1024, 1), "bfloat16", (16, 32))
+        key, status = c.put_chunk(
+            namespace("after-restart", 64), ROOT, tokens(16), payload(1024, 1), "bfloat16", (16, 32)
+        )
         assert status.ok and c.shm_active and c.info().shm_path != old_arena
         assert c.get(key) is not None
     assert again.stop() == 0, again.log()
@@ -107,20 +132,32 @@ def test_sigterm_under_load_loses_no_acknowledged_chunk(make_server: Callable[..
 def test_runs_with_no_arguments(tmp_path: Path) -> None:
     """Defaults: data dir under XDG_DATA_HOME, socket under TMPDIR; the SDK finds the socket."""
     port = free_port()
-    env = clean_env({"XDG_DATA_HOME": str(tmp_path / "xdg"), "TMPDIR": str(tmp_path),
-                     "KVSTORE_LISTEN": f"127.0.0.1:{port}",  # tests never use fixed ports
-                     "KVSTORE_MEMORY_CAPACITY_BYTES": "32MiB"})
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server.main"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = clean_env(
+        {
+            "XDG_DATA_HOME": str(tmp_path / "xdg"),
+            "TMPDIR": str(tmp_path),
+            "KVSTORE_LISTEN": f"127.0.0.1:{port}",  # tests never use fixed ports
+            "KVSTORE_MEMORY_CAPACITY_BYTES": "32MiB",
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.server.main"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        code = ("import time, kvstore\n"
-                "c = kvstore.Client()\n"
-                "for _ in range(300):\n"
-                "    if c.health(): break\n"
-                "    time.sleep(0.1)\n"
-                "i = c.info(); print(c.url, i.tiers, i.shm_size, c.shm_active)\n")
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=60, env=env)
+        code = (
+            "import time, kvstore\n"
+            "c = kvstore.Client()\n"
+            "for _ in range(300):\n"
+            "    if c.health(): break\n"
+            "    time.sleep(0.1)\n"
+            "i = c.info(); print(c.url, i.tiers, i.shm_size, c.shm_active)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+        )
         assert done.returncode == 0, done.stderr
         assert f"unix://{tmp_path}/kvstore-" in done.stdout, done.stdout
         assert "('memory', 'disk') 33554432 True" in done.stdout, done.stdout
@@ -132,12 +169,13 @@ def test_runs_with_no_arguments(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not available("redis"), reason="redis-server is not installed")
-def test_config_file_and_remote_tier(make_server: Callable[..., KVServer], tmp_path: Path
-                                     ) -> None:
+def test_config_file_and_remote_tier(make_server: Callable[..., KVServer], tmp_path: Path) -> None:
     with RedisServer("redis") as redis:
         config = tmp_path / "kvstore.toml"
-        config.write_text(f'chunk_tokens = 128\n\n[server]\nlog_format = "json"\n'
-                          f'piece_bytes = "256KiB"\n\n[remote]\nurl = "{redis.url}"\n')
+        config.write_text(
+            f'chunk_tokens = 128\n\n[server]\nlog_format = "json"\n'
+            f'piece_bytes = "256KiB"\n\n[remote]\nurl = "{redis.url}"\n'
+        )
         srv = make_server("remote", args=["--config", str(config)]).start()
         with kvstore.Client(srv.tcp_url, shm=False) as c:
             info = c.info()

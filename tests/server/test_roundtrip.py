@@ -34,8 +34,7 @@ def test_put_get_byte_exact(client: kvstore.Client, nbytes: int) -> None:
     bpt = nbytes // n_tok
     ns = namespace(f"rt-{plane}", bpt)
     data = payload(n_tok * bpt, seed=nbytes)
-    key, status = client.put_chunk(ns, ROOT, tokens(n_tok), data, "bfloat16",
-                                   shape_for(n_tok, bpt))
+    key, status = client.put_chunk(ns, ROOT, tokens(n_tok), data, "bfloat16", shape_for(n_tok, bpt))
     assert status == PutStatus.STORED, f"{plane}: put returned {status}"
     assert client.shm_active is (plane == "shm"), f"data plane is not {plane}"
 
@@ -153,8 +152,9 @@ def test_async_client(server: KVServer) -> None:
         async with kvstore.AsyncClient(url, shm=shm) as c:
             ns = namespace(f"async-{shm}", 1024)
             data = payload(256 * 1024, 5 + shm)
-            key, status = await c.put_chunk(ns, ROOT, tokens(256, 900), data, "bfloat16",
-                                            (256, 512))
+            key, status = await c.put_chunk(
+                ns, ROOT, tokens(256, 900), data, "bfloat16", (256, 512)
+            )
             assert status == PutStatus.STORED, status
             assert c.shm_active is shm
             got = await c.get(key)
@@ -189,8 +189,9 @@ def test_chunk_larger_than_l1_goes_through_disk(make_server: Callable[..., KVSer
         with kvstore.Client(url, shm=shm) as c:
             ns = namespace(f"big-{shm}", 24 * 1024)
             data = payload(256 * 24 * 1024, 77 + shm)  # 6 MiB > the 4 MiB arena
-            key, status = c.put_chunk(ns, ROOT, tokens(256, 5000 + shm), data, "bfloat16",
-                                      (256, 12 * 1024))
+            key, status = c.put_chunk(
+                ns, ROOT, tokens(256, 5000 + shm), data, "bfloat16", (256, 12 * 1024)
+            )
             assert status == PutStatus.STORED, f"shm={shm}: {status}"
             assert c.exists([key]) == [(2,)], "the chunk should live in L2 only"
             got = c.get(key)
@@ -217,8 +218,10 @@ def test_reserve_many_writes_in_place_and_the_server_seals(server: KVServer) -> 
         headers.append(h)
         parent = h.key
     with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
-        assert c.put_chunk(ns, ROOT, tokens(256), datas[0], "bfloat16",
-                           shape_for(256, bpt))[1] == PutStatus.STORED
+        assert (
+            c.put_chunk(ns, ROOT, tokens(256), datas[0], "bfloat16", shape_for(256, bpt))[1]
+            == PutStatus.STORED
+        )
         got = c.reserve(headers)
         assert got[0] == PutStatus.EXISTS, "a stored chunk needs no reservation"
         for res, data in zip(got[1:], datas[1:], strict=True):
@@ -232,7 +235,8 @@ def test_reserve_many_writes_in_place_and_the_server_seals(server: KVServer) -> 
             found = c.get(h.key)
             assert found is not None and found[1] == data.tobytes(), "other bytes came back"
             assert found[0].payload_checksum == xxhash.xxh3_64_intdigest(data), (
-                "the server must seal the record with the checksum of what was written")
+                "the server must seal the record with the checksum of what was written"
+            )
         assert memory_detail(c)["reservations"] == 0
 
 
@@ -250,7 +254,8 @@ def test_a_reservation_left_unwritten_is_given_back(server: KVServer) -> None:
             raise RuntimeError("the device copy failed")
         detail = memory_detail(c)
         assert (detail["reservations"], detail["pages_used"]) == (0, before), (
-            "leaving the with-block without commit must abort the reservation")
+            "leaving the with-block without commit must abort the reservation"
+        )
         assert c.get(h.key) is None
 
 
@@ -279,8 +284,9 @@ def _stored_then_changed(c: kvstore.Client, tag: str, data: np.ndarray, at: int)
     writer on the host would; the chunk's key."""
     from kvstore.tiers.arena import ArenaView
 
-    key, status = c.put_chunk(namespace(tag, 4096), ROOT, tokens(256), data, "bfloat16",
-                              shape_for(256, 4096))
+    key, status = c.put_chunk(
+        namespace(tag, 4096), ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096)
+    )
     assert status == PutStatus.STORED
     lease = c.acquire(key)
     assert lease is not None
@@ -306,15 +312,15 @@ def test_a_payload_changed_in_the_arena_is_never_served(server: KVServer, verify
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
-def test_async_client_never_serves_a_payload_changed_in_the_arena(server: KVServer,
-                                                                  verify: bool) -> None:
+def test_async_client_never_serves_a_payload_changed_in_the_arena(
+    server: KVServer, verify: bool
+) -> None:
     data = payload(256 * 4096, seed=78)
     with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
         key = _stored_then_changed(c, f"rogue-aio-{verify}", data, 999)
 
     async def read() -> tuple[object, object]:
-        async with kvstore.AsyncClient(server.unix_url, shm=True, timeout=30,
-                                       verify=verify) as ac:
+        async with kvstore.AsyncClient(server.unix_url, shm=True, timeout=30, verify=verify) as ac:
             out = np.zeros(data.size, dtype=np.uint8)
             return await ac.get_into(key, out), out
 
@@ -355,8 +361,10 @@ def test_commit_many_stores_each_chunk_on_its_own(server: KVServer) -> None:
 
     ns = namespace("commit-many", 512)
     datas = [payload(64 * 512, seed=200 + i) for i in range(3)]
-    headers = [chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", shape_for(64, 512))
-               for i in range(3)]
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", shape_for(64, 512))
+        for i in range(3)
+    ]
     with kvstore.Client(server.unix_url, shm=True, timeout=30) as c:
         held = c.reserve(headers)
         assert all(isinstance(r, kvstore.client.Reservation) for r in held), held
@@ -378,8 +386,9 @@ def test_commit_many_stores_each_chunk_on_its_own(server: KVServer) -> None:
         assert memory_detail(c)["reservations"] == 0
         with pytest.raises(InvalidArgument, match="already committed"):
             c.commit([held[0]])  # type: ignore[list-item]
-        (again,) = c.reserve([chunk_header(ns, ROOT, tokens(64, 999), None, "bfloat16",
-                                           shape_for(64, 512))])
+        (again,) = c.reserve(
+            [chunk_header(ns, ROOT, tokens(64, 999), None, "bfloat16", shape_for(64, 512))]
+        )
         assert isinstance(again, kvstore.client.Reservation)
         with pytest.raises(InvalidArgument, match="twice"):
             c.commit([again, again])

@@ -28,29 +28,58 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import NameOID
     except ImportError:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
-                        "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                        "-keyout", str(key_path), "-out", str(cert_path)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                "-keyout",
+                str(key_path),
+                "-out",
+                str(cert_path),
+            ],
+            check=True,
+            capture_output=True,
+        )
         return cert_path, key_path
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(hours=1))
         .not_valid_after(now + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
@@ -85,10 +114,14 @@ def test_token_auth(make_server: Callable[..., KVServer], tmp_path: Path) -> Non
             assert good.shm_active is shm
 
     # The SDK reads KVSTORE_TOKEN like the server does.
-    code = ("import kvstore; c = kvstore.Client(); print(c.info().auth_required); c.close()")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=30, env=clean_env({"KVSTORE_TOKEN": "s3cret-token",
-                                                     "KVSTORE_URL": srv.tcp_url}))
+    code = "import kvstore; c = kvstore.Client(); print(c.info().auth_required); c.close()"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env({"KVSTORE_TOKEN": "s3cret-token", "KVSTORE_URL": srv.tcp_url}),
+    )
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
     assert srv.stop() == 0, srv.log()
 
@@ -108,15 +141,26 @@ def test_tls(make_server: Callable[..., KVServer], tmp_path: Path) -> None:
     assert srv.stop() == 0, srv.log()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--listen", "0.0.0.0:0"], "not a loopback address and no token is set"),
-    (["--tls-cert", "/nonexistent.pem"], "TLS needs both tls_cert and tls_key"),
-    (["--token", "a", "--token-file", "b"], "not both"),
-    (["--memory-capacity", "lots"], "is not a size"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--listen", "0.0.0.0:0"], "not a loopback address and no token is set"),
+        (["--tls-cert", "/nonexistent.pem"], "TLS needs both tls_cert and tls_key"),
+        (["--token", "a", "--token-file", "b"], "not both"),
+        (["--memory-capacity", "lots"], "is not a size"),
+    ],
+)
 def test_refuses_unsafe_or_bad_config(tmp_path: Path, args: list[str], message: str) -> None:
-    cmd = [sys.executable, "-m", "kvstore.server.main", "--unix-socket", "",
-           "--data-dir", str(tmp_path / "d"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.server.main",
+        "--unix-socket",
+        "",
+        "--data-dir",
+        str(tmp_path / "d"),
+        *args,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=clean_env())
     assert done.returncode == 2, f"expected exit 2, got {done.returncode}: {done.stderr}"
     assert message in done.stderr, done.stderr

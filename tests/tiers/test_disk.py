@@ -43,9 +43,15 @@ def kv_like(i: int, n_tokens: int = 16, width: int = 4096) -> tuple[RecordHeader
     f32 = (np.random.default_rng(i).standard_normal((n_tokens, width)) * 0.5).astype("<f4")
     payload = (f32.view("<u4") >> 16).astype("<u2").tobytes()  # bf16 = top half of f32
     h, _ = make_chunk(range(i * n_tokens, (i + 1) * n_tokens), bytes_per_token=2 * width)
-    return make_header(key=h.key, parent=h.parent, fingerprint=h.fingerprint,
-                       token_bytes=h.token_bytes, dtype="bfloat16", shape=(n_tokens, width),
-                       payload=payload), payload
+    return make_header(
+        key=h.key,
+        parent=h.parent,
+        fingerprint=h.fingerprint,
+        token_bytes=h.token_bytes,
+        dtype="bfloat16",
+        shape=(n_tokens, width),
+        payload=payload,
+    ), payload
 
 
 @pytest.fixture
@@ -53,11 +59,16 @@ def open_tier(tmp_path: Path) -> Iterator:
     """open_tier(**config) -> DiskTier in tmp_path; every tier opened is closed at the end."""
     opened: list[DiskTier] = []
 
-    def _open(clock: FakeClock | None = None, map_size: int | None = None, **cfg: object
-              ) -> DiskTier:
+    def _open(
+        clock: FakeClock | None = None, map_size: int | None = None, **cfg: object
+    ) -> DiskTier:
         cfg.setdefault("capacity_bytes", 1 * MiB)
-        t = DiskTier(DiskConfig(**cfg), str(tmp_path), clock=clock or FakeClock(),  # type: ignore[arg-type]
-                     map_size=map_size)
+        t = DiskTier(
+            DiskConfig(**cfg),
+            str(tmp_path),
+            clock=clock or FakeClock(),  # type: ignore[arg-type]
+            map_size=map_size,
+        )
         opened.append(t)
         return t
 
@@ -86,23 +97,37 @@ def damage(tmp_path: Path, table: bytes, key: bytes, offset: int) -> None:
 
 
 def run_child(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ,
-                                                                    "PYTHONPATH": REPO})
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
 
 
 # -- codecs -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("codec", ["raw", "zstd", "zstd_shuffle"])
 @pytest.mark.parametrize("put_codec", [Codec.RAW, Codec.ZSTD_SHUFFLE])
 def test_codec_round_trip(open_tier, tmp_path: Path, codec: str, put_codec: Codec) -> None:
     t = open_tier(capacity_bytes=4 * MiB, codec=codec)
     h, payload = kv_like(1)
-    blob = encode(key=h.key, parent=h.parent, fingerprint=h.fingerprint, token_bytes=h.token_bytes,
-                  dtype=h.dtype, shape=h.shape, payload=payload, codec=put_codec)
+    blob = encode(
+        key=h.key,
+        parent=h.parent,
+        fingerprint=h.fingerprint,
+        token_bytes=h.token_bytes,
+        dtype=h.dtype,
+        shape=h.shape,
+        payload=payload,
+        codec=put_codec,
+    )
     ph = verify(blob)
-    assert t.put(ph, memoryview(blob)[ph.header_size:]) is PutStatus.STORED
+    assert t.put(ph, memoryview(blob)[ph.header_size :]) is PutStatus.STORED
     stored = t.get(h.key)
     assert stored is not None, "a fresh put must be readable"
     sh = verify(stored)
@@ -117,6 +142,7 @@ def test_codec_round_trip(open_tier, tmp_path: Path, codec: str, put_codec: Code
 
 
 # -- capacity and LRU -----------------------------------------------------------
+
 
 def test_lru_eviction_order_and_on_evict(open_tier) -> None:
     clock = FakeClock()
@@ -238,6 +264,7 @@ def test_concurrent_puts_and_gets_keep_accounting(open_tier) -> None:
 
 # -- persistence ------------------------------------------------------------------
 
+
 def test_reopen_finds_everything_and_lru_survives_close(open_tier) -> None:
     clock = FakeClock()
     t = open_tier(clock=clock)
@@ -324,7 +351,8 @@ def test_kill9_loses_nothing_committed(tmp_path: Path) -> None:
         try:
             present = t.stats().chunks
             assert present in (committed + 1, committed + 2), (
-                f"round {round_}: {present} chunks after the last committed put #{committed}")
+                f"round {round_}: {present} chunks after the last committed put #{committed}"
+            )
             for i in range(present):  # the first present ones, in put order
                 h, p = chunk(i, payload=256 * KiB)
                 assert raw_payload(t, h.key) == p, f"round {round_}: committed chunk {i} lost"
@@ -335,6 +363,7 @@ def test_kill9_loses_nothing_committed(tmp_path: Path) -> None:
 
 
 # -- damage -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("offset", [10, -100], ids=["header", "payload"])
 def test_corrupt_value_is_a_counted_miss(open_tier, tmp_path: Path, offset: int) -> None:
@@ -439,7 +468,8 @@ def test_second_process_is_refused(tmp_path: Path) -> None:
     proc = run_child(HOLD_CHILD, str(tmp_path))
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", (
-            proc.stderr.read() if proc.stderr else "")
+            proc.stderr.read() if proc.stderr else ""
+        )
         refused = rf"in use by another kvstore process \(pid {proc.pid}\)"
         with pytest.raises(TierError, match=refused):
             DiskTier(DiskConfig(capacity_bytes=1 * MiB), str(tmp_path))
@@ -504,9 +534,12 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 3 MiB filesystem (tmpfs), where writes fail with ENOSPC; needs root."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True
-    ).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         yield mnt

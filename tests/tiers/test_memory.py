@@ -39,8 +39,15 @@ def record(i: int, size: int, fp: Fingerprint = FP) -> tuple[RecordHeader, bytes
     tb = tokens_to_bytes([i, 7])
     payload = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
     key = chunk_key(ROOT, fp, tb)
-    header = make_header(key=key, parent=ROOT, fingerprint=fp, token_bytes=tb,
-                         dtype="uint8", shape=[size], payload=payload)
+    header = make_header(
+        key=key,
+        parent=ROOT,
+        fingerprint=fp,
+        token_bytes=tb,
+        dtype="uint8",
+        shape=[size],
+        payload=payload,
+    )
     assert header.header_size == HS, header.header_size
     return header, payload
 
@@ -280,8 +287,16 @@ def test_put_decodes_compressed_records_and_rejects_wrong_payload_sizes(
     tier = make_tier()
     h, p = record(1, 1000)
     z = encode_payload(p, Codec.ZSTD, 1)
-    zh = make_header(key=h.key, parent=ROOT, fingerprint=FP, token_bytes=h.token_bytes,
-                     dtype="uint8", shape=[1000], payload=z, codec=Codec.ZSTD)
+    zh = make_header(
+        key=h.key,
+        parent=ROOT,
+        fingerprint=FP,
+        token_bytes=h.token_bytes,
+        dtype="uint8",
+        shape=[1000],
+        payload=z,
+        codec=Codec.ZSTD,
+    )
     with pytest.raises(InvalidArgument, match="RAW"):
         tier.reserve(zh)  # clients write raw bytes in place: nothing to decode there
     with pytest.raises(InvalidArgument, match="999"):
@@ -299,7 +314,9 @@ def test_put_decodes_compressed_records_and_rejects_wrong_payload_sizes(
 @pytest.mark.parametrize("where", ["payload", "header"])
 @pytest.mark.parametrize("read", ["get", "get_into", "acquire"])
 def test_a_flipped_bit_is_a_counted_miss_and_the_chunk_is_deleted(
-    make_tier: Callable[..., MemoryTier], read: str, where: str,
+    make_tier: Callable[..., MemoryTier],
+    read: str,
+    where: str,
 ) -> None:
     tier = make_tier(pages=8)
     h, p = record(3, 3 * PAGE)
@@ -350,7 +367,8 @@ def test_reserve_commit_publishes_only_verified_bytes(make_tier: Callable[..., M
 
 @pytest.mark.parametrize("tamper", ["payload", "header"])
 def test_commit_rejects_bad_bytes_from_an_untrusted_client(
-    make_tier: Callable[..., MemoryTier], tamper: str,
+    make_tier: Callable[..., MemoryTier],
+    tamper: str,
 ) -> None:
     tier = make_tier(pages=8)
     h, p = record(6, 5000)
@@ -371,7 +389,8 @@ def test_commit_rejects_bad_bytes_from_an_untrusted_client(
 
 @pytest.mark.parametrize("tamper", ["clean", "header", "payload", "no-checksum"])
 def test_checksum_at_commit_seals_the_record_with_the_writers_checksum(
-    make_tier: Callable[..., MemoryTier], tamper: str,
+    make_tier: Callable[..., MemoryTier],
+    tamper: str,
 ) -> None:
     """A writer that could not hash before writing (a device copy into the arena) gives
     the checksum at commit: the header is sealed with it, and the pages are still checked
@@ -399,11 +418,13 @@ def test_checksum_at_commit_seals_the_record_with_the_writers_checksum(
     assert tier.commit(res.id, h.payload_checksum) is PutStatus.STORED
     sealed = tier.header(h.key)
     assert sealed is not None and sealed.payload_checksum == h.payload_checksum, (
-        "the sealed header must carry the writer's checksum")
+        "the sealed header must carry the writer's checksum"
+    )
     assert tier.get(h.key) == h.pack() + p, "the arena must hold the sealed header"
     flip_bit(tier, h.key, HS + 7)
     assert tier.get(h.key) is None and tier.stats().corrupt == 1, (
-        "a sealed record must verify on read like any other")
+        "a sealed record must verify on read like any other"
+    )
 
 
 def test_a_checksum_at_commit_must_match_a_header_that_has_one(
@@ -556,12 +577,23 @@ def test_another_process_reads_a_lease_and_writes_a_reservation(
     assert lease is not None and isinstance(res, Reservation)
     assert (len(lease.extents), len(res.extents)) == (4, 2), "exercise several extents"
     args = {
-        "path": tier.path, "size": tier.capacity_bytes, "seed": 41,
-        "read_extents": lease.extents, "read_start": lease.payload_offset, "read_len": len(src_p),
-        "write_extents": res.extents, "write_start": res.payload_offset, "write_len": len(dst_p),
+        "path": tier.path,
+        "size": tier.capacity_bytes,
+        "seed": 41,
+        "read_extents": lease.extents,
+        "read_start": lease.payload_offset,
+        "read_len": len(src_p),
+        "write_extents": res.extents,
+        "write_start": res.payload_offset,
+        "write_len": len(dst_p),
     }
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, f"child failed: {proc.stderr}"
     assert int(proc.stdout) == xxhash.xxh3_64_intdigest(src_p), "child read other bytes"
     assert tier.release(lease.id)

@@ -68,8 +68,15 @@ def solo(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
 
 def config(url: str, **kw: Any) -> RemoteConfig:
     base: dict[str, Any] = dict(
-        url=url, prefix=f"t{uuid.uuid4().hex[:10]}", timeout_ms=200, connect_timeout_ms=200,
-        retries=1, backoff_ms=5, failure_threshold=2, cooldown_ms=1000, codec="raw",
+        url=url,
+        prefix=f"t{uuid.uuid4().hex[:10]}",
+        timeout_ms=200,
+        connect_timeout_ms=200,
+        retries=1,
+        backoff_ms=5,
+        failure_threshold=2,
+        cooldown_ms=1000,
+        codec="raw",
     )
     base.update(kw)
     return RemoteConfig(**base)
@@ -85,7 +92,10 @@ def _ticker() -> Any:
 
 
 def record(
-    parent: ChunkKey = ROOT, fp: Fingerprint = FP, seed: int = 0, n_tokens: int = 16,
+    parent: ChunkKey = ROOT,
+    fp: Fingerprint = FP,
+    seed: int = 0,
+    n_tokens: int = 16,
     width: int = 64,
 ) -> tuple[RecordHeader, bytes, bytes]:
     """(header, stored payload, raw payload) of a RAW float16 chunk."""
@@ -93,8 +103,15 @@ def record(
     tokens = tokens_to_bytes(rng.integers(0, 50_000, n_tokens))
     raw = rng.integers(0, 64, n_tokens * width, dtype=np.uint16).tobytes()  # compressible
     key = chunk_key(parent, fp, tokens)
-    blob = encode(key=key, parent=parent, fingerprint=fp, token_bytes=tokens,
-                  dtype="float16", shape=(n_tokens, width), payload=raw)
+    blob = encode(
+        key=key,
+        parent=parent,
+        fingerprint=fp,
+        token_bytes=tokens,
+        dtype="float16",
+        shape=(n_tokens, width),
+        payload=raw,
+    )
     header = verify(blob)
     return header, blob[header.header_size :], raw
 
@@ -105,9 +122,11 @@ def raw_client(url: str) -> Any:
     if flavor == "redis":
         import redis
         from redis.cluster import RedisCluster
+
         return RedisCluster.from_url(client_url) if cluster else redis.Redis.from_url(client_url)
     import valkey
     from valkey.cluster import ValkeyCluster
+
     return ValkeyCluster.from_url(client_url) if cluster else valkey.Valkey.from_url(client_url)
 
 
@@ -138,9 +157,16 @@ def test_round_trip_each_codec(backend: Backend, codec: str) -> None:
 def test_put_transcodes_compressed_input_to_raw(backend: Backend) -> None:
     with make_tier(backend.url, codec="raw") as tier:
         header, _, raw = record(seed=3)
-        zblob = encode(key=header.key, parent=header.parent, fingerprint=header.fingerprint,
-                       token_bytes=header.token_bytes, dtype=header.dtype, shape=header.shape,
-                       payload=raw, codec=Codec.ZSTD)
+        zblob = encode(
+            key=header.key,
+            parent=header.parent,
+            fingerprint=header.fingerprint,
+            token_bytes=header.token_bytes,
+            dtype=header.dtype,
+            shape=header.shape,
+            payload=raw,
+            codec=Codec.ZSTD,
+        )
         zheader = verify(zblob)
         assert tier.put(zheader, zblob[zheader.header_size :]) is PutStatus.STORED
         blob = tier.get(header.key)
@@ -198,8 +224,9 @@ def test_clear_per_namespace_and_scan(backend: Backend) -> None:
         infos = {i.key: i for i in tier.scan(FP)}
         assert set(infos) == {h.key for h, _, _ in ours}
         assert infos[ours[0][0].key].pinned and not infos[ours[1][0].key].pinned
-        assert all(i.header == h and i.size == h.record_size
-                   for h, _, _ in ours for i in [infos[h.key]])
+        assert all(
+            i.header == h and i.size == h.record_size for h, _, _ in ours for i in [infos[h.key]]
+        )
         assert len(list(tier.scan())) == 6
 
         assert tier.clear(FP) == 3
@@ -229,7 +256,8 @@ def test_scan_skips_and_prunes_records_gone_behind_our_back(backend: Backend) ->
         assert {i.key for i in tier.scan(FP)} == {recs[1][0].key, recs[2][0].key}
         s = tier.stats()
         assert (s.chunks, s.used_bytes) == (2, 2 * recs[0][0].record_size), (
-            f"scan must prune the books of a vanished record: {s}")
+            f"scan must prune the books of a vanished record: {s}"
+        )
         assert len(list(tier.scan(FP))) == 2
 
 
@@ -289,7 +317,8 @@ def test_drifted_byte_counter_is_recounted_not_evicted_for(backend: Backend) -> 
         assert tier.put(recs[2][0], recs[2][1]) is PutStatus.STORED
         s = tier.stats()
         assert (s.evictions, s.chunks, s.used_bytes) == (0, 3, 3 * size), (
-            f"a drifted counter must be recounted, not paid for with evictions: {s}")
+            f"a drifted counter must be recounted, not paid for with evictions: {s}"
+        )
         assert tier.recount() == (3, 3 * size)
 
 
@@ -350,10 +379,12 @@ def test_server_stopped_degrades_fast_then_recovers(solo: RedisServer) -> None:
         assert s.errors >= 2 and "Error" in str(s.detail["last_error"]), s.detail
         # Open: nothing touches the network, every call answers at once.
         errors = s.errors
-        for fn, want in ((lambda: tier.get(h.key), None),
-                         (lambda: tier.contains([h.key, h2.key]), [False, False]),
-                         (lambda: tier.children(h.key), {}),
-                         (lambda: tier.put(h2, p2), PutStatus.UNAVAILABLE)):
+        for fn, want in (
+            (lambda: tier.get(h.key), None),
+            (lambda: tier.contains([h.key, h2.key]), [False, False]),
+            (lambda: tier.children(h.key), {}),
+            (lambda: tier.put(h2, p2), PutStatus.UNAVAILABLE),
+        ):
             got, dt = _timed(fn)
             assert got == want and dt < 0.05, f"open breaker: got {got!r} in {dt:.3f}s"
         with pytest.raises(TierUnavailable, match="circuit breaker open"):
@@ -445,10 +476,12 @@ def test_cluster_node_down_serves_the_rest_without_hanging() -> None:
                     assert got is None, "a key on the dead node is a miss"
                 else:
                     assert got is not None and verify(got, expect_key=h.key) == h, (
-                        "keys on live nodes must still be served")
+                        "keys on live nodes must still be served"
+                    )
             present = tier.contains([h.key for h, _, _ in recs])
             assert present == [False] * len(recs) or present == [
-                owner[h.key] is not dead for h, _, _ in recs], present
+                owner[h.key] is not dead for h, _, _ in recs
+            ], present
             assert time.monotonic() - t0 < 5.0, "a dead node must not make calls hang"
             n_dead = sum(o is dead for o in owner.values())
             assert tier.stats().errors >= n_dead, "each failed call is counted"
@@ -464,8 +497,14 @@ def test_closed_tier_raises_but_stats_answers(backend: Backend) -> None:
     tier.close()
     tier.close()  # idempotent
     h, p, _ = record(seed=110)
-    for fn in (lambda: tier.get(h.key), lambda: tier.put(h, p), lambda: tier.contains([h.key]),
-               lambda: tier.scan(), lambda: tier.clear(), lambda: tier.delete(h.key)):
+    for fn in (
+        lambda: tier.get(h.key),
+        lambda: tier.put(h, p),
+        lambda: tier.contains([h.key]),
+        lambda: tier.scan(),
+        lambda: tier.clear(),
+        lambda: tier.delete(h.key),
+    ):
         with pytest.raises(StoreClosed):
             fn()
     s = tier.stats()
@@ -476,7 +515,10 @@ def test_parse_url_and_redact() -> None:
     assert parse_url("redis://h:1/0") == ("redis", False, "redis://h:1/0")
     assert parse_url("valkey://h:1?cluster=1") == ("valkey", True, "valkey://h:1")
     assert parse_url("rediss://h:1/2?cluster=true&ssl_cert_reqs=none") == (
-        "redis", True, "rediss://h:1/2?ssl_cert_reqs=none"), "only kvstore's params are removed"
+        "redis",
+        True,
+        "rediss://h:1/2?ssl_cert_reqs=none",
+    ), "only kvstore's params are removed"
     assert parse_url("unix:///tmp/r.sock?db=1")[0:2] == ("redis", False)
     assert parse_url("valkeys://h:1?cluster=0")[0:2] == ("valkey", False)
     with pytest.raises(ConfigError):
