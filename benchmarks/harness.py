@@ -304,17 +304,10 @@ class LoopbackTcp:
 
 
 def size_label(nbytes: int) -> str:
+    """64KiB, 4MiB, 1000B: record names; ``kvstore.config.parse_size`` reads them back."""
     if nbytes % MiB == 0:
         return f"{nbytes // MiB}MiB"
     return f"{nbytes // KiB}KiB" if nbytes % KiB == 0 else f"{nbytes}B"
-
-
-def parse_size_label(label: str) -> int:
-    """The inverse of ``size_label`` (for plots that read record names)."""
-    for suffix, unit in (("MiB", MiB), ("KiB", KiB), ("B", 1)):
-        if label.endswith(suffix):
-            return int(label[: -len(suffix)]) * unit
-    raise ValueError(f"not a size label: {label!r}")
 
 
 # -- machine ----------------------------------------------------------------------

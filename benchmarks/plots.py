@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import KiB, MiB, Record, parse_size_label
+from benchmarks.harness import KiB, MiB, Record
+from kvstore.config import parse_size
 
 PLOTS = Path(__file__).resolve().parent / "plots"
 Rec = Mapping[str, Any]
@@ -115,7 +116,7 @@ def _finish(fig: Any, path: Path) -> Path:
 def tiers(recs: Sequence[Rec], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    size = parse_size_label
+    size = parse_size
     s = lambda pat: series(recs, pat, size)  # noqa: E731
     panels: list[tuple[str, list[tuple[str, list[Point]]], list[tuple[str, list[Point], str]]]]
     panels = [
@@ -168,7 +169,7 @@ def tiers(recs: Sequence[Rec], path: Path) -> Path | None:
 def server_planes(recs: Sequence[Rec], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    s = lambda pat: series(recs, pat, parse_size_label)  # noqa: E731
+    s = lambda pat: series(recs, pat, parse_size)  # noqa: E731
     if not s(r"server\.shm\.put\.(\w+)"):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), dpi=100)

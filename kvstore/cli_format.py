@@ -12,11 +12,11 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any
 
+from kvstore.config import parse_size
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Namespace, parse_key
 
@@ -29,33 +29,6 @@ class CLIError(KVStoreError):
 
 TIER_NAMES = {1: "memory", 2: "disk", 3: "remote"}
 TIER_LEVELS = {name: level for level, name in TIER_NAMES.items()}
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "4096", "8MiB", "1.5GiB", "64M" (K/M/G/T alone are decimal, like GB)."""
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; use e.g. 4096, 512KiB, 8MiB or 1GiB")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def human_bytes(n: float) -> str:
@@ -199,8 +172,9 @@ def arg_fingerprint(text: str) -> str:
 
 
 def arg_size(text: str) -> int:
+    """A positive byte size, by the config's rule (``kvstore.config.parse_size``)."""
     try:
-        n = parse_size(text)
+        n = parse_size(text, "")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     if n <= 0:

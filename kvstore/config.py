@@ -45,16 +45,24 @@ CODECS = ("raw", "zstd", "zstd_shuffle")
 
 
 def parse_size(value: object, what: str = "size") -> int:
-    """Bytes from an int or a string like "64MiB", "1.5 GB", "4096"."""
+    """Bytes from an int or a string like "64M", "64MiB", "1.5 GB", "4096".
+
+    The one size rule of kvstore: config files, environment, server flags, the
+    connector's settings, ``kvstore bench --size`` and the benchmarks all read sizes
+    here. K/M/G/T alone are binary, like KiB/MiB/GiB/TiB ("64M" is 67,108,864 bytes);
+    KB/MB/GB/TB are decimal ("64MB" is 64,000,000). ``what`` names the setting in
+    the error; "" leaves it out (argparse names the flag itself).
+    """
+    where = f"{what}: " if what else ""
     if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a byte size, got {value!r}")
+        raise ConfigError(f"{where}expected a byte size, got {value!r}")
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(
-            f"{what}: {value!r} is not a size; use bytes or a number with a unit "
-            "(KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            f"{where}{value!r} is not a size; use bytes or a number with a unit: "
+            "K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 

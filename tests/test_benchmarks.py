@@ -28,7 +28,6 @@ from benchmarks.harness import (
     Record,
     interleaved,
     machine_info,
-    parse_size_label,
     random_bytes,
     results_markdown,
     size_label,
@@ -36,6 +35,7 @@ from benchmarks.harness import (
     write_markdown,
 )
 from benchmarks.replay import BLOCK, QUICK, conversation, ideal_hits
+from kvstore.config import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 Run = tuple[list[dict[str, Any]], str]
@@ -164,7 +164,7 @@ def test_only_selects_known_suites_and_quick_leaves_out_vllm() -> None:
 
 def test_size_labels_round_trip() -> None:
     for n in (64 * KiB, 256 * KiB, MiB, 64 * MiB, 1000):
-        assert parse_size_label(size_label(n)) == n, size_label(n)
+        assert parse_size(size_label(n)) == n, size_label(n)
     assert size_label(64 * KiB) == "64KiB" and size_label(4 * MiB) == "4MiB"
 
 
