@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.errors import KVStoreError, Unauthenticated
+from kvstore.errors import KVStoreError, NamespaceNotRegistered
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -33,7 +33,6 @@ from kvstore.sdk import (
     GET_METHOD,
     LEASE_MARGIN,
     PUT_METHOD,
-    TENANT_UNPROVED,
     ClientBase,
     GetAssembler,
     NamespaceLike,
@@ -244,8 +243,8 @@ class AsyncClient(ClientBase):
         header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
         try:
             return header.key, await self.put(header, payload, timeout=timeout)
-        except Unauthenticated as e:
-            if not isinstance(namespace, Namespace) or TENANT_UNPROVED not in str(e):
+        except NamespaceNotRegistered:
+            if not isinstance(namespace, Namespace):  # a fingerprint alone proves nothing
                 raise
         await self.lookup(namespace, [], timeout=timeout)
         return header.key, await self.put(header, payload, timeout=timeout)

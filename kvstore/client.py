@@ -20,8 +20,9 @@ dies the server drops them, so a crashed client cannot pin arena pages.
 
 Every call has a deadline (``timeout=``, default from the constructor) and
 raises ``kvstore.errors`` classes: ``ServerUnavailable``, ``Unauthenticated``,
-``InvalidArgument``, ``NotFound``, ``CorruptRecord``, ``DeadlineExceeded``,
-``ResourceExhausted``, ``ServerError``. Misses are ``None``, not exceptions.
+``PermissionDenied``, ``InvalidArgument``, ``NotFound``, ``CorruptRecord``,
+``DeadlineExceeded``, ``ResourceExhausted``, ``ServerError``. Misses are ``None``,
+not exceptions.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 import xxhash
 
 from kvstore.client_writes import InPlaceWrites
-from kvstore.errors import KVStoreError, NotFound, Unauthenticated
+from kvstore.errors import KVStoreError, NamespaceNotRegistered, NotFound
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader, parse_header
@@ -48,7 +49,6 @@ from kvstore.sdk import (
     GET_METHOD,
     LEASE_MARGIN,
     PUT_METHOD,
-    TENANT_UNPROVED,
     ClientBase,
     Endpoint,
     GetAssembler,
@@ -285,8 +285,8 @@ class Client(InPlaceWrites, ClientBase):
         header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype, shape)
         try:
             return header.key, self._put(header, payload, timeout, sealed=sealed)
-        except Unauthenticated as e:
-            if not isinstance(namespace, Namespace) or TENANT_UNPROVED not in str(e):
+        except NamespaceNotRegistered:
+            if not isinstance(namespace, Namespace):  # a fingerprint alone proves nothing
                 raise
         self.lookup(namespace, [], timeout=timeout)
         return header.key, self._put(header, payload, timeout, sealed=sealed)

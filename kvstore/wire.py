@@ -27,6 +27,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 DEFAULT_PORT = 50551
 SESSION_HEADER = "x-kvstore-session"  # metadata: the client's session id (lease owner)
 AUTH_HEADER = "authorization"  # metadata: "Bearer <token>"
+ERROR_REASON_HEADER = "x-kvstore-error-reason"  # trailing metadata: KVStoreError.reason
 SERVICE_NAME = "kvstore.v1.KVStore"
 MAX_RESERVE_BATCH = 1024  # items in one ReserveMany or CommitMany (as the .proto says)
 
@@ -361,52 +362,43 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
 
 
 # -- errors <-> statuses ---------------------------------------------------------------
+# Each kvstore error names its own status (``code``, and where needed a ``reason``
+# in the trailing metadata; kvstore/errors.py); these are the gRPC half of that.
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a server returns for an exception raised while serving a call."""
-    from kvstore.tiers.memory import LeaseError
-
-    msg = str(exc) or type(exc).__name__
-    code = grpc.StatusCode.INTERNAL
-    if isinstance(exc, (LeaseError, errors.NotFound)):
-        code = grpc.StatusCode.NOT_FOUND
-    elif isinstance(exc, errors.ResourceExhausted):
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    elif isinstance(exc, errors.InvalidArgument):
-        code = grpc.StatusCode.INVALID_ARGUMENT
-    elif isinstance(exc, errors.CorruptRecord):
-        code = grpc.StatusCode.DATA_LOSS
-    elif isinstance(exc, errors.DeadlineExceeded):
-        code = grpc.StatusCode.DEADLINE_EXCEEDED
-    elif isinstance(exc, (errors.StoreClosed, errors.TierUnavailable, errors.ServerUnavailable)):
-        code = grpc.StatusCode.UNAVAILABLE
-    elif isinstance(exc, errors.Unauthenticated):
-        code = grpc.StatusCode.UNAUTHENTICATED
-    elif not isinstance(exc, errors.KVStoreError):
-        msg = f"internal error ({type(exc).__name__}: {exc}); see the server log"
-    return code, msg
+    if isinstance(exc, errors.KVStoreError):
+        return grpc.StatusCode[exc.code], str(exc) or type(exc).__name__
+    return (
+        grpc.StatusCode.INTERNAL,
+        f"internal error ({type(exc).__name__}: {exc}); see the server log",
+    )
 
 
-_ERRORS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.DATA_LOSS: errors.CorruptRecord,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.UNAVAILABLE: errors.ServerUnavailable,
-    grpc.StatusCode.CANCELLED: errors.ServerUnavailable,
-    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-}
+def error_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a server sends with ``status_of(exc)``: the error's reason, if any."""
+    reason = exc.reason if isinstance(exc, errors.KVStoreError) else ""
+    return ((ERROR_REASON_HEADER, reason),) if reason else ()
+
+
+def _reason(e: grpc.RpcError) -> str:
+    trailers = getattr(e, "trailing_metadata", None)
+    try:
+        pairs = trailers() if callable(trailers) else None
+    except Exception:  # an RpcError that never reached the server may not have any
+        return ""
+    for key, value in pairs or ():
+        if key == ERROR_REASON_HEADER:
+            return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreError:
     """The kvstore error a client raises for a failed call (chain it with ``from e``)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else "") or str(code)
-    return error_from_status(code, details, what, target)
+    return error_from_status(code, details, what, target, reason=_reason(e))
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -418,14 +410,14 @@ def error_from_code(code: int, details: str, what: str, target: str) -> errors.K
 
 
 def error_from_status(
-    code: grpc.StatusCode, details: str, what: str, target: str
+    code: grpc.StatusCode, details: str, what: str, target: str, *, reason: str = ""
 ) -> errors.KVStoreError:
-    cls = _ERRORS.get(code, errors.ServerError)
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    cls = errors.client_class(name, reason)
     if details.startswith(f"{what}: "):  # the server already named the method
         details = details[len(what) + 2 :]
     if cls is errors.ServerUnavailable:
         return cls(f"{what}: kvstore server at {target} is unavailable: {details}")
-    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
     return cls(f"{what}: {details} ({name})")
 
 

@@ -47,6 +47,7 @@ from kvstore.wire import (
     SESSION_HEADER,
     boot_id,
     chunk_to_pb,
+    error_trailers,
     lookup_to_pb,
     namespace_from_pb,
     namespace_to_pb,
@@ -217,6 +218,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if isinstance(e, grpc.RpcError) or not context.is_active():
             return grpc.StatusCode.CANCELLED, f"{name}: the call ended before it completed"
         code, msg = status_of(e)
+        if trailers := error_trailers(e):  # e.g. NamespaceNotRegistered: put_chunk retries
+            context.set_trailing_metadata(trailers)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed", name, exc_info=e)
         else:

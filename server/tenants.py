@@ -34,7 +34,7 @@ import re
 import threading
 from collections.abc import Iterable, Mapping
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, NamespaceNotRegistered, PermissionDenied
 from kvstore.keys import Fingerprint, Namespace
 from kvstore.wire import AUTH_HEADER
 
@@ -42,7 +42,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_NAMESPACES = 100_000  # proved namespaces remembered, all tenants together
 
 
-class Denied(KVStoreError):
+class Denied(PermissionDenied):
     """The caller's tenant may not do this (PERMISSION_DENIED)."""
 
 
@@ -130,7 +130,7 @@ class Tenants:
 
     def require(self, tenant: str | None, fp: bytes) -> None:
         if not self.owns(tenant, fp):
-            raise Denied(
+            raise NamespaceNotRegistered(
                 f"namespace {bytes(fp).hex()} is not a namespace of tenant {tenant!r} "
                 "(not registered): look a prompt up with the full Namespace "
                 f"(salt={tenant!r}) first"

@@ -44,6 +44,8 @@ Extent = tuple[int, int]
 class LeaseError(InvalidArgument):
     """A reservation or read lease id is unknown, already used, or expired."""
 
+    code = "NOT_FOUND"  # the call named something the server does not hold (any more)
+
 
 @dataclass(frozen=True)
 class Reservation:
