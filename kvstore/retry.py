@@ -1,8 +1,14 @@
-"""Retries with exponential backoff, and a circuit breaker, for remote calls.
+"""Retries with jittered exponential backoff, and a circuit breaker, for remote calls.
 
-``Retry`` re-runs a failed call a few times, sleeping ``backoff_ms``, then twice
-that, and so on, through an injected ``sleep``. ``CircuitBreaker`` stops
-calling a remote that keeps failing:
+``Backoff`` says how long to wait before each retry: exponential from
+``base_ms`` (doubling, capped at ``max_ms``) and, by default, with full jitter:
+each wait is drawn uniformly between 0 and that ceiling, so the hosts that share
+one L3 and saw it fail at the same moment do not all retry at the same moment
+("decorrelated" jitter, and "none" for a fixed schedule, are the other choices).
+The randomness is injected (a ``random.Random``), so a seeded one makes the
+schedule reproducible. ``Retry`` re-runs a failed call a few times, waiting as its
+``Backoff`` says, through an injected ``sleep``. ``CircuitBreaker`` stops calling a
+remote that keeps failing:
 
     CLOSED --(failure_threshold consecutive failures)--> OPEN
     OPEN   --(cooldown_ms elapsed on the injected clock)--> HALF_OPEN
@@ -16,22 +22,62 @@ Time comes from an injected clock, so tests move it instead of sleeping.
 from __future__ import annotations
 
 import enum
+import random
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal, TypeVar, get_args
 
 from kvstore.clock import Clock, monotonic
 from kvstore.config import RemoteConfig
-from kvstore.errors import TierUnavailable
+from kvstore.errors import ConfigError, TierUnavailable
 
 T = TypeVar("T")
 
 Sleep = Callable[[float], None]
+Jitter = Literal["full", "decorrelated", "none"]
+JITTERS: tuple[str, ...] = get_args(Jitter)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The waits between the tries of one call (see the module docstring)."""
+
+    base_ms: int = 20  # the first wait's ceiling; doubles with every retry
+    max_ms: int = 1_000  # no wait is longer
+    # full: uniform in [0, ceiling] (AWS's "full jitter"); decorrelated: uniform in
+    # [base, 3 x the previous wait], capped; none: the ceiling itself, no spread.
+    jitter: Jitter = "full"
+
+    def __post_init__(self) -> None:
+        if self.base_ms < 0 or self.max_ms < 0:
+            raise ConfigError(
+                f"backoff base_ms={self.base_ms} and max_ms={self.max_ms} must be >= 0"
+            )
+        if self.jitter not in JITTERS:
+            raise ConfigError(f"backoff jitter={self.jitter!r}: expected one of {JITTERS}")
+
+    def ceiling_s(self, retry: int) -> float:
+        """The longest wait before retry number ``retry`` (0-based): base * 2**retry, capped."""
+        return min(self.base_ms * (2**retry), self.max_ms) / 1000.0
+
+    def delays(self, rng: random.Random) -> Iterator[float]:
+        """The waits of one call, in seconds, one per retry (endless: take what you need)."""
+        retry, prev_ms = 0, float(self.base_ms)
+        while True:
+            if self.jitter == "none":
+                yield self.ceiling_s(retry)
+            elif self.jitter == "full":
+                yield rng.uniform(0.0, self.ceiling_s(retry))
+            else:
+                prev_ms = min(float(self.max_ms), rng.uniform(self.base_ms, 3.0 * prev_ms))
+                yield prev_ms / 1000.0
+            retry += 1
 
 
 class Retry:
-    """Run a call up to ``1 + retries`` times, backing off exponentially between tries."""
+    """Run a call up to ``1 + retries`` times, backing off (jittered) between tries."""
 
     def __init__(
         self,
@@ -41,14 +87,18 @@ class Retry:
         sleep: Sleep = time.sleep,
         retry_on: tuple[type[BaseException], ...] = (Exception,),
         max_backoff_ms: int = 1_000,
+        jitter: Jitter = "full",
+        rng: random.Random | None = None,
     ) -> None:
-        if retries < 0 or backoff_ms < 0:
-            raise ValueError("retries and backoff_ms must be >= 0")
+        """``rng``: where the jitter comes from; its own ``random.Random()`` when None
+        (seeded from the OS, so two hosts never share a schedule)."""
+        if retries < 0:
+            raise ConfigError(f"retries={retries} must be >= 0")
         self.retries = retries
-        self.backoff_ms = backoff_ms
-        self.max_backoff_ms = max_backoff_ms
+        self.backoff = Backoff(backoff_ms, max_backoff_ms, jitter)
         self.retry_on = retry_on
         self._sleep = sleep
+        self._rng = random.Random() if rng is None else rng
 
     @classmethod
     def from_config(
@@ -57,16 +107,25 @@ class Retry:
         *,
         sleep: Sleep = time.sleep,
         retry_on: tuple[type[BaseException], ...] = (Exception,),
+        rng: random.Random | None = None,
     ) -> Retry:
-        return cls(config.retries, config.backoff_ms, sleep=sleep, retry_on=retry_on)
+        return cls(config.retries, config.backoff_ms, sleep=sleep, retry_on=retry_on, rng=rng)
 
     @property
     def attempts(self) -> int:
         return 1 + self.retries
 
+    @property
+    def backoff_ms(self) -> int:
+        return self.backoff.base_ms
+
+    @property
+    def max_backoff_ms(self) -> int:
+        return self.backoff.max_ms
+
     def delay_s(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (0-based): backoff * 2**retry."""
-        return min(self.backoff_ms * (2**retry), self.max_backoff_ms) / 1000.0
+        """The longest wait before retry number ``retry`` (0-based); see ``Backoff``."""
+        return self.backoff.ceiling_s(retry)
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()``; on an exception in ``retry_on``, back off and try again.
@@ -74,11 +133,12 @@ class Retry:
         The last exception propagates unchanged once the attempts are used up.
         Exceptions outside ``retry_on`` propagate at once.
         """
-        for attempt in range(self.retries):
+        delays = self.backoff.delays(self._rng)
+        for _ in range(self.retries):
             try:
                 return fn()
             except self.retry_on:
-                delay = self.delay_s(attempt)
+                delay = next(delays)
                 if delay > 0:
                     self._sleep(delay)
         return fn()

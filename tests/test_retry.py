@@ -1,13 +1,16 @@
-"""Retry and CircuitBreaker, on a FakeClock and a recording sleep: nothing sleeps."""
+"""Retry, Backoff and CircuitBreaker, on a FakeClock, a recording sleep and seeded
+randomness: nothing sleeps, and every jittered schedule is reproducible."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.config import RemoteConfig
-from kvstore.errors import TierUnavailable
-from kvstore.retry import BreakerState, CircuitBreaker, Retry
+from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.retry import Backoff, BreakerState, CircuitBreaker, Retry
 
 
 class Flaky:
@@ -31,7 +34,7 @@ class Flaky:
 
 def test_retry_succeeds_after_failures_with_exponential_backoff() -> None:
     sleeps: list[float] = []
-    retry = Retry(3, 20, sleep=sleeps.append)
+    retry = Retry(3, 20, sleep=sleeps.append, jitter="none")
     fn = Flaky(3)
     assert retry.call(fn) == "ok"
     assert fn.calls == 4, f"1 try + 3 retries expected, got {fn.calls} calls"
@@ -77,8 +80,74 @@ def test_retry_backoff_is_capped_and_zero_backoff_does_not_sleep() -> None:
 def test_retry_from_config() -> None:
     retry = Retry.from_config(RemoteConfig(retries=4, backoff_ms=7))
     assert (retry.retries, retry.backoff_ms, retry.attempts) == (4, 7, 5)
+    assert retry.backoff.jitter == "full", "the remote tier's retries must be jittered"
     with pytest.raises(ValueError):
         Retry(-1, 0)
+
+
+# -- jitter ---------------------------------------------------------------------
+
+
+def _sleeps(retry_of: int, **kw: object) -> list[float]:
+    """What one call that fails ``retry_of + 1`` times sleeps, under Retry(**kw)."""
+    sleeps: list[float] = []
+    retry = Retry(retry_of, sleep=sleeps.append, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError):
+        retry.call(Flaky(100))
+    return sleeps
+
+
+def test_full_jitter_stays_under_the_exponential_ceiling() -> None:
+    retry = Retry(8, 20, max_backoff_ms=500)
+    for seed in range(200):
+        sleeps = _sleeps(8, backoff_ms=20, max_backoff_ms=500, rng=random.Random(seed))
+        assert len(sleeps) == 8, sleeps
+        for n, s in enumerate(sleeps):
+            assert 0.0 <= s <= retry.delay_s(n), f"seed {seed}: wait {n} is {s}, over its ceiling"
+    assert retry.delay_s(0) == 0.02 and retry.delay_s(7) == 0.5
+
+
+def test_full_jitter_is_deterministic_with_a_seeded_rng() -> None:
+    a = _sleeps(5, backoff_ms=20, rng=random.Random(42))
+    b = _sleeps(5, backoff_ms=20, rng=random.Random(42))
+    assert a == b, "the same seed must give the same schedule"
+    ref = random.Random(42)
+    assert a == [ref.uniform(0.0, 0.02 * 2**n) for n in range(5)], a
+    assert a != _sleeps(5, backoff_ms=20, rng=random.Random(43)), "another seed, another schedule"
+
+
+def test_full_jitter_spreads_hosts_that_failed_together() -> None:
+    # 100 hosts that saw L3 fail at the same moment: their first retries must not
+    # all land at the same instant, as they did without jitter.
+    firsts = [_sleeps(1, backoff_ms=100, rng=random.Random(host))[0] for host in range(100)]
+    assert len(set(firsts)) == 100, "every host should draw its own wait"
+    assert min(firsts) < 0.025 and max(firsts) > 0.075, (min(firsts), max(firsts))
+    assert _sleeps(1, backoff_ms=100, jitter="none") == [0.1], "none: the fixed schedule"
+
+
+def test_decorrelated_jitter_grows_from_the_base_and_stays_capped() -> None:
+    for seed in range(200):
+        sleeps = _sleeps(
+            10, backoff_ms=20, max_backoff_ms=300, jitter="decorrelated", rng=random.Random(seed)
+        )
+        prev = 0.02
+        for n, s in enumerate(sleeps):
+            assert 0.02 <= s <= min(0.3, 3 * prev) + 1e-12, f"seed {seed}: wait {n} is {s}"
+            prev = s
+    again = _sleeps(4, jitter="decorrelated", rng=random.Random(5))
+    assert again == _sleeps(4, jitter="decorrelated", rng=random.Random(5))
+
+
+def test_backoff_rejects_what_it_cannot_do() -> None:
+    with pytest.raises(ConfigError, match="expected one of"):
+        Backoff(20, 100, "exponential")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=">= 0"):
+        Backoff(-1, 100)
+    with pytest.raises(ConfigError, match=">= 0"):
+        Retry(1, 20, max_backoff_ms=-5)
+    for jitter in ("full", "decorrelated", "none"):
+        waits = Backoff(0, 100, jitter).delays(random.Random(1))
+        assert [next(waits) for _ in range(3)] == [0.0] * 3, f"{jitter}: zero backoff waits"
 
 
 # -- CircuitBreaker -------------------------------------------------------------
