@@ -158,7 +158,7 @@ def connector_env(p: Params) -> dict[str, str]:
 
 
 def measure(p: Params, progress: Progress, work: Path) -> dict[int, dict[str, Side]]:
-    from tests.connectors.tinymodel import make_tiny_llama
+    from kvstore.testing.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(
         work / "model",

@@ -38,8 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: the block tests run from here
 
 
 DEVICE = "cuda"  # "cpu" with --dry-run: exercises this script's code on a machine without a GPU
@@ -503,7 +502,7 @@ def run_block_tests() -> dict[str, Any]:
 
 
 def connector_run(work: Path) -> dict[str, Any]:
-    from tests.connectors.tinymodel import make_tiny_llama
+    from kvstore.testing.tinymodel import make_tiny_llama
 
     model = make_tiny_llama(work / "model", layers=8, hidden=1024, heads=16, kv_heads=4)
     proc, url = _start_server(work, "4GiB")

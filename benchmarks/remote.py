@@ -1,7 +1,7 @@
 """L3 benchmarks: ``RemoteTier`` put / get_into against Redis and Valkey, each against a limit.
 
 For each flavor installed (redis-server, valkey-server) the suite starts a server on
-a free port in a temp dir (``tests.servers.RedisServer``: no persistence) and, per
+a free port in a temp dir (``kvstore.testing.redis.RedisServer``: no persistence) and, per
 chunk size (64 KiB to 64 MiB), takes turns between:
 
 - ``RemoteTier.put`` of a raw-codec chunk (build the record, ``SET NX``, one
@@ -65,7 +65,7 @@ class Params:
 
 
 def run(quick: bool, progress: Progress) -> list[Record]:
-    from tests.servers import RedisServer, available
+    from kvstore.testing.redis import RedisServer, available
 
     p = Params.make(quick)
     flavors = [f for f in FLAVORS if available(f)]

@@ -172,7 +172,7 @@ def driver(spec_path: str) -> int:
 # -- the replay ---------------------------------------------------------------------------------
 def measure(p: Params, progress: Progress, work: Path) -> dict[str, list[dict[str, Any]]]:
     """Per engine, one result per request in serving order (round by round)."""
-    from tests.connectors.tinymodel import make_tiny_llama
+    from kvstore.testing.tinymodel import make_tiny_llama
 
     prompts = [tokens for row in conversation(p) for tokens in row]
     max_len = (max(len(t) for t in prompts) // BLOCK + 2) * BLOCK

@@ -1,6 +1,6 @@
 """kvstore-server benchmarks: both data planes and lookup latency, each against a limit.
 
-    python benchmarks/server_bench.py [--quick] [--json PATH] [--markdown PATH]
+    python -m benchmarks.server_bench [--quick] [--json PATH] [--markdown PATH]
 
 Also a suite of ``python -m benchmarks`` (``run(quick, progress)``). A real
 kvstore-server runs in a subprocess (L1 only: an LMDB write-through would compete
@@ -32,7 +32,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,11 +43,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.harness import (  # noqa: E402
+from benchmarks.harness import (
     GB,
     Case,
     KiB,
@@ -68,6 +63,9 @@ from benchmarks.harness import (  # noqa: E402
     touched,
     write_json,
 )
+from kvstore.testing.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: `-m benchmarks...` runs from here
 
 PIECE = 1 * MiB  # the server's default piece_bytes
 RAW = "bench.Raw"
@@ -116,18 +114,12 @@ def raw_server(port: int) -> None:
 
 
 # -- processes ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Servers:
     """kvstore-server (Unix socket + TCP) and the raw grpcio service, as subprocesses."""
 
     def __init__(self, memory: str) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
-        self.port, self.raw_port = _free_port(), _free_port()
+        self.port, self.raw_port = free_port(), free_port()
         self.unix = f"unix://{self.tmp / 'kv.sock'}"
         self.tcp = f"grpc://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}

@@ -8,7 +8,7 @@ every so often. Run by hand; its figures go into docs/reliability.md.
 One kvstore-server (L1 256 MiB, L2 LMDB, L3 Redis with a short breaker cooldown)
 serves 16 clients (8 over shared memory, 8 streaming over TCP) that put, get,
 look up and delete for ``--minutes``, reading every chunk back byte for byte
-(tests/faults/mix.py). Every ``--kill-every`` seconds the server is killed with
+(kvstore/testing/mix.py). Every ``--kill-every`` seconds the server is killed with
 SIGKILL and restarted on the same data dir; then every acknowledged chunk that
 had been written down must be found again (else *lost*) and every chunk found
 must hold its bytes (else *wrong*); chunks acknowledged but only in memory at
@@ -34,17 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script
-    sys.path.insert(0, str(ROOT))
+import kvstore
+from kvstore.errors import KVStoreError
+from kvstore.testing.mix import Mix, MixConfig, reconcile, wait_for
+from kvstore.testing.redis import RedisServer
+from kvstore.testing.server import KVServer
 
-import kvstore  # noqa: E402
-from kvstore.errors import KVStoreError  # noqa: E402
-from tests.faults.mix import Mix, MixConfig, reconcile, wait_for  # noqa: E402
-from tests.server.conftest import KVServer  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "soak.json"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
@@ -34,7 +31,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.connectors.tinymodel import make_tiny_llama
+    from kvstore.testing.tinymodel import make_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="kvstore-quickstart-"))
     model = make_tiny_llama(

@@ -31,7 +31,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.keys import ROOT, ChunkKey, Namespace
-from tests.servers import free_port
+from kvstore.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

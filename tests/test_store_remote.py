@@ -11,8 +11,8 @@ import pytest
 from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig, StoreConfig
 from kvstore.records import parse_header
 from kvstore.store import TieredStore
+from kvstore.testing.redis import RedisServer
 from tests.helpers import FP, make_chain
-from tests.servers import RedisServer
 
 KiB, MiB = 1 << 10, 1 << 20
 C = 16
@@ -153,7 +153,7 @@ def test_copies_refused_while_the_remote_was_down_catch_up(tmp_path: Path) -> No
 
 
 def test_unreachable_remote_at_start(tmp_path: Path) -> None:
-    from tests.servers import free_port
+    from kvstore.testing.ports import free_port
 
     with make_store(tmp_path, f"redis://127.0.0.1:{free_port()}") as s:
         chain = make_chain(list(range(32)), C)

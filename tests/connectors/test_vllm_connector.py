@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import kvstore
-from tests.connectors.tinymodel import make_tiny_llama
-from tests.server.conftest import KVServer
+from kvstore.testing.server import KVServer
+from kvstore.testing.tinymodel import make_tiny_llama
 
 PHASES = Path(__file__).with_name("phases.py")
 Baseline = dict[str, list[dict[str, Any]]]

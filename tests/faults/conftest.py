@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.server.conftest import KVServer, make_server  # noqa: F401 - fixture re-exported
+from tests.server.conftest import make_server  # noqa: F401 - fixture re-exported
 
 RESULTS = Path(os.environ.get("KVSTORE_FAULTS_RESULTS", Path(__file__).with_name(".results.json")))
 _records: dict[str, dict[str, Any]] = {}

@@ -21,10 +21,10 @@ import pytest
 
 import kvstore
 from kvstore.keys import ROOT, Namespace, chunk_key, tokens_to_bytes
+from kvstore.testing.mix import Mix, MixConfig, payload_for
+from kvstore.testing.server import KVServer
 from kvstore.tiers.base import PutStatus
-from tests.faults.mix import Mix, MixConfig, payload_for
 from tests.faults.test_crash import _verify_everything
-from tests.server.conftest import KVServer
 
 ARGS = ["--chunk-tokens", "16", "--granularity", "4", "--log-level", "error"]
 

@@ -22,10 +22,10 @@ import numpy as np
 
 import kvstore
 from kvstore.keys import ROOT
+from kvstore.testing.mix import Mix, MixConfig, wait_for
+from kvstore.testing.server import KVServer, clean_env
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.faults.mix import Mix, MixConfig, wait_for
-from tests.server.conftest import KVServer, clean_env
 from tests.server.helpers import memory_detail
 from tests.server.holder import command as holder_command
 

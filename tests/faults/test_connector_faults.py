@@ -28,6 +28,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvstore.testing.server import KVServer
+from kvstore.testing.tinymodel import make_tiny_llama
 from tests.connectors.test_vllm_connector import (
     ENGINE_TIMEOUT,
     PHASE_HIT,
@@ -35,8 +37,6 @@ from tests.connectors.test_vllm_connector import (
     kv_config,
     run_engine,
 )
-from tests.connectors.tinymodel import make_tiny_llama
-from tests.server.conftest import KVServer
 
 pytestmark = pytest.mark.timeout(ENGINE_TIMEOUT)
 

@@ -19,9 +19,9 @@ import pytest
 
 import kvstore
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
-from tests.faults.mix import payload_for
-from tests.server.conftest import KVServer
-from tests.servers import RedisServer, available
+from kvstore.testing.mix import payload_for
+from kvstore.testing.redis import RedisServer, available
+from kvstore.testing.server import KVServer
 
 ARGS = ["--chunk-tokens", "16", "--granularity", "4", "--log-level", "error"]
 N = 24  # chunks per scenario; a third of them damaged

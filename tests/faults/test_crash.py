@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import kvstore
+from kvstore.testing.mix import Mix, MixConfig, payload_for, reconcile, wait_for
+from kvstore.testing.server import KVServer
 from tests.faults.conftest import arena_files
-from tests.faults.mix import Mix, MixConfig, payload_for, reconcile, wait_for
-from tests.server.conftest import KVServer
 
 CYCLES = 3
 LOAD_S = 2.0  # writes before each kill

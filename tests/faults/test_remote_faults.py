@@ -20,9 +20,9 @@ import pytest
 
 import kvstore
 from kvstore.keys import ROOT, Namespace
-from tests.faults.mix import Mix, MixConfig, Tally, payload_for, wait_for
-from tests.server.conftest import KVServer
-from tests.servers import RedisServer, ServerCluster, available, free_port
+from kvstore.testing.mix import Mix, MixConfig, Tally, payload_for, wait_for
+from kvstore.testing.redis import RedisServer, ServerCluster, available, free_port
+from kvstore.testing.server import KVServer
 
 LOAD_S = 8.0
 SLOWEST_OK_S = 2.5  # remote timeout_ms=200 with one retry: no call should come near this

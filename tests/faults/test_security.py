@@ -22,11 +22,11 @@ import kvstore
 from kvstore.client import chunk_header
 from kvstore.errors import KVStoreError, ServerUnavailable, Unauthenticated
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
+from kvstore.testing.mix import payload_for
+from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import SERVICE_NAME
-from tests.faults.mix import payload_for
-from tests.server.conftest import KVServer
 from tests.server.test_security import _self_signed
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
@@ -297,7 +297,7 @@ def test_tenant_tokens_file_is_validated(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from tests.server.conftest import clean_env
+    from kvstore.testing.server import clean_env
 
     for text, message in (
         ("alpha\n", "expected tenant:token"),

@@ -13,11 +13,11 @@ import kvstore
 from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT
 from kvstore.records import make_header
+from kvstore.testing.ports import free_port
+from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tests.server.conftest import KVServer
 from tests.server.helpers import chunk_header_for, namespace, payload, tokens
-from tests.servers import free_port
 
 C = grpc.StatusCode
 MiB = 1 << 20

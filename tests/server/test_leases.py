@@ -13,10 +13,10 @@ import pytest
 import kvstore
 from kvstore.errors import NotFound
 from kvstore.keys import ROOT
+from kvstore.testing.server import KVServer, clean_env
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.server import holder
-from tests.server.conftest import KVServer, clean_env
 from tests.server.helpers import memory_detail, namespace, payload, shape_for, tokens
 
 

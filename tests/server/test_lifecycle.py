@@ -15,9 +15,9 @@ import pytest
 import kvstore
 from kvstore.errors import KVStoreError
 from kvstore.keys import ROOT, ChunkKey
-from tests.server.conftest import KVServer, clean_env
+from kvstore.testing.redis import RedisServer, available, free_port
+from kvstore.testing.server import KVServer, clean_env
 from tests.server.helpers import namespace, payload, tokens
-from tests.servers import RedisServer, available, free_port
 
 
 def test_help_documents_every_option() -> None:

@@ -11,8 +11,8 @@ import pytest
 import kvstore
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ROOT
+from kvstore.testing.server import KVServer
 from kvstore.tiers.base import PutStatus
-from tests.server.conftest import KVServer
 from tests.server.helpers import memory_detail, namespace, payload, put_chain, shape_for, tokens
 
 MiB = 1 << 20

@@ -14,8 +14,8 @@ import pytest
 import kvstore
 from kvstore.errors import ServerUnavailable, Unauthenticated
 from kvstore.keys import ROOT
+from kvstore.testing.server import KVServer, clean_env
 from kvstore.tiers.base import PutStatus
-from tests.server.conftest import KVServer, clean_env
 from tests.server.helpers import namespace, payload, tokens
 
 

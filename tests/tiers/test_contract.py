@@ -19,9 +19,9 @@ from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig
 from kvstore.errors import StoreClosed
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import Codec, parse_header, verify
+from kvstore.testing.redis import RedisServer, ServerCluster
 from kvstore.tiers.base import PutStatus, Tier
 from tests.helpers import FP, make_chain, make_chunk
-from tests.servers import RedisServer, ServerCluster
 
 KiB, MiB = 1 << 10, 1 << 20
 BPT = 256  # bytes per token: a 16-token chunk is a ~4.2 KiB record

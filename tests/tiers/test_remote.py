@@ -8,12 +8,10 @@ crowd a server get a dedicated one.
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,12 +22,10 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierUnavailable
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, decode_payload, encode, verify
+from kvstore.testing.redis import RedisServer, ServerCluster, available, free_port
 from kvstore.tiers.base import PutStatus
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote_client import parse_url, redact
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from servers import RedisServer, ServerCluster, available, free_port
 
 BACKENDS = ["redis", "valkey", "valkey-cluster"]
 FP = Namespace("test/model", dtype="float16").fingerprint
