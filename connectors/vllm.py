@@ -136,11 +136,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.producer = tc.kv_role in ("kv_producer", "kv_both") and self.cfg.save
         self.consumer = tc.kv_role in ("kv_consumer", "kv_both") and self.cfg.load
-        self.backend = Backend(self.cfg, engine_id=str(tc.engine_id), role=self.role_name)
-        self.chunk_tokens = self.backend.chunk_tokens(self.block_size)
         self.base_ns = engine_namespace(
             vllm_config, kv_cache_config, self.cfg.salt, worker=role == KVConnectorRole.WORKER
         )
+        self.backend = Backend(
+            self.cfg,
+            engine_id=str(tc.engine_id),
+            role=self.role_name,
+            engine=engine_namespace(vllm_config, kv_cache_config, self.cfg.salt, worker=False),
+        )
+        self.chunk_tokens = self.backend.chunk_tokens(self.block_size)
         self.stats = KVStoreStats()
         if getattr(tc, "kv_load_failure_policy", "recompute") == "fail" and self.consumer:
             log.warning(

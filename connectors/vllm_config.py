@@ -39,7 +39,12 @@ class ConnectorConfig:
     save_buffer: str = "1GiB"  # async saves: most host memory held by saves not yet stored
     memory_capacity: str = "2GiB"  # private server only: L1 arena size
     disk_capacity: str = "16GiB"  # private server only: L2 size
-    data_dir: str = ""  # private server only: where L2 lives ("" = a temporary directory)
+    # private server only: where L2 lives; "" = a cache slot under $XDG_CACHE_HOME/kvstore/vllm
+    # (~/.cache/kvstore/vllm), kept across restarts (see vllm_private)
+    data_dir: str = ""
+    # private server only, without data_dir: false keeps L2 in a temporary directory,
+    # removed when the engine stops (every start then begins with an empty cache)
+    persist: bool = True
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("unix://", "grpc://", "grpcs://")):
@@ -56,6 +61,11 @@ class ConnectorConfig:
         if self.save_mode not in ("auto", "sync", "async"):
             raise ConfigError(
                 f"kv_connector_extra_config.save_mode={self.save_mode!r}: allowed auto, sync, async"
+            )
+        if self.data_dir and not self.persist:
+            raise ConfigError(
+                "kv_connector_extra_config: persist=false and data_dir both given; a data_dir "
+                "is kept across restarts: drop one of them"
             )
         if self.save_buffer_bytes <= 0:
             raise ConfigError("kv_connector_extra_config.save_buffer must be > 0 (e.g. 1GiB)")

@@ -1,17 +1,12 @@
-"""What the vLLM connector needs around the SDK: the engine's namespace, a client that
-backs off when the server fails, and the private server of the embedded default."""
+"""What the vLLM connector needs around the SDK: the engine's namespace, and a client that
+backs off when the server fails (opening the embedded default's private server,
+``vllm_private``, when no url is given)."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import fcntl
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.connectors.vllm_private import PrivateServer, open_private
 from vllm.logger import init_logger
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader
@@ -111,11 +107,28 @@ def engine_namespace(
 class Backend:
     """The SDK client, opened lazily, skipped for a while after any failure."""
 
-    def __init__(self, cfg: ConnectorConfig, *, engine_id: str, role: str, url: str = "") -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        engine_id: str,
+        role: str,
+        url: str = "",
+        engine: EngineNamespace | None = None,
+    ) -> None:
+        """Without a url (given, or ``cfg.url``) this engine's private server is opened:
+        ``engine`` (rank 0's namespace, the same in every process of the engine) picks
+        the cache it last used."""
         self.cfg = cfg
         self.role = role
-        self._server: subprocess.Popen[bytes] | None = None
-        self.url = url or cfg.url or self._private_server(engine_id)
+        self._server: PrivateServer | None = None
+        if not (url or cfg.url):
+            ns = engine.fingerprint.hex() if engine is not None else ""
+            desc = engine.describe() if engine is not None else ""
+            url, self._server = open_private(cfg, engine_id, ns, desc)
+            if self._server is not None:
+                atexit.register(self._stop_server)
+        self.url = url or cfg.url
         self._client: Any = None
         self._down_until = 0.0
         self._last_warning = 0.0
@@ -329,76 +342,7 @@ class Backend:
                 client.close()
         self._stop_server()
 
-    # -- the embedded default ------------------------------------------------------
-    def _private_server(self, engine_id: str) -> str:
-        """Start (or join) the kvstore-server private to this engine; it dies with it.
-
-        Scheduler and workers run in different processes; whichever comes first
-        starts the server under a file lock, the others find its socket.
-        """
-        run = os.path.join(
-            tempfile.gettempdir(), f"kvstore-{os.getuid()}", f"engine-{engine_id[:16]}"
-        )
-        os.makedirs(run, exist_ok=True)
-        sock = os.path.join(run, "kvstore.sock")
-        url = f"unix://{sock}"
-        with open(os.path.join(run, "start.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if _healthy(url):
-                return url
-            data = self.cfg.data_dir or os.path.join(run, "data")
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvstore.server.main",
-                "--listen",
-                "",
-                "--unix-socket",
-                sock,
-                "--data-dir",
-                data,
-                "--memory-capacity",
-                self.cfg.memory_capacity,
-                "--disk-capacity",
-                self.cfg.disk_capacity,
-                "--log-level",
-                "warning",
-            ]
-            if self.cfg.chunk_tokens:
-                cmd += ["--chunk-tokens", str(self.cfg.chunk_tokens)]
-            self._server = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-            atexit.register(self._stop_server)
-            deadline = time.monotonic() + 30
-            while not _healthy(url):
-                if self._server.poll() is not None or time.monotonic() > deadline:
-                    raise KVStoreError(
-                        f"the private kvstore-server did not start ({' '.join(cmd)})"
-                    )
-                time.sleep(0.1)
-        log.info("kvstore: started a private kvstore-server at %s (data in %s)", url, data)
-        return url
-
     def _stop_server(self) -> None:
-        proc, self._server = self._server, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _healthy(url: str) -> bool:
-    from kvstore.client import Client
-
-    try:
-        with Client(url, timeout=1.0, shm=False) as c:
-            return bool(c.health(timeout=1.0))
-    except Exception:
-        return False
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the engine process that started us dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
