@@ -254,14 +254,22 @@ class TieredStore:
 
     # -- zero-copy data plane (used by the server for same-host clients) -----
     def reserve(
-        self, header: RecordHeader, owner: str = "", *, checksum_at_commit: bool = False
+        self,
+        header: RecordHeader,
+        owner: str = "",
+        *,
+        checksum_at_commit: bool = False,
+        lasting: bool = False,
     ) -> Reservation | PutStatus:
-        """Arena pages for a same-host writer (``MemoryTier.reserve``)."""
+        """Arena pages for a writer (``MemoryTier.reserve``; ``lasting`` for a writer in
+        this process that gives the reservation back itself, however long it takes)."""
         self._check_open()
         self._validate(header)
         if header.key in self.index:
             return PutStatus.EXISTS
-        res = self.memory.reserve(header, owner=owner, checksum_at_commit=checksum_at_commit)
+        res = self.memory.reserve(
+            header, owner=owner, checksum_at_commit=checksum_at_commit, lasting=lasting
+        )
         if isinstance(res, Reservation):
             with self._lock:
                 self._reservations[res.id] = header
@@ -290,16 +298,19 @@ class TieredStore:
             self._reservations.pop(reservation_id, None)
         self.memory.abort(reservation_id)
 
-    def acquire(self, key: ChunkKey, owner: str = "", *, payload: bool = True) -> ReadLease | None:
+    def acquire(
+        self, key: ChunkKey, owner: str = "", *, payload: bool = True, lasting: bool = False
+    ) -> ReadLease | None:
         """A read lease on the chunk in L1, promoting it from below if needed.
 
-        ``payload=False``: the holder verifies the payload itself (``MemoryTier.acquire``).
+        ``payload=False``: the holder verifies the payload itself; ``lasting``: the lease
+        never expires, the holder releases it (``MemoryTier.acquire``).
         """
         self._check_open()
         self._count("gets")
-        lease = self.memory.acquire(key, owner=owner, payload=payload)
+        lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
         if lease is None and self.get(key, count=False) is not None:
-            lease = self.memory.acquire(key, owner=owner, payload=payload)
+            lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
         if lease is not None:
             self._count("hits")
             self._touch(key)

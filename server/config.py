@@ -76,6 +76,10 @@ class ServerConfig:
     piece_bytes: int = 1 * MiB  # payload bytes per Put/Get stream message
     max_concurrent_rpcs: int = 64  # worker threads for calls; more concurrent calls wait
     max_sessions: int = 256  # live Session streams (each holds a thread); more are refused
+    max_session_streams_per_owner: int = 4  # Session streams of one session id (a client needs 1)
+    # A Put or Get stream still running lease_ms + size / this after it began is cancelled:
+    # a stream that trickles is never idle, but it is slow for its size.
+    stream_min_bytes_per_s: int = 256 * KiB
     shm: bool = True  # offer the shared-memory data plane to same-host clients
     grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
     sweep_interval_s: float = 1.0  # how often expired leases and reservations are reclaimed
@@ -111,6 +115,14 @@ class ServerConfig:
         )
         _require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1")
         _require(self.max_sessions >= 0, "max_sessions must be >= 0")
+        _require(
+            self.max_session_streams_per_owner >= 1,
+            f"max_session_streams_per_owner={self.max_session_streams_per_owner}: must be >= 1",
+        )
+        _require(
+            self.stream_min_bytes_per_s >= 1,
+            f"stream_min_bytes_per_s={self.stream_min_bytes_per_s}: must be >= 1",
+        )
         _require(self.grace_s >= 0, f"grace_s={self.grace_s}: must be >= 0")
         _require(
             self.sweep_interval_s > 0, f"sweep_interval_s={self.sweep_interval_s}: must be > 0"
@@ -130,6 +142,13 @@ class ServerConfig:
                 f"unix_socket={self.unix_socket!r}: paths of Unix sockets must be shorter "
                 "than 104 bytes",
             )
+
+    @property
+    def max_data_streams(self) -> int:
+        """Put and Get streams alive at once: the call threads less a reserve (a quarter,
+        at least one where there are two or more) that unary calls always find free."""
+        reserve = min(max(1, self.max_concurrent_rpcs // 4), self.max_concurrent_rpcs - 1)
+        return self.max_concurrent_rpcs - reserve
 
     @property
     def has_token(self) -> bool:

@@ -92,12 +92,15 @@ class Holds:
         except StoreClosed:
             return 0
 
-    def open_session(self, owner: str, max_sessions: int) -> None:
+    def open_session(self, owner: str, per_owner: int) -> None:
+        """One more Session stream of ``owner``; ResourceExhausted past ``per_owner`` (the
+        number of Session streams in all is bounded by the watchdog's table)."""
         with self._lock:
-            if len(self._sessions) >= max_sessions and owner not in self._sessions:
+            if self._sessions[owner] >= per_owner:
                 raise ResourceExhausted(
-                    f"too many sessions (max_sessions={max_sessions}); "
-                    "leases still expire on their own"
+                    f"session {owner.partition('/')[2][:32]!r} already has "
+                    f"{self._sessions[owner]} Session streams "
+                    f"(max_session_streams_per_owner={per_owner}); a client needs one"
                 )
             self._sessions[owner] += 1
 

@@ -155,7 +155,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._active = 0  # calls in flight, Session streams excepted
         self._lease_s = store.config.memory.lease_ms / 1000.0
         self.holds = Holds(store, self._lease_s)
-        self.watchdog = Watchdog(self._lease_s)  # streams idle for a whole lease are cancelled
+        # Streams idle for a whole lease, or too slow for their size, are cancelled.
+        self.watchdog = Watchdog(
+            self._lease_s,
+            min_rate=config.stream_min_bytes_per_s,
+            limits={
+                "data": (config.max_data_streams, "max_concurrent_rpcs less a reserve"),
+                "session": (config.max_sessions, f"max_sessions={config.max_sessions}"),
+            },
+        )
         self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
         self.tenants = tenants or Tenants()
@@ -257,13 +265,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return self.tenants.of(context.invocation_metadata()) if self.tenants else None
 
     def _owner(self, context: grpc.ServicerContext, named: str = "") -> str:
-        """Who holds leases: the session id, under the caller's tenant (ids can be copied)."""
+        """Who holds leases: ``<tenant>/<session id>`` (``/<session id>`` without tenants).
+
+        Every owner a client can name has a "/", so none is ``SERVER_OWNER``, the owner
+        of the server's own stream holds; a session id guessed or copied from another
+        tenant names nothing. A call without a session id is anonymous (""): its holds
+        are reached only by their ids, which are random (``MemoryTier``).
+        """
         owner = named
         for key, value in context.invocation_metadata() or ():
             if key == SESSION_HEADER and not owner:
                 owner = str(value)[:128]
-        tenant = self._tenant(context)
-        return f"{tenant}/{owner}" if tenant is not None and owner else owner
+        return f"{self._tenant(context) or ''}/{owner}" if owner else ""
 
     def _visible(self, tenant: str | None, key: ChunkKey) -> bool:
         """Whether the caller may see this chunk (it is in the index, in a namespace of its)."""
@@ -390,15 +403,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Put(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutResponse:
-        cid, touch = self.watchdog.watch(context)
+        cid, watch = self.watchdog.watch(context, "data")
         try:
-            parts = pieces(touching(request_iterator, touch))
+            parts = pieces(touching(request_iterator, watch.touch))
             field, first = next(parts, (0, memoryview(b"")))
             if field != 1:
                 raise InvalidArgument("the first message of a Put stream must carry the header")
             header = self._header(bytes(first))
             self.tenants.require(self._tenant(context), header.fingerprint)
-            status = receive_put(self.store, header, parts, self._lease_s)
+            status = receive_put(self.store, header, parts, watch)
         finally:
             self.watchdog.done(cid)
         if status == PutStatus.STORED:
@@ -411,8 +424,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         key, tenant = self._key(request.key), self._tenant(context)
         if tenant is not None and key in self.store.index and not self._visible(tenant, key):
             return  # another tenant's chunk: a miss
-        cid, touch = self.watchdog.watch(context)
-        frames = send_get(self.store, key, self.config.piece_bytes, self._lease_s)
+        cid, watch = self.watchdog.watch(context, "data")
+        frames = send_get(self.store, key, self.config.piece_bytes, watch)
         try:
             for msg in frames:
                 if not sent and tenant is not None:  # a chunk only the remote tier knew
@@ -421,7 +434,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         return
                 sent += len(msg)
                 yield msg
-                touch()
+                watch.touch()
         finally:
             frames.close()  # gives back the lease of an unfinished stream now
             self.watchdog.done(cid)
@@ -550,16 +563,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Session(
         self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
     ) -> Iterator[pb.SessionPong]:
-        cid, touch = self.watchdog.watch(context)  # clients ping every lease/3 at most
+        cid, watch = self.watchdog.watch(context, "session")  # pings come every lease/3
         try:
-            pings = touching(request_iterator, touch)
+            pings = touching(request_iterator, watch.touch)
             first = next(pings, None)
             if first is None:
                 return
             owner = self._owner(context, first.owner)
             if not owner:
                 raise InvalidArgument("the first SessionPing must name the owner (session id)")
-            self.holds.open_session(owner, self.config.max_sessions)
+            self.holds.open_session(owner, self.config.max_session_streams_per_owner)
             try:
                 self.holds.renew(owner)
                 yield pb.SessionPong(server_time_ms=int(time.time() * 1000))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -44,12 +46,7 @@ def pieces(raw: Iterator[bytes]) -> Pieces:
         yield unframe(buf, pb.PutRequest)
 
 
-def _receive(
-    parts: Pieces,
-    header: RecordHeader,
-    write: Callable[[int, memoryview], None],
-    keepalive: Callable[[], None],
-) -> int:
+def _receive(parts: Pieces, header: RecordHeader, write: Callable[[int, memoryview], None]) -> int:
     size, pos = header.stored_size, 0
     for field, data in parts:
         if field != 2:
@@ -59,31 +56,21 @@ def _receive(
             raise InvalidArgument(f"payload runs past the {size} bytes its header declares")
         write(pos, data)
         pos += n
-        keepalive()
     if pos != size:
         raise InvalidArgument(f"payload is {pos} bytes, its header declares {size}")
     return pos
 
 
-class _KeepAlive:
-    """Renews a hold of the server's own while a slow stream is still moving."""
+def receive_put(store: TieredStore, header: RecordHeader, parts: Pieces, watch: Watch) -> PutStatus:
+    """Store the payload streamed in ``parts`` under ``header``.
 
-    def __init__(self, store: TieredStore, hid: int, lease_s: float) -> None:
-        self.store, self.hid, self.every = store, hid, lease_s / 3
-        self.last = time.monotonic()
-
-    def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self.last > self.every:
-            self.store.memory.renew(self.hid)
-            self.last = now
-
-
-def receive_put(
-    store: TieredStore, header: RecordHeader, parts: Pieces, lease_s: float
-) -> PutStatus:
-    """Store the payload streamed in ``parts`` under ``header``."""
-    res = store.reserve(header, owner=SERVER_OWNER)  # validates before any payload is read
+    The reservation is a lasting one: it cannot expire while the stream, however slow,
+    still writes into its pages (the watchdog ends a stream too slow for its size, and
+    the ``finally`` below then gives the pages back). Only this thread ends it.
+    """
+    watch.expect(header.stored_size)
+    # Validates before any payload is read.
+    res = store.reserve(header, owner=SERVER_OWNER, lasting=True)
     if res == PutStatus.EXISTS:
         return PutStatus.EXISTS
     if isinstance(res, Reservation):
@@ -93,7 +80,6 @@ def receive_put(
                 parts,
                 header,
                 lambda pos, data: arena.write(res.extents, base + pos, data),
-                _KeepAlive(store, res.id, lease_s),
             )
             return store.commit(res.id)
         except CorruptRecord as e:
@@ -110,7 +96,7 @@ def receive_put(
         def write(pos: int, data: memoryview) -> None:
             view[pos : pos + data.nbytes] = data
 
-        _receive(parts, header, write, lambda: None)
+        _receive(parts, header, write)
         if xxhash.xxh3_64_intdigest(staged) != header.payload_checksum:
             raise CorruptRecord("payload checksum mismatch: the bytes were damaged on the way")
         return store.put(header, view)
@@ -144,20 +130,25 @@ _staging = _Staging()
 
 
 def send_get(
-    store: TieredStore, key: ChunkKey, piece: int, lease_s: float
+    store: TieredStore, key: ChunkKey, piece: int, watch: Watch
 ) -> Generator[bytes, None, None]:
-    """GetResponse frames of a chunk (header, then payload pieces); nothing on a miss."""
-    lease = store.acquire(key, owner=SERVER_OWNER)
+    """GetResponse frames of a chunk (header, then payload pieces); nothing on a miss.
+
+    The read lease is a lasting one, released when the generator ends (or is closed):
+    a reader that reads slowly keeps the pages it is being sent, for as long as the
+    watchdog lets its stream live. Each frame is built from the arena (a copy) before
+    it is yielded, while the lease still holds.
+    """
+    lease = store.acquire(key, owner=SERVER_OWNER, lasting=True)
     if lease is not None:
         arena, extents, hs = store.memory.arena.array, lease.extents, lease.payload_offset
-        keepalive = _KeepAlive(store, lease.id, lease_s)
         try:
-            yield frame(1, lease.header.pack())
             size = lease.header.stored_size
+            watch.expect(size)
+            yield frame(1, lease.header.pack())
             for off in range(0, size, piece):
                 n = min(piece, size - off)
                 yield frame(2, *(arena[o : o + k].data for o, _, k in spans(extents, hs + off, n)))
-                keepalive()
         finally:
             with contextlib.suppress(KVStoreError):
                 store.release(lease.id)
@@ -169,56 +160,114 @@ def send_get(
         return
     view = memoryview(blob)
     hs = parse_header(view).header_size
+    watch.expect(len(view) - hs)
     yield frame(1, view[:hs])
     for off in range(hs, len(view), piece):
         yield frame(2, view[off : off + piece])
 
 
+class Watch:
+    """One watched stream: ``touch`` on every message; ``expect`` once its size is known."""
+
+    __slots__ = ("context", "deadline", "dog", "kind", "last", "started")
+
+    def __init__(self, dog: Watchdog, context: grpc.ServicerContext, kind: str) -> None:
+        self.dog, self.context, self.kind = dog, context, kind
+        self.started = self.last = time.monotonic()
+        self.deadline = math.inf
+
+    def touch(self) -> None:
+        self.last = time.monotonic()  # one float store: no lock on the per-message path
+
+    def expect(self, nbytes: int) -> None:
+        """The stream moves ``nbytes`` of payload: it must end by a deadline for that size."""
+        self.deadline = self.started + self.dog.idle_s + nbytes / self.dog.min_rate
+
+
 class Watchdog:
-    """Cancels streams that move nothing for ``idle_s`` (checked by ``sweep``).
+    """The table of live streams: cancels the idle and the too slow, bounds how many.
 
     A stream handler holds a worker thread while it waits for the client: a client
     that opens a Put or Session stream and then sends nothing (hung, stopped, or
     hostile), or a Get whose reader stopped reading, would hold it forever, and a
-    few dozen such streams would leave no thread for anyone else. Cancelling the
-    call wakes the handler, which then ends like any broken stream.
+    few dozen such streams would leave no thread for anyone else. ``sweep`` cancels
+    a stream that moved nothing for ``idle_s``, and a Put or Get that is still
+    running ``idle_s + size / min_rate`` seconds after it began: a stream that
+    trickles a byte now and then is never idle, but it is slow for its size.
+    Cancelling the call wakes the handler, which then ends like any broken stream
+    and gives back what it held (the server's holds for streams never expire on
+    their own, so this bound is what keeps them finite).
+
+    ``limits`` bounds the streams of each kind alive at once (``"data"``: Put and
+    Get, ``"session"``: Session streams, which hold a thread for as long as their
+    client lives): beyond it a new stream is refused with RESOURCE_EXHAUSTED before
+    it reads anything, so the threads left over keep serving unary calls (Info,
+    Stats, Lookup, the shared-memory plane) whatever the streams do.
     """
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(
+        self,
+        idle_s: float,
+        *,
+        min_rate: float = 256 * 1024,
+        limits: dict[str, tuple[int, str]] | None = None,
+    ) -> None:
         self.idle_s = idle_s
+        self.min_rate = min_rate
+        # kind -> (most streams alive at once, -1 for no bound; the setting that says so)
+        self.limits = limits or {}
         self._lock = threading.Lock()
-        self._calls: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._calls: dict[int, Watch] = {}
         self._ids = iter(range(1, 1 << 62))
+        self._alive: Counter[str] = Counter()
         self.cancelled = 0
+        self.too_slow = 0
+        self.refused = 0
 
-    def watch(self, context: grpc.ServicerContext) -> tuple[int, Callable[[], None]]:
+    def watch(self, context: grpc.ServicerContext, kind: str) -> tuple[int, Watch]:
+        """Start watching a stream of ``kind``; ResourceExhausted past its limit."""
+        w = Watch(self, context, kind)
+        most, setting = self.limits.get(kind, (-1, ""))
         with self._lock:
+            if most >= 0 and self._alive[kind] >= most:
+                self.refused += 1
+                raise ResourceExhausted(
+                    f"{self._alive[kind]} {kind} streams are running, the most this server "
+                    f"takes ({setting}); retry later"
+                )
+            self._alive[kind] += 1
             cid = next(self._ids)
-            self._calls[cid] = (time.monotonic(), context)
-
-        def touch() -> None:
-            with self._lock:
-                if cid in self._calls:
-                    self._calls[cid] = (time.monotonic(), context)
-
-        return cid, touch
+            self._calls[cid] = w
+        return cid, w
 
     def done(self, cid: int) -> None:
         with self._lock:
-            self._calls.pop(cid, None)
+            w = self._calls.pop(cid, None)
+            if w is not None:
+                self._alive[w.kind] -= 1
 
     def sweep(self) -> int:
-        limit = time.monotonic() - self.idle_s
+        now = time.monotonic()
+        idle_before = now - self.idle_s
         with self._lock:
-            idle = [(cid, ctx) for cid, (last, ctx) in self._calls.items() if last < limit]
-            for cid, _ in idle:
-                del self._calls[cid]
-        for _, ctx in idle:
-            ctx.cancel()
+            idle = [cid for cid, w in self._calls.items() if w.last < idle_before]
+            slow = [cid for cid, w in self._calls.items() if w.deadline < now and cid not in idle]
+            ended = [self._calls.pop(cid) for cid in idle + slow]
+            for w in ended:
+                self._alive[w.kind] -= 1
+        for w in ended:
+            w.context.cancel()
         if idle:
             log.info("cancelled %d streams idle for more than %.1f s", len(idle), self.idle_s)
-        self.cancelled += len(idle)
-        return len(idle)
+        if slow:
+            log.warning(
+                "cancelled %d Put/Get streams slower than %d bytes/s for their size",
+                len(slow),
+                int(self.min_rate),
+            )
+        self.cancelled += len(ended)
+        self.too_slow += len(slow)
+        return len(ended)
 
 
 def touching(it: Iterator[Any], touch: Callable[[], None]) -> Iterator[Any]:

@@ -20,6 +20,14 @@ Data plane for other processes (the server relays these calls):
   out or last renewed, on the injected clock; expired ones are reclaimed by
   ``sweep()`` and before every allocation, so a dead client cannot leak pages.
   ``release_owner`` drops everything one client holds when it disconnects.
+- A *lasting* hold (``reserve(..., lasting=True)``, ``acquire(..., lasting=True)``)
+  never expires: it is for the server's own Put and Get streams, which relay bytes
+  into or out of the pages for as long as the stream lives, however slowly it
+  moves, and give the hold back when the stream ends (the server bounds how long
+  a stream may live). A hold that expired under a live stream would hand its pages
+  to another chunk while the stream still writes or reads them.
+- Hold ids are random 62-bit numbers, not a sequence: an id is a capability, and a
+  client cannot name (commit, abort or release) a hold it was not handed.
 
 Verification policy: ``commit`` always verifies. The in-process ``put`` does not
 hash the payload again: its header came from ``make_header`` over the same
@@ -42,9 +50,10 @@ size rounded down to whole pages. ``last_access_ms`` is wall-clock time (like
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
+import math
 import os
+import random
 import threading
 import weakref
 from collections import OrderedDict
@@ -111,7 +120,12 @@ class MemoryTier(Tier):
     level = 1
 
     def __init__(
-        self, config: MemoryConfig, *, clock: Clock = monotonic, create: bool = True
+        self,
+        config: MemoryConfig,
+        *,
+        clock: Clock = monotonic,
+        create: bool = True,
+        rng: random.Random | None = None,
     ) -> None:
         super().__init__()
         if not create and not config.path:
@@ -136,7 +150,7 @@ class MemoryTier(Tier):
         self._reservations: dict[int, _Hold] = {}
         self._leases: dict[int, _Hold] = {}
         self._expiry: list[tuple[float, int]] = []  # (expires_at, id); stale after renew
-        self._ids = itertools.count(1)  # one sequence: a lease id is never a reservation id
+        self._rng = rng or random.SystemRandom()  # hold ids: unguessable unless injected
         self._evicting_pages = 0
         self._used_bytes = 0
         self._expired = 0
@@ -271,10 +285,16 @@ class MemoryTier(Tier):
             return PutStatus.STORED
 
     # -- expiry ------------------------------------------------------------------
-    def _hold(self, table: dict[int, _Hold], entry: _Entry, owner: str) -> tuple[int, float]:
-        hid, expires = next(self._ids), self._clock() + self._lease_s
+    def _hold(
+        self, table: dict[int, _Hold], entry: _Entry, owner: str, lasting: bool = False
+    ) -> tuple[int, float]:
+        hid = self._rng.getrandbits(62)
+        while not hid or hid in self._leases or hid in self._reservations:
+            hid = self._rng.getrandbits(62)  # one id space: a lease id is never a reservation id
+        expires = math.inf if lasting else self._clock() + self._lease_s
         table[hid] = _Hold(entry, owner, expires)
-        self._push_expiry(expires, hid)
+        if not lasting:
+            self._push_expiry(expires, hid)
         return hid, expires
 
     def _push_expiry(self, expires: float, hid: int) -> None:
@@ -282,7 +302,10 @@ class MemoryTier(Tier):
         live = len(self._leases) + len(self._reservations)
         if len(self._expiry) > 64 + 4 * live:  # mostly released or renewed: rebuild
             self._expiry = [
-                (h.expires_at, i) for t in (self._leases, self._reservations) for i, h in t.items()
+                (h.expires_at, i)
+                for t in (self._leases, self._reservations)
+                for i, h in t.items()
+                if h.expires_at != math.inf
             ]
             heapq.heapify(self._expiry)
 
@@ -319,9 +342,17 @@ class MemoryTier(Tier):
 
     # -- zero-copy data plane ------------------------------------------------------
     def reserve(
-        self, header: RecordHeader, *, owner: str = "", checksum_at_commit: bool = False
+        self,
+        header: RecordHeader,
+        *,
+        owner: str = "",
+        checksum_at_commit: bool = False,
+        lasting: bool = False,
     ) -> Reservation | PutStatus:
         """Pages for a record whose payload the caller writes; EXISTS/FULL/TOO_LARGE as put.
+
+        ``lasting``: the reservation never expires; only ``commit``/``abort`` end it
+        (for a writer that lives in this process: the server's Put streams).
 
         ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; the writer
         hashes its bytes once they are in place (after a device-to-host copy straight
@@ -339,7 +370,7 @@ class MemoryTier(Tier):
             return entry
         self._arena.write(entry.extents, 0, entry.packed)
         with self._lock:
-            rid, expires = self._hold(self._reservations, entry, owner)
+            rid, expires = self._hold(self._reservations, entry, owner, lasting)
             self._reservations[rid].checksum_at_commit = checksum_at_commit
         return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
@@ -402,8 +433,13 @@ class MemoryTier(Tier):
             self._check_open()
             return reservation_id in self._reservations and self._drop_hold_locked(reservation_id)
 
-    def acquire(self, key: ChunkKey, *, owner: str = "", payload: bool = True) -> ReadLease | None:
+    def acquire(
+        self, key: ChunkKey, *, owner: str = "", payload: bool = True, lasting: bool = False
+    ) -> ReadLease | None:
         """A read lease on a (verified) chunk, or None on a miss.
+
+        ``lasting``: the lease never expires; only ``release`` ends it (the server's Get
+        streams).
 
         ``payload=False``: the holder verifies the payload it reads, so only the header
         is checked in place here (a payload pass less on the hot read path).
@@ -416,7 +452,7 @@ class MemoryTier(Tier):
             return None
         with self._lock:
             self._hit_locked(entry)
-            lid, expires = self._hold(self._leases, entry, owner)  # keeps the ref taken above
+            lid, expires = self._hold(self._leases, entry, owner, lasting)  # keeps the ref
         return ReadLease(lid, key, entry.header, entry.extents, expires)
 
     def release(self, lease_id: int) -> bool:
@@ -437,8 +473,9 @@ class MemoryTier(Tier):
             hold = self._leases.get(hold_id) or self._reservations.get(hold_id)
             if hold is None:
                 return False
-            hold.expires_at = self._clock() + self._lease_s
-            self._push_expiry(hold.expires_at, hold_id)
+            if hold.expires_at != math.inf:
+                hold.expires_at = self._clock() + self._lease_s
+                self._push_expiry(hold.expires_at, hold_id)
             return True
 
     def renew_owner(self, owner: str) -> int:
@@ -450,21 +487,23 @@ class MemoryTier(Tier):
             n = 0
             for table in (self._leases, self._reservations):
                 for hid, hold in table.items():
-                    if hold.owner == owner:
+                    if hold.owner == owner and hold.expires_at != math.inf:
                         hold.expires_at = expires
                         self._push_expiry(expires, hid)
                         n += 1
             return n
 
     def release_owner(self, owner: str) -> int:
-        """Drop every lease and reservation tagged ``owner`` (a client went away); how many."""
+        """Drop every lease and reservation tagged ``owner`` (a client went away); how many.
+
+        Lasting holds stay: only the stream that holds one gives it back."""
         with self._lock:
             self._check_open()
             ids = [
                 hid
                 for table in (self._leases, self._reservations)
                 for hid, hold in table.items()
-                if hold.owner == owner
+                if hold.owner == owner and hold.expires_at != math.inf
             ]
             for hid in ids:
                 self._drop_hold_locked(hid)

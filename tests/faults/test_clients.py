@@ -126,8 +126,10 @@ def test_silent_clients_cannot_starve_the_server(
 ) -> None:
     """Clients that connect and send nothing: bare TCP connections, Put and Session streams
     that never send a message, a Get whose reader stops reading. With 4 RPC threads and 4
-    session threads, 12 silent Puts and 6 silent Sessions would hold every thread; streams that
-    move nothing for a lease are cancelled, so the server answers again."""
+    session threads, 12 silent Puts and 6 silent Sessions would hold every thread: the server
+    admits only 3 Put/Get streams (a quarter of the RPC threads stays for other calls) and
+    4 Session streams, refuses the rest at once, and cancels the admitted ones once they have
+    moved nothing for a lease; Info answers throughout."""
     lease_ms = 3000
     srv = make_server(
         "silent",
@@ -164,7 +166,7 @@ def test_silent_clients_cannot_starve_the_server(
         saturated = False
         with kvstore.Client(srv.tcp_url, shm=False) as c:
             while not saturated and time.monotonic() - t_open < lease_ms / 1000 - 0.5:
-                try:  # once every thread is held, nobody is served
+                try:  # were every thread held, nobody would be served
                     c.info(timeout=0.3)
                     time.sleep(0.05)  # the silent streams are still being dispatched
                 except kvstore.errors.DeadlineExceeded:
@@ -172,14 +174,18 @@ def test_silent_clients_cannot_starve_the_server(
         with kvstore.Client(srv.tcp_url, shm=False, timeout=3 * lease_ms / 1000 + 10) as c:
             info = c.info()
             answered = time.monotonic() - t_open
+            codes = []
+            for f in puts:  # the admitted ones end once idle for a lease
+                try:
+                    f.result(timeout=10)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+            n_cancelled = codes.count("CANCELLED")
+            n_refused = codes.count("RESOURCE_EXHAUSTED")
+            time.sleep(1.0)  # the stalled Get's slot: cancelled in the same sweep or the next
             got = c.get(big)
             assert got is not None and got[1] == data.tobytes(), "wrong bytes after the stall"
-        for f in puts:
-            try:
-                f.result(timeout=10)
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.CANCELLED, e
-        n_cancelled = sum(f.exception() is not None for f in puts)
     finally:
         stop.set()
         for s in socks:
@@ -194,12 +200,13 @@ def test_silent_clients_cannot_starve_the_server(
         requests=2,
         recovery_s=answered,
         notes=f"every thread held: {saturated}; answered again {answered:.1f} s after the "
-        f"silent streams opened (lease {lease_ms} ms); {n_cancelled} silent Puts "
-        "cancelled; recovery = streams open to answered",
+        f"silent streams opened (lease {lease_ms} ms); {n_refused} silent Puts refused at "
+        f"once, {n_cancelled} cancelled; recovery = streams open to answered",
     )
-    assert saturated, "the silent streams did not hold every thread: the test proves nothing"
+    assert not saturated, "the silent streams held every thread: Info did not answer"
     assert info.server_version, info
     assert answered < 3 * lease_ms / 1000 + 5, f"the server answered only after {answered:.1f} s"
-    assert n_cancelled == 12, f"only {n_cancelled} of 12 silent Put streams were cancelled"
+    assert n_cancelled + n_refused == 12, f"silent Put streams ended with {codes}"
+    assert 1 <= n_cancelled <= 3, f"{n_cancelled} silent Puts admitted: at most 3 slots ({codes})"
     assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
