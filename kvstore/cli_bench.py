@@ -1,65 +1,115 @@
-"""``kvstore bench``: put/get throughput against a running server, or the benchmark suite."""
+"""``kvstore bench``: put/get throughput against a running server, or the benchmark suite.
+
+The suite (``--suite``) is not part of the installed package: it lives in the
+source checkout's ``benchmarks/`` folder (the repository's layout, beside
+``tests/``), measures limits next to each figure and writes its results there.
+So ``kvstore bench --suite`` runs ``python -m benchmarks`` in a child process in
+the checkout it is started from (the current directory or one above it), and
+says so when there is none; it never imports the checkout into this process.
+"""
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from kvstore import cli_format as fmt
 from kvstore.cli_format import CLIError, Doc
 from kvstore.keys import ChunkKey, Namespace
 
+SUITE_MODULE = "benchmarks"  # run as `python -m benchmarks` from the checkout's root
 
-def _benchmarks_main() -> Callable[[list[str]], int]:
-    """``benchmarks.__main__.main`` from the source checkout (it is not installed)."""
+
+def checkout(start: Path | None = None) -> Path | None:
+    """The kvstore source checkout holding ``start`` (default: the current directory)."""
+    here = (start or Path.cwd()).resolve()
+    for root in (here, *here.parents):
+        if all(
+            (root / part).is_file()
+            for part in ("pyproject.toml", "kvstore/__init__.py", f"{SUITE_MODULE}/__main__.py")
+        ):
+            return root
+    return None
+
+
+def _fd(stream: IO[str]) -> int | None:
+    """``stream``'s file descriptor for a child to write to, or None (an in-memory stream)."""
     try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        here = Path(__file__).resolve().parents[1]
-        for root in (Path.cwd(), here):
-            if (root / "benchmarks" / "__main__.py").is_file():
-                sys.path.insert(0, str(root))
-                break
-        else:
-            raise CLIError(
-                "the benchmark suite lives in the source checkout's benchmarks/ "
-                "folder: run `kvstore bench --suite` from the checkout"
-            ) from None
-        from benchmarks.__main__ import main as bench_main
-    return bench_main
+        stream.flush()
+        return stream.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+
+
+def _run_suite(root: Path, argv: list[str], out: IO[str]) -> int:
+    """``python -m benchmarks argv`` in ``root``; its stdout goes to ``out``, stderr to ours."""
+    out_fd, err_fd = _fd(out), _fd(sys.stderr)
+    done = subprocess.run(
+        [sys.executable, "-m", SUITE_MODULE, *argv],
+        cwd=root,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if out_fd is None else out_fd,
+        stderr=subprocess.PIPE if err_fd is None else err_fd,
+        text=True,
+        check=False,
+    )
+    # Streams without a descriptor (tests calling main() in process) get the text afterwards.
+    if out_fd is None:
+        out.write(done.stdout)
+    if err_fd is None:
+        sys.stderr.write(done.stderr)
+    return done.returncode
+
+
+def _known_suites(root: Path) -> list[str]:
+    """The suite names the checkout's ``python -m benchmarks --list`` prints (its own list)."""
+    listing = io.StringIO()
+    if _run_suite(root, ["--list"], listing):
+        raise CLIError(
+            f"`python -m {SUITE_MODULE} --list` failed in {root}; see the messages above"
+        )
+    return [line.split()[0] for line in listing.getvalue().splitlines() if line.strip()]
 
 
 def cmd_bench_suite(args: argparse.Namespace) -> Doc:
-    import contextlib
     import json
     import tempfile
 
-    bench_main = _benchmarks_main()
+    root = checkout()
+    if root is None:
+        raise CLIError(
+            f"the benchmark suites live in kvstore's source checkout ({SUITE_MODULE}/ beside "
+            f"kvstore/), not in the installed package, and {Path.cwd()} is not inside one: "
+            "run `kvstore bench --suite` (or `python -m benchmarks`) from the checkout"
+        )
+    known = _known_suites(root)
+    wanted = [] if args.suite == "all" else [n.strip() for n in args.suite.split(",")]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise CLIError(
+            f"--suite {args.suite}: not a benchmark suite: {', '.join(unknown)} (the suites "
+            f"of {root}: {', '.join(known)})"
+        )
     with tempfile.TemporaryDirectory() as tmp:
-        out = args.out or os.path.join(tmp, "records.json")
+        out = os.path.abspath(args.out) if args.out else os.path.join(tmp, "records.json")
         argv = ["--json", out]
-        argv += ["--only", args.suite] if args.suite != "all" else []
+        argv += ["--only", ",".join(wanted)] if wanted else []
         argv += ["--quick"] if args.quick else []
         argv += ["--no-save"] if args.no_save else []
         argv += [] if args.progress else ["--no-progress"]
         # --json output must stay one JSON document: the suite's table goes to stderr
-        sink = sys.stderr if args.json else sys.stdout
-        with contextlib.redirect_stdout(sink):
-            try:
-                rc = bench_main(argv)
-            except SystemExit as e:  # argparse in the suite: an unknown suite name
-                raise CLIError(
-                    f"--suite {args.suite}: not a benchmark suite (see "
-                    "`python -m benchmarks --list`)"
-                ) from e
+        rc = _run_suite(root, argv, sys.stderr if args.json else sys.stdout)
         records = json.loads(Path(out).read_text()) if os.path.exists(out) else []
     doc: Doc = {
         "suite": args.suite,
         "quick": args.quick,
+        "checkout": str(root),
         "records": records,
         "json": args.out or None,
     }
