@@ -23,7 +23,7 @@ from kvstore.records import parse_header
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import SERVICE_NAME, frame, unframe
 from tests.server.conftest import KVServer
-from tests.server.helpers import chunk_header_for, namespace, payload, tokens
+from tests.server.helpers import chunk_header_for, memory_detail, namespace, payload, tokens
 
 BPT = 4096  # bytes per token: a 64-token chunk is 256 KiB
 NO_BDP = [("grpc.http2.bdp_probe", 0)]  # keep the flow-control window small: reads stay lazy
@@ -74,6 +74,18 @@ def _put(
     data = payload(n_tokens * bpt, seed)
     key, status = c.put_chunk(ns, ROOT, toks, data, "bfloat16", (n_tokens, bpt // 2))
     return (key if status.ok else None), data.tobytes()
+
+
+def _holds_left(srv: KVServer) -> tuple[int, int]:
+    """(leases, reservations) the server still holds, once its streams have ended."""
+    deadline = time.monotonic() + 5
+    with kvstore.Client(srv.unix_url, shm=False) as c:
+        while True:
+            d = memory_detail(c)
+            left = (d["active_leases"], d["reservations"])
+            if left == (0, 0) or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
 
 
 def _verify(srv: KVServer, chunks: dict[ChunkKey, bytes]) -> tuple[int, int]:
@@ -186,6 +198,7 @@ def _slow_get(
     assert not wrong, "a raw reader was streamed another chunk's bytes as a success"
     assert got == data_a or isinstance(got, grpc.StatusCode), got
     assert (lost, wrong_others) == (0, 0), (lost, wrong_others)
+    assert _holds_left(srv) == (0, 0), "the Get stream's lease outlived it"
     assert srv.stop() == 0, srv.log()
 
 
@@ -430,4 +443,28 @@ def test_trickling_puts_are_cancelled(
     assert set(codes) <= {"CANCELLED", "RESOURCE_EXHAUSTED"}, codes
     assert longest < 2 + 1 + 3, f"a trickling Put lived {longest:.1f} s"
     assert slowest[0] < 3, f"Info/Stats stalled under the trickle (slowest {slowest[0]:.2f} s)"
+    assert _holds_left(srv) == (0, 0), "a cancelled Put stream kept its reservation"
+    assert srv.stop() == 0, srv.log()
+
+
+def test_reader_too_slow_for_its_size_is_cancelled_and_its_lease_given_back(
+    make_server: Callable[..., KVServer],
+) -> None:
+    """The other end of a lasting hold: a reader that stops for longer than its chunk's
+    deadline (lease 1 s + 8 MiB at 4 MiB/s) loses the stream, and the lease goes with it."""
+    srv = make_server(
+        "tooslow",
+        memory="24MiB",
+        args=["--lease-ms", "1000", "--piece-bytes", "65536"],
+        env={"KVSTORE_STREAM_MIN_BYTES_PER_S": str(4 << 20)},
+    ).start()
+    bpt = 32 * 1024
+    with kvstore.Client(srv.unix_url, shm=False) as c:
+        key, _ = _put(c, namespace("tooslow", bpt), 0, 256, seed=1, bpt=bpt)
+    with grpc.insecure_channel(f"unix:{srv.socket}", options=NO_BDP) as ch:
+        t0 = time.monotonic()
+        got = _raw_get(ch, key, lambda: time.sleep(4.5))
+    assert got == grpc.StatusCode.CANCELLED, f"a reader stalled past its deadline got {got!r}"
+    assert time.monotonic() - t0 < 10
+    assert _holds_left(srv) == (0, 0), "the cancelled Get stream's lease was not given back"
     assert srv.stop() == 0, srv.log()
