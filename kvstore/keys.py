@@ -27,8 +27,9 @@ import array
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import NewType, cast
 
 import numpy as np
@@ -83,11 +84,14 @@ class Namespace:
     pp_size: int = 1
     lora: str = ""  # LoRA adapter name or hash; "" for the base model
     salt: str = ""  # cache_salt / tenant: isolates users that must not share KV
-    extra: tuple[tuple[str, str], ...] = field(default=())  # anything else, as sorted pairs
+    # Anything else, as (name, value) string pairs; a mapping or pairs in any order are
+    # accepted and kept sorted by name, as the server rebuilds them from the wire's map.
+    extra: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not self.model:
             raise InvalidArgument("Namespace.model must be a non-empty string")
+        object.__setattr__(self, "extra", _extra_pairs(self.extra))
         for name in ("tp", "pp"):
             rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
             if size < 1 or not 0 <= rank < size:
@@ -107,6 +111,35 @@ class Namespace:
         h = _NS_HASHER.copy()
         h.update(self.canonical())
         return Fingerprint(h.digest()[:FINGERPRINT_BYTES])
+
+
+def _extra_pairs(extra: object) -> tuple[tuple[str, str], ...]:
+    """``Namespace.extra`` as name-sorted string pairs; anything the wire (a proto
+    ``map<string, string>``) cannot carry as given is refused, since the server would
+    compute another fingerprint from what arrives and reject every lookup."""
+    allowed = "a dict of str to str, or (name, value) pairs of str with distinct names"
+    if isinstance(extra, Mapping):
+        items = list(extra.items())
+    elif isinstance(extra, (str, bytes)) or not isinstance(extra, Iterable):
+        raise InvalidArgument(f"Namespace.extra must be {allowed}, got {type(extra).__name__}")
+    else:
+        items = list(extra)
+    pairs = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise InvalidArgument(f"Namespace.extra must be {allowed}, got the item {item!r}")
+        name, value = item
+        if not (isinstance(name, str) and isinstance(value, str)):
+            raise InvalidArgument(
+                f"Namespace.extra must be {allowed}, got {name!r}: {value!r} "
+                f"({type(name).__name__}: {type(value).__name__})"
+            )
+        pairs.append((name, value))
+    pairs.sort()
+    for (a, _), (b, _) in pairwise(pairs):
+        if a == b:
+            raise InvalidArgument(f"Namespace.extra must be {allowed}: {a!r} is given twice")
+    return tuple(pairs)
 
 
 # Lists and tuples (how vLLM hands prompts over) go through accel.u32le: ~5x faster
