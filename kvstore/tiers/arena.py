@@ -283,6 +283,25 @@ def remove_stale_arenas(directory: str) -> list[str]:
     return removed
 
 
+ARENA_XATTR = "user.kvstore.arena"
+"""Marks a file as a kvstore arena (the value names the pid that made it): a file at an
+explicit ``memory.path`` is taken over after a crash only if it carries the mark."""
+
+
+def _mark(fd: int) -> None:
+    # A filesystem without user xattrs (tmpfs before Linux 6.6) cannot carry the mark:
+    # such an arena, left by a kill -9 at an explicit path, is refused, never taken.
+    with contextlib.suppress(OSError):
+        os.setxattr(fd, ARENA_XATTR, f"pid={os.getpid()}".encode())
+
+
+def _marked(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, ARENA_XATTR).startswith(b"pid=")
+    except OSError:
+        return False
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -345,31 +364,50 @@ class ArenaView:
 
     @classmethod
     def own(cls, path: str, size: int, *, create: bool) -> ArenaView:
-        """The tier's mapping: create (or adopt) the file, back it, lock it against a second tier.
+        """The tier's mapping: create the file, back it, lock it against a second tier.
 
-        With ``create`` the file is unlinked by ``close``; without, it must exist and is kept.
+        With ``create`` the file is made here and unlinked by ``close``. A file already
+        at ``path`` is taken over only if it is provably a kvstore arena whose tier is
+        gone (the ``ARENA_XATTR`` mark, and no tier holds its flock): an operator's
+        ``--shm-path`` naming some other file must not have it truncated and then
+        deleted. Without ``create`` the file must exist and is kept.
 
         The file is fully allocated up front: on tmpfs a file can be larger than
         the memory behind it, and touching an unbacked page kills the process
         with SIGBUS in the middle of a copy; here it is a clear error instead.
         """
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        made = False
         try:
-            fd = os.open(path, flags, 0o600)
+            if create:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                    made = True
+                except FileExistsError:
+                    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            else:
+                fd = os.open(path, os.O_RDWR)
         except OSError as e:
-            raise ConfigError(f"memory.path={path}: cannot open the arena file: {e}") from e
-        locked = False
+            why = "it is a symlink" if os.path.islink(path) else e.strerror
+            raise ConfigError(f"memory.path={path}: cannot open the arena file: {why}") from e
+        ours = False  # made here, or a dead tier's arena: close() may unlink it
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as e:
                 raise TierError(f"arena {path} is in use by another memory tier") from e
-            locked = True
             if create:
+                if not made and not _marked(fd):
+                    raise ConfigError(
+                        f"memory.path={path}: the file exists and is not an arena left by a "
+                        "kvstore server that is gone; the server creates its arena file "
+                        "itself and deletes it at shutdown: name a path that does not exist"
+                    )
+                ours = True
                 try:
                     vfs = os.fstatvfs(fd)  # refuse early rather than fill tmpfs, then fail
                     if size > vfs.f_bavail * vfs.f_frsize + os.fstat(fd).st_blocks * 512:
                         raise OSError(28, f"only {vfs.f_bavail * vfs.f_frsize} bytes free")
+                    _mark(fd)
                     os.ftruncate(fd, size)
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:
@@ -384,7 +422,7 @@ class ArenaView:
             return view
         except BaseException:
             os.close(fd)
-            if create and locked:  # never delete a file another live tier holds
+            if ours:  # never a file another live tier holds, nor one this tier did not make
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             raise
