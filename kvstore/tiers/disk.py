@@ -35,14 +35,14 @@ stays intact.
 
 Locks: ``_wlock`` serializes writers (put, delete, clear, pin, flush) and is held
 while ``on_evict`` runs; ``_lock`` guards the in-memory index and counters and is
-never held across a callback, so readers never wait on one. An advisory flock on
-``kvstore.lock`` in the directory keeps a second process from opening it.
+never held across a callback, so readers never wait on one. Advisory flocks on the
+directory and on ``kvstore.lock`` in it keep a second process from opening it
+(``disk_format.lock_directory``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -66,10 +66,14 @@ from kvstore.records import (
 )
 from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
 from kvstore.tiers.disk_format import (
+    DATA_FILE,
     META_FIXED,
     Entry,
+    check_data_file,
     copy_out,
+    damaged,
     is_disk_full,
+    lock_directory,
     pack_meta,
     parse_meta,
 )
@@ -78,7 +82,6 @@ log = logging.getLogger(__name__)
 
 _DISK_FULL_ROUNDS = 4
 _SCAN_BATCH = 512
-LOCK_FILE = "kvstore.lock"
 
 
 class DiskTier(Tier):
@@ -128,7 +131,7 @@ class DiskTier(Tier):
         )
         self._healthy = True
         self._last_error = ""
-        self._lock_fd = self._acquire_dir_lock()
+        self._lock_fds = lock_directory(self.path)
         try:
             self._env = self._open_env()
             self._load_index()
@@ -136,31 +139,10 @@ class DiskTier(Tier):
             env = getattr(self, "_env", None)
             if env is not None:
                 env.close()
-            os.close(self._lock_fd)
+            self._unlock()
             raise
 
     # -- opening --------------------------------------------------------------
-    def _acquire_dir_lock(self) -> int:
-        try:
-            os.makedirs(self.path, exist_ok=True)
-            fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise TierError(f"cannot create the disk tier directory {self.path}: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            try:
-                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise TierError(
-                f"{self.path} is in use by another kvstore process (pid {pid}); "
-                "stop it or give this one another disk path"
-            ) from e
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-
     def _open_env(self) -> lmdb.Environment:
         sync = self.config.durability == "fsync"
         try:
@@ -174,20 +156,18 @@ class DiskTier(Tier):
                 writemap=False,
                 max_readers=512,
             )
-            try:
-                self._records = env.open_db(b"records")
-                self._meta = env.open_db(b"meta")
-                env.reader_check()  # reader slots left by a killed process pin old pages
-            except BaseException:
-                env.close()
-                raise
-        except lmdb.Error as e:
-            raise TierError(
-                f"cannot open the disk tier's LMDB database at {self.path}: {e}. The files "
-                "are damaged or not an LMDB database; move the directory aside (e.g. "
-                f"mv {self.path} {self.path}.broken) and restart to begin with an empty disk "
-                "tier"
-            ) from e
+        except lmdb.Error as e:  # a damaged meta page (zeroed, or not LMDB's)
+            raise damaged(self.path, e) from e
+        try:
+            check_data_file(env, self.path)  # before the first page is read
+            self._records = env.open_db(b"records")
+            self._meta = env.open_db(b"meta")
+            env.reader_check()  # reader slots left by a killed process pin old pages
+        except BaseException as e:
+            env.close()
+            if isinstance(e, lmdb.Error):
+                raise damaged(self.path, e) from e
+            raise
         return env
 
     def _load_index(self) -> None:
@@ -646,7 +626,7 @@ class DiskTier(Tier):
                 num_readers=info["num_readers"],
                 page_size=self._env.stat()["psize"],
             )
-            detail["file_size"] = os.path.getsize(os.path.join(self.path, "data.mdb"))
+            detail["file_size"] = os.path.getsize(os.path.join(self.path, DATA_FILE))
         except (lmdb.Error, OSError) as e:
             s.healthy = False
             detail["stats_error"] = str(e)
@@ -671,4 +651,9 @@ class DiskTier(Tier):
             finally:
                 self._closed = True
                 self._env.close()
-                os.close(self._lock_fd)
+                self._unlock()
+
+    def _unlock(self) -> None:
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds = ()

@@ -1,4 +1,5 @@
-"""L2's on-disk formats: the per-chunk meta entry, and reading a record in place.
+"""L2's on-disk formats: the directory's lock, the checks of its files at open, the
+per-chunk meta entry, and reading a record in place.
 
 A meta value (sub-database ``meta``) is the chunk's version, flags, hits, record
 size, last access (wall ms) and access sequence, then an xxh3_64 of all of it, then
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import struct
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import xxhash
 
 from kvstore import accel
 from kvstore.config import MiB
-from kvstore.errors import CorruptRecord, InvalidArgument
+from kvstore.errors import CorruptRecord, InvalidArgument, TierError
 from kvstore.records import Codec, RecordHeader, decode_payload, parse_header, verify
 from kvstore.tiers.base import copy_into
 
@@ -30,6 +32,102 @@ META_FIXED = _META.size + _META_CHECK.size
 _META_VERSION = 1
 _PINNED = 1
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+LOCK_FILE = "kvstore.lock"
+DATA_FILE = "data.mdb"
+
+
+# -- the directory ------------------------------------------------------------------
+def lock_directory(path: str) -> tuple[int, ...]:
+    """Keep every other process out of the LMDB directory ``path`` (made if missing);
+    the fds that hold the locks, to be closed to release them.
+
+    LMDB itself lets several processes share an environment, so kvstore's flocks are
+    all that keep a second server out. The one on the directory is what holds:
+    ``kvstore.lock`` can be deleted under a running server, and a second server
+    would then lock a fresh file. The lock file is still locked too (servers that
+    predate the directory lock take only that one) and holds the owner's pid.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        fds = [os.open(path, os.O_RDONLY | os.O_DIRECTORY)]
+    except OSError as e:
+        raise TierError(f"cannot create the disk tier directory {path}: {e}") from e
+    try:
+        _flock(fds[0], path)
+        try:
+            fds.append(os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644))
+        except OSError as e:
+            raise TierError(f"cannot create {os.path.join(path, LOCK_FILE)}: {e}") from e
+        _flock(fds[1], path)
+        os.ftruncate(fds[1], 0)
+        os.pwrite(fds[1], f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return tuple(fds)
+
+
+def _flock(fd: int, path: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise TierError(
+            f"{path} is in use by another kvstore process (pid {_holder(path)}); "
+            "stop it or give this one another disk path"
+        ) from e
+
+
+def _holder(path: str) -> str:
+    """Who holds the directory's flock (``/proc/locks``: right even when kvstore.lock
+    was deleted or rewritten), else the pid kvstore.lock names."""
+    with contextlib.suppress(OSError, IndexError):
+        st = os.stat(path)
+        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:  # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"
+                fields = line.split()
+                if fields[1] == "FLOCK" and fields[5] == inode:
+                    return fields[4]
+    with contextlib.suppress(OSError), open(os.path.join(path, LOCK_FILE)) as f:
+        return f.read(32).strip() or "unknown"
+    return "unknown"
+
+
+def damaged(path: str, why: object) -> TierError:
+    """The one refusal of an LMDB directory that cannot be opened safely."""
+    return TierError(
+        f"cannot open the disk tier's LMDB database at {path}: {why}. The files are damaged "
+        f"or not an LMDB database; move the directory aside (e.g. mv {path} {path}.broken) "
+        "and restart to begin with an empty disk tier"
+    )
+
+
+def check_data_file(env: lmdb.Environment, path: str) -> None:
+    """Raise ``damaged`` if data.mdb ends before LMDB's last used page (``mm_last_pg``
+    of the newest meta page): a copy, a restore or a full disk cut it short.
+
+    Call it before anything reads a page: LMDB maps the file and trusts its meta
+    pages, so a read past the end of the file is SIGBUS, not an error, and would
+    kill the server at every start. A meta page that is itself damaged (zeroed, or
+    not LMDB's) is refused by ``lmdb.open`` already.
+    """
+    data = os.path.join(path, DATA_FILE)
+    last = env.info()["last_pgno"]
+    need = (last + 1) * env.stat()["psize"]
+    try:
+        size = os.path.getsize(data)
+    except OSError as e:
+        raise damaged(path, e) from e
+    if size < need:
+        raise damaged(
+            path,
+            f"{data} is truncated: it is {size} bytes, and LMDB's last used page "
+            f"(page {last}) ends at byte {need}",
+        )
+
+
+# -- meta entries and records -------------------------------------------------------
 
 
 @dataclass(slots=True)
