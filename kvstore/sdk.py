@@ -22,11 +22,12 @@ import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ServerError
+from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, KVStoreError, ServerError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
 from kvstore.shm import prefault
+from kvstore.sockets import untrusted_reason
 from kvstore.tiers.arena import ArenaView, as_u8
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import (
@@ -82,6 +83,32 @@ def parse_url(url: str | None = None) -> Endpoint:
     if not rest.rsplit("]", 1)[-1].count(":"):
         rest = f"{rest}:{DEFAULT_PORT}"
     return Endpoint(url, rest, scheme == "grpcs")
+
+
+def check_default_socket(ep: Endpoint) -> None:
+    """Refuse to dial the default socket in a directory this user cannot trust.
+
+    ``$TMPDIR/kvstore-$UID`` is a predictable name: whoever made it first, or can
+    write to it, can listen there and receive this client's token and KV. An explicit
+    socket path is the operator's choice (the server checks its own side of it).
+    """
+    from kvstore.wire import default_socket_path
+
+    if not ep.target.startswith("unix:"):
+        return
+    path = os.path.abspath(ep.target[len("unix:") :])
+    if path != os.path.abspath(default_socket_path()):
+        return
+    directory = os.path.dirname(path)
+    if not os.path.lexists(directory):
+        return  # no server has started yet: the connection fails, and nothing is sent
+    why = untrusted_reason(directory)
+    if why is not None:
+        raise ConfigError(
+            f"{ep.url}: not dialing the default socket: {why}. Another user could be "
+            "listening there for this client's token; remove the directory if it is not "
+            "yours (the server makes it, mode 0700), or give the server's URL explicitly"
+        )
 
 
 def namespace_fingerprint(ns: NamespaceLike) -> tuple[Fingerprint, Namespace | None]:
@@ -224,6 +251,7 @@ class ClientBase:
         verify: bool,
     ) -> None:
         self.endpoint = parse_url(url)
+        check_default_socket(self.endpoint)
         self.url = self.endpoint.url
         self.timeout = timeout
         self.verify = verify

@@ -28,6 +28,7 @@ from typing import Any
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.sockets import untrusted_reason
 from kvstore.wire import default_socket_path
 
 from . import logs
@@ -263,10 +264,22 @@ class _Running:
 
 
 def _prepare_socket(path: str) -> None:
-    """Make the socket's directory (0700 if new); refuse a live socket, remove a stale one."""
+    """Make the socket's directory (0700 if new) and refuse one that another user could
+    swap the socket in (``kvstore.sockets``); refuse a live socket, remove a stale one."""
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(directory):
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StartError(f"unix socket {path}: cannot create {directory}: {e}") from e
+    why = untrusted_reason(directory)
+    if why is not None:
+        raise StartError(
+            f"unix socket {path}: {why}. Another user could put their own socket there and "
+            "receive the clients' tokens and KV: give --unix-socket a directory only this "
+            "user can write to, or remove this one and let the server make it (mode 0700)"
+        )
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
         st = os.lstat(path)
     except FileNotFoundError:
         return
@@ -279,7 +292,10 @@ def _prepare_socket(path: str) -> None:
         try:
             s.connect(path)
         except OSError:
-            os.unlink(path)  # stale: its server is gone
+            try:
+                os.unlink(path)  # stale: its server is gone
+            except OSError as e:
+                raise StartError(f"unix socket {path}: cannot remove the stale socket: {e}") from e
             return
     raise StartError(
         f"another server is listening on unix socket {path}; stop it or "
@@ -409,7 +425,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
             cfg,
             metrics=metrics,
             auth_required=bool(token or tenant_tokens),
-            tenants=Tenants(tenant_tokens),
+            tenants=Tenants(tenant_tokens, max_per_tenant=cfg.max_namespaces_per_tenant),
         )
         if cfg.metrics_port:
             metrics.start(cfg.metrics_host, cfg.metrics_port)
