@@ -80,6 +80,7 @@ class ServerConfig:
     # A Put or Get stream still running lease_ms + size / this after it began is cancelled:
     # a stream that trickles is never idle, but it is slow for its size.
     stream_min_bytes_per_s: int = 256 * KiB
+    max_namespaces_per_tenant: int = 10_000  # proved namespaces a tenant keeps (oldest forgotten)
     shm: bool = True  # offer the shared-memory data plane to same-host clients
     grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
     sweep_interval_s: float = 1.0  # how often expired leases and reservations are reclaimed
@@ -118,6 +119,10 @@ class ServerConfig:
         _require(
             self.max_session_streams_per_owner >= 1,
             f"max_session_streams_per_owner={self.max_session_streams_per_owner}: must be >= 1",
+        )
+        _require(
+            self.max_namespaces_per_tenant >= 1,
+            f"max_namespaces_per_tenant={self.max_namespaces_per_tenant}: must be >= 1",
         )
         _require(
             self.stream_min_bytes_per_s >= 1,

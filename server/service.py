@@ -35,7 +35,7 @@ from kvstore.errors import (
     KVStoreError,
     ResourceExhausted,
 )
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint, Namespace
+from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
 from kvstore.lookup import NamespaceMatch, lookup
 from kvstore.records import DTYPES, FORMAT_VERSION, Codec, RecordHeader, parse_header
 from kvstore.store import ChunkView, TieredStore
@@ -60,6 +60,7 @@ from kvstore.wire import (
 from .config import ServerConfig
 from .holds import Holds
 from .metrics import Metrics
+from .names import NameBook
 from .streams import Undecodable, Watchdog, pieces, receive_put, send_get, touching
 from .tenants import Denied, Tenants
 
@@ -80,8 +81,6 @@ class _Status(Exception):
         super().__init__(message)
         self.code = code
 
-
-_MAX_NAMES = 100_000  # namespaces remembered by name (Lookup requests that carry one)
 
 # Calls that finish work a client already began; still served while draining.
 _FINISHING = frozenset({"Commit", "CommitMany", "Abort", "Release"})
@@ -164,7 +163,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 "session": (config.max_sessions, f"max_sessions={config.max_sessions}"),
             },
         )
-        self._names: dict[Fingerprint, Namespace] = {}  # namespaces clients described
+        self.names = NameBook()  # namespaces clients described, bounded by bytes
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
         self.tenants = tenants or Tenants()
         self._info = self._make_info(auth_required)
@@ -371,9 +370,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         tenant = self._tenant(context)
         self.tenants.prove(tenant, ns)
         if ns is not None:
-            with self._lock:
-                if len(self._names) < _MAX_NAMES:
-                    self._names.setdefault(fp, ns)
+            self.names.remember(fp, ns, request.namespace.ByteSize())
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
             fp, tokens, min_tokens=request.min_tokens, granularity=request.granularity or None
@@ -392,9 +389,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 continue
             r = lookup(self.store.index, other, tokens, chunk_tokens=cfg.chunk_tokens)
             if r.matched_tokens > result.matched_tokens:
-                with self._lock:
-                    name = self._names.get(other)
-                out.append(NamespaceMatch(other, r.matched_tokens, name))
+                out.append(NamespaceMatch(other, r.matched_tokens, self.names.get(other)))
         out.sort(key=lambda m: -m.matched_tokens)
         return tuple(out)
 
@@ -628,6 +623,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 fp: n for fp, n in self.store.namespaces().items() if self.tenants.owns(tenant, fp)
             }
             stats.chunks, stats.namespaces = sum(mine.values()), len(mine)
+            for tier in stats.tiers:  # figures only: paths and addresses are the operator's
+                tier.detail = {
+                    k: v for k, v in tier.detail.items() if isinstance(v, int | float | bool)
+                }
         leases = stats.tiers[0].detail.get("active_leases", 0) if stats.tiers else 0
         return stats_to_pb(
             stats,
@@ -679,8 +678,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sizes: Counter[bytes] = Counter()
         for v in self.store.scan():
             sizes[v.fingerprint] += v.raw_size
-        with self._lock:
-            names = dict(self._names)
+        names = self.names.snapshot()
         out = []
         for fp, n in sorted(counts.items()):
             ns = names.get(fp)

@@ -11,7 +11,12 @@ fingerprint; knowing another tenant's fingerprint or chunk keys is not enough.
 
 Once proved, the fingerprint is the tenant's (in memory: after a restart the
 first Lookup of each namespace proves it again, and the connector looks up
-before every load and save). Every call is then scoped:
+before every load and save). Each tenant keeps at most
+``max_namespaces_per_tenant`` (a server setting) proved namespaces: past that its least recently
+proved one is forgotten (counted, logged), so a put into it is refused with
+``NamespaceNotRegistered`` until a Lookup proves it again (``put_chunk`` does
+that by itself); no tenant can fill another tenant's table. Every call is then
+scoped:
 
 - Put and Reserve need the record's fingerprint to be the caller's; a chunk
   key binds its fingerprint (key = hash(parent, fingerprint, tokens)), so a
@@ -29,17 +34,22 @@ before every load and save). Every call is then scoped:
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from kvstore.errors import ConfigError, NamespaceNotRegistered, PermissionDenied
 from kvstore.keys import Fingerprint, Namespace
 from kvstore.wire import AUTH_HEADER
 
+log = logging.getLogger("kvstore.server")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-MAX_NAMESPACES = 100_000  # proved namespaces remembered, all tenants together
+# Proved namespaces remembered per tenant: one tenant that proves a flood of them
+# forgets its own oldest, never another tenant's (the table is bounded by tenants x this).
+MAX_NAMESPACES_PER_TENANT = 10_000
 
 
 class Denied(PermissionDenied):
@@ -83,10 +93,18 @@ def salt_of_tenant(salt: str, tenant: str) -> bool:
 class Tenants:
     """Which tenant a call is from, and which namespaces each tenant has proved its own."""
 
-    def __init__(self, tokens: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tokens: Mapping[str, str] | None = None,
+        *,
+        max_per_tenant: int = MAX_NAMESPACES_PER_TENANT,
+    ) -> None:
+        self.max_per_tenant = max_per_tenant
         self._by_token = {f"Bearer {t}": name for t, name in (tokens or {}).items()}
         self._lock = threading.Lock()
         self._owner: dict[Fingerprint, str] = {}
+        self._proved: dict[str, OrderedDict[Fingerprint, None]] = {}  # tenant -> LRU first
+        self.forgotten = 0  # proved namespaces dropped to keep a tenant under its bound
 
     def __bool__(self) -> bool:
         return bool(self._by_token)
@@ -117,9 +135,25 @@ class Tenants:
         fp = ns.fingerprint
         with self._lock:
             owner = self._owner.get(fp)
-            if owner is None and len(self._owner) < MAX_NAMESPACES:
+            if owner is None:
                 self._owner[fp] = tenant
-            elif owner not in (None, tenant):  # two salts hashing alike: never in practice
+                mine = self._proved.setdefault(tenant, OrderedDict())
+                mine[fp] = None
+                if len(mine) > self.max_per_tenant:
+                    old, _ = mine.popitem(last=False)
+                    del self._owner[old]
+                    self.forgotten += 1
+                    if self.forgotten & (self.forgotten - 1) == 0:  # 1, 2, 4, ...: rate-limited
+                        log.warning(
+                            "tenant %r proved more than %d namespaces: its oldest are "
+                            "forgotten (%d so far) until a lookup proves them again",
+                            tenant,
+                            self.max_per_tenant,
+                            self.forgotten,
+                        )
+            elif owner == tenant:
+                self._proved[tenant].move_to_end(fp)
+            else:  # two salts hashing alike: never in practice
                 raise Denied(f"namespace {fp.hex()} belongs to another tenant")
 
     def owns(self, tenant: str | None, fp: bytes) -> bool:
@@ -138,4 +172,4 @@ class Tenants:
 
     def owned(self, tenant: str) -> set[Fingerprint]:
         with self._lock:
-            return {fp for fp, t in self._owner.items() if t == tenant}
+            return set(self._proved.get(tenant, ()))
