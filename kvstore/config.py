@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 import tomllib
 import types
 import typing
@@ -42,6 +43,7 @@ _UNITS = {
 WRITE_POLICIES = ("write-through", "write-back")
 DURABILITY = ("process", "fsync")
 CODECS = ("raw", "zstd", "zstd_shuffle")
+AUTH_KEY_MIN_BYTES, AUTH_KEY_MAX_BYTES = 16, 4096  # remote.auth_key_file, once stripped
 
 
 def parse_size(value: object, what: str = "size") -> int:
@@ -150,8 +152,12 @@ class RemoteConfig:
     backoff_ms: int = 20  # first retry delay; doubles each retry
     failure_threshold: int = 3  # consecutive failures that open the circuit breaker
     cooldown_ms: int = 5_000  # how long an open breaker skips the remote before one trial call
+    # file holding the key shared by the servers: records in L3 carry an HMAC made with it,
+    # and a record without a valid one is not served; "" = records are not authenticated
+    auth_key_file: str = ""
 
     def __post_init__(self) -> None:
+        self.auth_key()  # a key file that is missing, unsafe or too short stops the start
         if self.url:
             _require(
                 re.match(r"^(redis|rediss|valkey|valkeys)://", self.url) is not None,
@@ -171,6 +177,34 @@ class RemoteConfig:
             self.retries >= 0 and self.backoff_ms >= 0, "remote.retries and backoff_ms must be >= 0"
         )
         _require(self.failure_threshold >= 1, "remote.failure_threshold must be >= 1")
+
+    def auth_key(self) -> bytes | None:
+        """The record authentication key (``auth_key_file``'s bytes, surrounding whitespace
+        stripped), or None without one. Messages name the file, never its contents."""
+        if not self.auth_key_file:
+            return None
+        where = f"remote.auth_key_file={self.auth_key_file!r}"
+        path = os.path.expanduser(self.auth_key_file)
+        try:
+            mode = os.stat(path).st_mode  # before open: opening a FIFO would block
+            _require(stat.S_ISREG(mode), f"{where}: not a regular file")
+            _require(
+                not mode & 0o022,
+                f"{where}: writable by group or others (mode {stat.S_IMODE(mode):04o}); "
+                "whoever can change the key can forge records: chmod 600 it",
+            )
+            with open(path, "rb") as f:
+                key = f.read(AUTH_KEY_MAX_BYTES + 1).strip()
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read it: {e.strerror or e}") from e
+        _require(
+            AUTH_KEY_MIN_BYTES <= len(key) <= AUTH_KEY_MAX_BYTES,
+            f"{where}: the key must be {AUTH_KEY_MIN_BYTES}-{AUTH_KEY_MAX_BYTES} bytes "
+            f"(surrounding whitespace aside), the file holds "
+            f"{len(key) if len(key) <= AUTH_KEY_MAX_BYTES else 'more'}; "
+            "make one with `openssl rand -hex 32 > FILE`",
+        )
+        return key
 
 
 @dataclass(frozen=True)

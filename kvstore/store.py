@@ -120,9 +120,9 @@ class TieredStore:
             tier.on_corrupt = self._corrupt_callback(tier)
         self._rebuild()
         self._writer = WriteDown(self._run_job, cfg.write_queue_bytes)
-        # Write-through copies the remote refused while down, copied again once it is back
-        # (by retry_remote, and after any copy that succeeds): else chunks stored during
-        # an outage would never be shared with other hosts.
+        # Write-through copies the remote did not take (down, or refusing writes), copied
+        # again once it takes them (by retry_remote, and after any copy that succeeds):
+        # else chunks stored during an outage would never be shared with other hosts.
         self._remote_backlog = Backlog(REMOTE_BACKLOG_KEYS)
 
     # -- construction ---------------------------------------------------------
@@ -642,6 +642,11 @@ class TieredStore:
 
     def _run_job(self, job: Job) -> None:
         header, payload = job.header, None
+        remote = self.remote
+        held = remote is not None and job.targets == (remote.level,) and not remote.accepting
+        if header is None and held:  # down, or refusing writes: keep the key, skip the read
+            self._remote_backlog.add(job.key)
+            return
         if header is None:  # a copy: read the bytes from a local tier now
             blob = self.memory.get(job.key)
             if blob is None:  # evicted from L1 since: its move holds the bytes, or L2 does
@@ -670,7 +675,7 @@ class TieredStore:
             if not alive:
                 tier.delete(job.key)  # lost a race with delete: undo
             elif tier is self.remote and status == PutStatus.UNAVAILABLE:
-                self._remote_backlog.add(job.key)  # copied again when it is back
+                self._remote_backlog.add(job.key)  # copied again when it takes writes
             elif not status.ok:
                 log.warning(
                     "write-down of %s to %s: %s", job.key.hex()[:16], tier.name, status.value

@@ -54,6 +54,17 @@ the server is out of memory), ``contains`` -> all False, ``children`` -> {},
 asked for a change or a listing it must know happened): ``delete``, ``clear``,
 ``pin`` and ``scan`` raise TierUnavailable (remote down or breaker open) or
 TierError (the server refused), chained to the client's exception.
+
+Refusals (an error reply: WRONGTYPE, NOREPLICAS, READONLY, NOPERM) are not
+outages and leave the breaker alone, so reads go on; they are counted, logged
+(rate-limited) and make the tier degraded, and puts that keep being refused
+open a write breaker of their own (kvstore.tiers.remote_guard).
+
+Authentication. With ``auth_key_file`` every record written carries an HMAC
+trailer, and a record read without a valid one is a counted (``corrupt`` and
+``forged``), deleted miss. Without it trailers are ignored. Bookkeeping keys
+are not authenticated: a planted ``k:`` or ``n:`` entry can make a lookup
+promise a chunk whose get then misses, never serve its bytes.
 """
 
 from __future__ import annotations
@@ -69,10 +80,18 @@ from kvstore.clock import Clock, monotonic
 from kvstore.config import RemoteConfig
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, TierError, TierUnavailable
 from kvstore.keys import KEY_BYTES, ROOT, ChunkKey, Fingerprint, chunk_key
-from kvstore.records import Codec, RecordHeader, build, parse_header, transcode_parts, verify
+from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
 from kvstore.retry import BreakerState, CircuitBreaker, Retry
 from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
 from kvstore.tiers.remote_client import client_classes, parse_url, redact
+from kvstore.tiers.remote_guard import (
+    ForgedRecord,
+    RateLimitedLog,
+    RecordSeal,
+    Refusals,
+    Refused,
+    open_value,
+)
 
 T = TypeVar("T")
 
@@ -114,6 +133,11 @@ class RemoteTier(Tier):
         self._touches: dict[bytes, float] = {}
         self._counts = TierStats(self.name, self.level, config.capacity_bytes)
         self._skipped = 0  # calls refused by the open breaker
+        self._refusals = Refusals(config, f"remote {redact(config.url)}", clock=clock)
+        key = config.auth_key()
+        self._seal = RecordSeal(key) if key is not None else None
+        self._forged = 0  # records refused for want of a valid MAC (also counted as corrupt)
+        self._forged_log = RateLimitedLog(clock=clock)
         p = config.prefix
         self._p, self._sz, self._used = p, f"{p}:sz", f"{p}:used"
         self._lru, self._pin = f"{p}:lru", f"{p}:pin"
@@ -173,7 +197,8 @@ class RemoteTier(Tier):
             raise TierUnavailable(f"remote {op} failed: {type(e).__name__}: {e}") from e
         except self._backend as e:
             self._count(errors=1)
-            raise TierError(f"remote {op} refused: {type(e).__name__}: {e}") from e
+            self._refusals.saw(op, e)
+            raise Refused(f"remote {op} refused: {type(e).__name__}: {e}") from e
 
     def _cmd(self, op: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """One command, e.g. ``self._cmd("get", "get", name)``, through ``_call``."""
@@ -201,10 +226,17 @@ class RemoteTier(Tier):
     # -- writes -------------------------------------------------------------------
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
         self._check_open()
+        if not self._refusals.write_allowed():  # writes keep being refused: skip, unencoded
+            self._count(rejected=1)
+            return PutStatus.UNAVAILABLE
+        parts: tuple[bytes | memoryview, ...]
         if header.codec == self.codec:
-            blob = build(header, payload)
+            parts = (header.pack(), payload)
         else:
-            blob = transcode_parts(header, payload, self.codec, self.config.level)
+            parts = (transcode_parts(header, payload, self.codec, self.config.level),)
+        if self._seal is not None:
+            parts = (*parts, self._seal.trailer(parts))
+        blob = b"".join(parts)
         size, key, cap = len(blob), header.key, self.config.capacity_bytes
         if cap and size > cap:
             self._count(rejected=1)
@@ -214,7 +246,7 @@ class RemoteTier(Tier):
                 exists, used = self._pipe("put", [("exists", self._c(key)), ("get", self._used)])
                 if exists:
                     return PutStatus.EXISTS
-                used = max(0, int(used or 0))
+                used = max(0, self._byte_count(used))
                 if used + size > cap and not self._make_room(used, size):
                     self._count(rejected=1)
                     return PutStatus.FULL
@@ -231,6 +263,7 @@ class RemoteTier(Tier):
             if not self._call("put", set_nx):
                 if lost_reply:  # our first try may have landed: make sure it is booked
                     self._book(header, size)
+                self._refusals.write_accepted()
                 return PutStatus.EXISTS
             try:
                 self._book(header, size)
@@ -244,9 +277,21 @@ class RemoteTier(Tier):
             self._count(rejected=1)
             if isinstance(e.__cause__, self._oom):
                 return PutStatus.FULL  # maxmemory reached with a noeviction policy
-            return PutStatus.UNAVAILABLE
+            if isinstance(e, Refused):
+                self._refusals.write_refused(e)
+            return PutStatus.UNAVAILABLE  # the store keeps the copy for later, either way
+        self._refusals.write_accepted()
         self._count(puts=1, bytes_in=size)
         return PutStatus.STORED
+
+    def _byte_count(self, value: Any) -> int:
+        """``used`` as read from the server; a value we did not write is a refusal."""
+        try:
+            return int(value or 0)
+        except ValueError:
+            e = ValueError(f"{self._used} holds {bytes(value)[:32]!r}, not a byte count")
+            self._refusals.saw("put", e)
+            raise Refused(f"remote put refused: {e}") from e
 
     def _book(self, header: RecordHeader, size: int) -> None:
         """Write a stored record's bookkeeping. Idempotent: only a new ``sz`` entry counts."""
@@ -380,14 +425,13 @@ class RemoteTier(Tier):
         header: RecordHeader | None = None
         if blob is not None:
             try:
-                header = verify(blob, expect_key=key)
-            except CorruptRecord:
-                self._count(corrupt=1)
-                self._report_corrupt(key)
+                header, record = open_value(blob, key, self._seal)
+            except CorruptRecord as e:
+                self._refuse(key, e)
                 header = _header_or_none(blob)
             else:
                 if self.on_evict is not None:
-                    self.on_evict(key, header, bytes(blob))
+                    self.on_evict(key, header, bytes(record))
         deleted, freed = self._remove([(key, header)])
         if deleted and blob is not None:
             self._count(evictions=1)
@@ -398,24 +442,46 @@ class RemoteTier(Tier):
         self._check_open()
         try:
             blob = self._cmd("get", "get", self._c(key))
-        except TierError:
+        except TierError as e:
             self._count(misses=1)
+            if isinstance(e, Refused) and "WRONGTYPE" in str(e):
+                # Not a string: something else's value under our record's name. No reader
+                # could ever use it, and SET NX would never replace it.
+                with contextlib.suppress(TierError):
+                    self._remove([(key, None)])
+                self._refuse(key, CorruptRecord(f"{self._c(key)} is not a string"))
             return None
         if blob is None:
             self._count(misses=1)
             return None
         try:
-            verify(blob, expect_key=key)
-        except CorruptRecord:
-            self._count(corrupt=1, misses=1)
+            _, record = open_value(blob, key, self._seal)
+        except CorruptRecord as e:
+            self._count(misses=1)
             with contextlib.suppress(TierError):  # else the next reader deletes it
                 self._remove([(key, _header_or_none(blob))])
-            self._report_corrupt(key)
+            self._refuse(key, e)
             return None
-        self._count(hits=1, bytes_out=len(blob))
+        self._count(hits=1, bytes_out=len(record))
         if self.config.capacity_bytes:
             self._touch(key)
-        return bytes(blob)
+        return bytes(blob) if len(record) == len(blob) else bytes(record)
+
+    def _refuse(self, key: ChunkKey, error: CorruptRecord) -> None:
+        """Count a record that failed verification, or came without a valid MAC."""
+        self._count(corrupt=1)
+        if isinstance(error, ForgedRecord):
+            with self._stats_lock:
+                self._forged += 1
+            self._forged_log.warn(
+                "forged",
+                "remote %s: record %s refused: %s (written without this server's "
+                "remote.auth_key_file key); deleted",
+                redact(self.config.url),
+                key.hex()[:16],
+                error,
+            )
+        self._report_corrupt(key)
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         self._check_open()
@@ -555,7 +621,10 @@ class RemoteTier(Tier):
     # -- stats and lifecycle ----------------------------------------------------------
     @property
     def accepting(self) -> bool:
-        return self._breaker.state is not BreakerState.OPEN
+        return (
+            self._breaker.state is not BreakerState.OPEN
+            and self._refusals.writes.state is not BreakerState.OPEN
+        )
 
     def stats(self) -> TierStats:
         if not self._closed:
@@ -569,13 +638,16 @@ class RemoteTier(Tier):
         state = self._breaker.snapshot()
         with self._stats_lock:
             snap = TierStats(**{**vars(self._counts), "detail": {}})
+            refusals = self._refusals.detail()
             snap.healthy = (
                 not self._closed
                 and state["state"] == BreakerState.CLOSED.value
                 and state["consecutive_failures"] == 0
+                and not refusals["degraded"]
             )
             snap.detail = {
                 **state,
+                **refusals,
                 "url": redact(self.config.url),
                 "flavor": self.flavor,
                 "cluster": self.cluster,
@@ -583,6 +655,8 @@ class RemoteTier(Tier):
                 "prefix": self._p,
                 "skipped": self._skipped,
                 "closed": self._closed,
+                "authenticated": self._seal is not None,  # whether records carry a MAC
+                "forged": self._forged,
             }
         return snap
 
