@@ -4,8 +4,9 @@ The suite (``--suite``) is not part of the installed package: it lives in the
 source checkout's ``benchmarks/`` folder (the repository's layout, beside
 ``tests/``), measures limits next to each figure and writes its results there.
 So ``kvstore bench --suite`` runs ``python -m benchmarks`` in a child process in
-the checkout it is started from (the current directory or one above it), and
-says so when there is none; it never imports the checkout into this process.
+the checkout it is started from (the current directory or one above it), else in
+the checkout an editable install runs from, and says so when there is neither; it
+never imports the checkout into this process.
 """
 
 from __future__ import annotations
@@ -26,14 +27,23 @@ from kvstore.keys import ChunkKey, Namespace
 SUITE_MODULE = "benchmarks"  # run as `python -m benchmarks` from the checkout's root
 
 
+def _is_checkout(root: Path) -> bool:
+    return all(
+        (root / part).is_file()
+        for part in ("pyproject.toml", "kvstore/__init__.py", f"{SUITE_MODULE}/__main__.py")
+    )
+
+
 def checkout(start: Path | None = None) -> Path | None:
-    """The kvstore source checkout holding ``start`` (default: the current directory)."""
+    """The kvstore source checkout whose suite ``--suite`` runs, or None.
+
+    The one holding ``start`` (default: the current directory), else the one this
+    package is imported from: an editable install (``pip install -e``) is a checkout,
+    a regular install (site-packages) is not.
+    """
     here = (start or Path.cwd()).resolve()
-    for root in (here, *here.parents):
-        if all(
-            (root / part).is_file()
-            for part in ("pyproject.toml", "kvstore/__init__.py", f"{SUITE_MODULE}/__main__.py")
-        ):
+    for root in (*(here, *here.parents), Path(__file__).resolve().parents[1]):
+        if _is_checkout(root):
             return root
     return None
 
@@ -85,8 +95,9 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
     if root is None:
         raise CLIError(
             f"the benchmark suites live in kvstore's source checkout ({SUITE_MODULE}/ beside "
-            f"kvstore/), not in the installed package, and {Path.cwd()} is not inside one: "
-            "run `kvstore bench --suite` (or `python -m benchmarks`) from the checkout"
+            f"kvstore/), not in the installed package ({Path(__file__).parent}), and "
+            f"{Path.cwd()} is not inside one: run `kvstore bench --suite` (or `python -m "
+            "benchmarks`) from the checkout"
         )
     known = _known_suites(root)
     wanted = [] if args.suite == "all" else [n.strip() for n in args.suite.split(",")]

@@ -2,16 +2,19 @@
 
 The suites live in the repository's ``benchmarks/`` folder, which is not
 installed. The CLI runs ``python -m benchmarks`` as a child process in the
-checkout it is started from, and outside a checkout it says that the suites need
-one. Each test runs the CLI as its own process, as a user does, and checks that
-the CLI process itself never imported ``benchmarks`` (before issue 17 it put the
-checkout on ``sys.path`` and imported it, also from outside the checkout).
+checkout it is started from (or, for an editable install, in the package's own
+checkout: tests/test_benchmarks.py runs that from a temp dir); an installed
+package outside a checkout says that the suites need one. Each test runs the CLI
+as its own process, as a user does, and checks that the CLI process itself never
+imported ``benchmarks`` (before issue 17 it put the checkout on the import path
+and imported it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +23,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# main() of the installed CLI, then a check that this process never imported the suite.
+# main() of the CLI, then a check that this process never imported the suite.
 _CLI = (
     "import sys\n"
+    "import kvstore\n"
     "from kvstore.cli import main\n"
+    "print('kvstore from:', kvstore.__file__, file=sys.stderr)\n"
     "rc = main(sys.argv[1:])\n"
     "leaked = sorted(m for m in sys.modules if m == 'benchmarks' or m.startswith('benchmarks.'))\n"
     "print('imported:', leaked, file=sys.stderr)\n"
@@ -31,10 +36,13 @@ _CLI = (
 )
 
 
-def kvstore_cli(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def kvstore_cli(
+    cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", _CLI, *args],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -43,12 +51,26 @@ def kvstore_cli(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Compl
     )
 
 
-def test_outside_a_checkout_it_says_the_suites_need_one(tmp_path: Path) -> None:
-    r = kvstore_cli(tmp_path, "bench", "--suite", "store", "--quick", "--no-save")
+def installed_copy(site: Path) -> Path:
+    """The package laid out in ``site`` as a regular (not editable) install lays it out."""
+    skip = shutil.ignore_patterns("__pycache__", "csrc")
+    shutil.copytree(ROOT / "kvstore", site / "kvstore", ignore=skip)
+    shutil.copytree(ROOT / "server", site / "kvstore" / "server", ignore=skip)
+    shutil.copytree(ROOT / "connectors", site / "kvstore" / "connectors", ignore=skip)
+    return site
+
+
+def test_an_installed_kvstore_outside_a_checkout_says_the_suites_need_one(tmp_path: Path) -> None:
+    site = installed_copy(tmp_path / "site-packages")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = kvstore_cli(elsewhere, "bench", "--suite", "store", "--quick", "--no-save", env=env)
+    assert f"kvstore from: {site}" in r.stderr, f"the installed copy was not used: {r.stderr}"
     assert r.returncode == 1, f"exit {r.returncode}, expected 1:\n{r.stdout}\n{r.stderr}"
     assert "Traceback" not in r.stderr, r.stderr
     assert "source checkout" in r.stderr and "python -m benchmarks" in r.stderr, r.stderr
-    assert str(tmp_path) in r.stderr, f"the message should name where it looked: {r.stderr}"
+    assert str(elsewhere) in r.stderr, f"the message should name where it looked: {r.stderr}"
 
 
 def test_an_unknown_suite_is_named_with_the_known_ones() -> None:
