@@ -239,7 +239,12 @@ class Backend:
         timeout = (self.cfg.timeout_ms if worker else self.cfg.lookup_timeout_ms) / 1000
         try:
             return client.lookup(
-                ns, tokens, min_tokens=min_tokens, granularity=granularity, timeout=timeout
+                ns,
+                tokens,
+                min_tokens=min_tokens,
+                granularity=granularity,
+                repeat=worker,  # the scheduler counted this request's lookup
+                timeout=timeout,
             )
         except Exception as e:
             self.failed("lookup", e)

@@ -352,10 +352,15 @@ class AsyncClient(ClientBase):
         min_tokens: int = 0,
         granularity: int = 0,
         explain: bool = False,
+        repeat: bool = False,
         timeout: float | None = None,
     ) -> LookupResult:
-        """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC."""
-        req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain)
+        """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC.
+
+        ``repeat``: this prompt was looked up already (by the engine's scheduler, say);
+        the server answers alike but does not count the lookup again in its stats.
+        """
+        req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain, repeat)
         return lookup_from_pb(await self._call("Lookup", self._stub.Lookup, req, timeout))
 
     async def exists(

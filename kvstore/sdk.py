@@ -372,7 +372,12 @@ class ClientBase:
 
     @staticmethod
     def _lookup_request(
-        ns: NamespaceLike, tokens: Tokens, min_tokens: int, granularity: int, explain: bool
+        ns: NamespaceLike,
+        tokens: Tokens,
+        min_tokens: int,
+        granularity: int,
+        explain: bool,
+        repeat: bool = False,
     ) -> pb.LookupRequest:
         fp, named = namespace_fingerprint(ns)
         return pb.LookupRequest(
@@ -381,6 +386,7 @@ class ClientBase:
             min_tokens=min_tokens,
             granularity=granularity,
             explain=explain,
+            repeat=repeat,
             namespace=namespace_to_pb(named) if named is not None else None,
         )
 

@@ -310,7 +310,10 @@ class TieredStore:
         self._count("gets")
         lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
         if lease is None and self.get(key, count=False) is not None:
-            lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
+            # Promoted: L1 counted the miss, the tier below the hit.
+            lease = self.memory.acquire(
+                key, owner=owner, payload=payload, lasting=lasting, internal=True
+            )
         if lease is not None:
             self._count("hits")
             self._touch(key)
@@ -442,8 +445,12 @@ class TieredStore:
         *,
         min_tokens: int = 0,
         granularity: int | None = None,
+        count: bool = True,
     ) -> LookupResult:
-        """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup)."""
+        """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup).
+
+        ``count=False``: a repeat of a lookup already counted (Stats count a request once).
+        """
         self._check_open()
         remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
         result = lookup(
@@ -455,10 +462,11 @@ class TieredStore:
             min_tokens=min_tokens,
             remote=remote,
         )
-        with self._lock:
-            self._counters["lookups"] += 1
-            self._counters["lookup_tokens"] += result.total_tokens
-            self._counters["matched_tokens"] += result.matched_tokens
+        if count:
+            with self._lock:
+                self._counters["lookups"] += 1
+                self._counters["lookup_tokens"] += result.total_tokens
+                self._counters["matched_tokens"] += result.matched_tokens
         return result
 
     # -- management -----------------------------------------------------------
@@ -648,7 +656,7 @@ class TieredStore:
             self._remote_backlog.add(job.key)
             return
         if header is None:  # a copy: read the bytes from a local tier now
-            blob = self.memory.get(job.key)
+            blob = self.memory.get(job.key, internal=True)
             if blob is None:  # evicted from L1 since: its move holds the bytes, or L2 does
                 moving = self._writer.pending_move(job.key)
                 blob = moving[1] if moving is not None else None

@@ -373,7 +373,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.names.remember(fp, ns, request.namespace.ByteSize())
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
-            fp, tokens, min_tokens=request.min_tokens, granularity=request.granularity or None
+            fp,
+            tokens,
+            min_tokens=request.min_tokens,
+            granularity=request.granularity or None,
+            count=not request.repeat,
         )
         if request.explain:
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))

@@ -154,6 +154,8 @@ class MemoryTier(Tier):
         self._evicting_pages = 0
         self._used_bytes = 0
         self._expired = 0
+        self._internal_reads = 0
+        self._internal_bytes = 0
         self._stats = TierStats(self.name, self.level, self.capacity_bytes)
 
     # -- allocation and eviction -----------------------------------------------
@@ -434,24 +436,31 @@ class MemoryTier(Tier):
             return reservation_id in self._reservations and self._drop_hold_locked(reservation_id)
 
     def acquire(
-        self, key: ChunkKey, *, owner: str = "", payload: bool = True, lasting: bool = False
+        self,
+        key: ChunkKey,
+        *,
+        owner: str = "",
+        payload: bool = True,
+        lasting: bool = False,
+        internal: bool = False,
     ) -> ReadLease | None:
         """A read lease on a (verified) chunk, or None on a miss.
 
         ``lasting``: the lease never expires; only ``release`` ends it (the server's Get
-        streams).
+        streams). ``internal``: not a client's read for this tier's counters (the store
+        leasing a chunk it just promoted: the tier below counted the hit).
 
         ``payload=False``: the holder verifies the payload it reads, so only the header
         is checked in place here (a payload pass less on the hot read path).
         """
-        entry = self._ref(key)
+        entry = self._ref(key, internal)
         if entry is None:
             return None
         if self._verify and not (self._in_place_ok(entry) if payload else self._header_ok(entry)):
             self._drop_corrupt(entry)
             return None
         with self._lock:
-            self._hit_locked(entry)
+            self._counted_locked(entry, internal)
             lid, expires = self._hold(self._leases, entry, owner, lasting)  # keeps the ref
         return ReadLease(lid, key, entry.header, entry.extents, expires)
 
@@ -510,15 +519,17 @@ class MemoryTier(Tier):
             return len(ids)
 
     # -- reads -------------------------------------------------------------------
-    def _ref(self, key: ChunkKey) -> _Entry | None:
+    def _ref(self, key: ChunkKey, internal: bool = False) -> _Entry | None:
         with self._lock:
             self._check_open()
             entry = self._chunks.get(key)
             if entry is None:
-                self._stats.misses += 1
+                if not internal:
+                    self._stats.misses += 1
                 return None
             entry.refs += 1
-            self._chunks.move_to_end(key)
+            if not internal:
+                self._chunks.move_to_end(key)
             return entry
 
     def _hit_locked(self, entry: _Entry) -> None:
@@ -554,9 +565,18 @@ class MemoryTier(Tier):
         view = memoryview(blob)  # slicing bytes would copy the payload
         return view[:hs] == entry.packed and xxhash.xxh3_64_intdigest(view[hs:]) == want
 
-    def _read(self, key: ChunkKey, copy: Callable[[_Entry], bool]) -> _Entry | None:
+    def _counted_locked(self, entry: _Entry, internal: bool) -> None:
+        if internal:  # the store's own read (a write-down, a promotion): apart from clients'
+            self._internal_reads += 1
+            self._internal_bytes += entry.size
+        else:
+            self._hit_locked(entry)
+
+    def _read(
+        self, key: ChunkKey, copy: Callable[[_Entry], bool], internal: bool = False
+    ) -> _Entry | None:
         """Run ``copy`` (False: the bytes did not verify) while a ref keeps the pages put."""
-        entry = self._ref(key)
+        entry = self._ref(key, internal)
         if entry is None:
             return None
         try:
@@ -569,18 +589,20 @@ class MemoryTier(Tier):
             self._drop_corrupt(entry)
             return None
         with self._lock:
-            self._hit_locked(entry)
+            self._counted_locked(entry, internal)
             self._unref_locked(entry)
         return entry
 
-    def get(self, key: ChunkKey) -> bytes | None:
+    def get(self, key: ChunkKey, *, internal: bool = False) -> bytes | None:
+        """``internal``: the store's own read (a write-down's copy), counted apart from
+        client reads (``detail.internal_reads``), no hit, miss or LRU touch."""
         blobs: list[bytes] = []
 
         def copy(e: _Entry) -> bool:
             blobs.append(self._arena.read(e.extents, 0, e.size))
             return not self._verify or self._blob_ok(e, blobs[0])
 
-        return blobs[0] if self._read(key, copy) else None
+        return blobs[0] if self._read(key, copy, internal) else None
 
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
         """Copy the payload straight from the extents into ``out``.
@@ -736,6 +758,8 @@ class MemoryTier(Tier):
                     "deleted_while_leased": len(pending),
                     "evicting_pages": self._evicting_pages,
                     "expired": self._expired,
+                    "internal_reads": self._internal_reads,
+                    "internal_bytes_out": self._internal_bytes,
                     "verify_reads": self._verify,
                     "pinned": sum(1 for e in self._chunks.values() if e.pinned),
                 },

@@ -7,132 +7,135 @@
 # source: kvstore/v1/kvstore.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "kvstore/v1/kvstore.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'kvstore/v1/kvstore.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1"\x9a\x02\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0f\n\x07pp_rank\x18\x08 \x01(\r\x12\x0f\n\x07pp_size\x18\t \x01(\r\x12\x0c\n\x04lora\x18\n \x01(\t\x12\x0c\n\x04salt\x18\x0b \x01(\t\x12/\n\x05\x65xtra\x18\x0c \x03(\x0b\x32 .kvstore.v1.Namespace.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04"\r\n\x0bInfoRequest"\xd5\x02\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x15\n\rrecord_format\x18\x02 \x01(\r\x12\x12\n\nkey_scheme\x18\x03 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x13\n\x0bgranularity\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bpiece_bytes\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\x12\x10\n\x08shm_path\x18\t \x01(\t\x12\x10\n\x08shm_size\x18\n \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x0b \x01(\t\x12\x11\n\tshm_inode\x18\x0c \x01(\x04\x12\x10\n\x08lease_ms\x18\r \x01(\r\x12\r\n\x05tiers\x18\x0e \x03(\t\x12\x15\n\rauth_required\x18\x0f \x01(\x08\x12\x0e\n\x06native\x18\x10 \x01(\t"\x9b\x01\n\rLookupRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0bgranularity\x18\x04 \x01(\r\x12(\n\tnamespace\x18\x05 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x0f\n\x07\x65xplain\x18\x06 \x01(\x08"g\n\x0eNamespaceMatch\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\x04\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvstore.v1.Namespace"q\n\x0c\x43hunkMatches\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x15\n\rstored_tokens\x18\x04 \x03(\r\x12\x0c\n\x04tier\x18\x05 \x03(\r\x12\x0f\n\x07partial\x18\x06 \x03(\x08"\xc1\x02\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\x04\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x04 \x01(\t\x12\x12\n\nstop_chunk\x18\x05 \x01(\x05\x12\x44\n\x0etokens_by_tier\x18\x06 \x03(\x0b\x32,.kvstore.v1.LookupResponse.TokensByTierEntry\x12\x34\n\x10other_namespaces\x18\x07 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceMatch\x12(\n\x06\x63hunks\x18\x08 \x01(\x0b\x32\x18.kvstore.v1.ChunkMatches\x1a\x33\n\x11TokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01J\x04\x08\x03\x10\x04"6\n\nPutRequest\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part"A\n\x0bPutResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x0b\n\x03key\x18\x02 \x01(\x0c"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c"7\n\x0bGetResponse\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part"<\n\x0eReserveRequest\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x1a\n\x12\x63hecksum_at_commit\x18\x02 \x01(\x08"B\n\x12ReserveManyRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.ReserveRequest"E\n\x13ReserveManyResponse\x12.\n\tresponses\x18\x01 \x03(\x0b\x32\x1b.kvstore.v1.ReserveResponse"\xa1\x01\n\x0fReserveResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12#\n\x07\x65xtents\x18\x03 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\x16\n\x0epayload_offset\x18\x04 \x01(\x04\x12\x12\n\nexpires_ms\x18\x05 \x01(\x04"[\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x1d\n\x10payload_checksum\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x13\n\x11_payload_checksum"Z\n\x0e\x43ommitResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x12\n\nerror_code\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t"?\n\x11\x43ommitManyRequest\x12*\n\x07\x63ommits\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.CommitRequest"C\n\x12\x43ommitManyResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.CommitResponse"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04"\x0f\n\rAbortResponse"6\n\x0e\x41\x63quireRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63lient_verifies\x18\x02 \x01(\x08"\xa4\x01\n\x0f\x41\x63quireResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12#\n\x07\x65xtents\x18\x04 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\x16\n\x0epayload_offset\x18\x05 \x01(\x04\x12\x12\n\nexpires_ms\x18\x06 \x01(\x04\x12\x0f\n\x07use_get\x18\x07 \x01(\x08"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r"\x1c\n\x0bSessionPing\x12\r\n\x05owner\x18\x01 \x01(\t"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ms\x18\x01 \x01(\x04"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c"\x18\n\x07TierSet\x12\r\n\x05tiers\x18\x01 \x03(\r"4\n\x0e\x45xistsResponse\x12"\n\x05\x66ound\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.TierSet"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r"0\n\x0c\x43learRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06pinned\x18\x02 \x01(\x08"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r"\x0e\n\x0cStatsRequest"\xa1\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05level\x18\x02 \x01(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\n \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0b \x01(\x04\x12\x10\n\x08rejected\x18\x0c \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\r \x01(\x04\x12\x11\n\tbytes_out\x18\x0e \x01(\x04\x12\x0f\n\x07healthy\x18\x0f \x01(\x08\x12\x13\n\x0b\x64\x65tail_json\x18\x10 \x01(\t"\xca\x02\n\rStatsResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\x12\n\nnamespaces\x18\x02 \x01(\x04\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x16\n\x0epending_writes\x18\x04 \x01(\x04\x12\x15\n\rpending_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ewrite_failures\x18\x06 \x01(\x04\x12\x0f\n\x07lookups\x18\x07 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\t \x01(\x04\x12\x0c\n\x04gets\x18\n \x01(\x04\x12\x0c\n\x04hits\x18\x0b \x01(\x04\x12\x0c\n\x04puts\x18\x0c \x01(\x04\x12\x15\n\rrejected_puts\x18\r \x01(\x04\x12\x15\n\ractive_leases\x18\x0e \x01(\x04\x12\x10\n\x08uptime_s\x18\x0f \x01(\x04"\xc9\x01\n\tChunkInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x10\n\x08n_tokens\x18\x04 \x01(\r\x12\x10\n\x08raw_size\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05tiers\x18\x07 \x03(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x12\n\ncreated_ms\x18\t \x01(\x04\x12\x16\n\x0elast_access_ms\x18\n \x01(\x04\x12\x0c\n\x04hits\x18\x0b \x01(\x04"l\n\x0bListRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x13\n\x0bpinned_only\x18\x05 \x01(\x08"N\n\x0cListResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.ChunkInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t"\x13\n\x11NamespacesRequest"m\n\rNamespaceInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12(\n\tnamespace\x18\x04 \x01(\x0b\x32\x15.kvstore.v1.Namespace"C\n\x12NamespacesResponse\x12-\n\nnamespaces\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.NamespaceInfo*i\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\n\n\x06\x45XISTS\x10\x02\x12\x08\n\x04\x46ULL\x10\x03\x12\r\n\tTOO_LARGE\x10\x04\x12\x0f\n\x0bUNAVAILABLE\x10\x05\x32\xe0\t\n\x07KVStore\x12\x39\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x18.kvstore.v1.InfoResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12N\n\x0bReserveMany\x12\x1e.kvstore.v1.ReserveManyRequest\x1a\x1f.kvstore.v1.ReserveManyResponse\x12K\n\nCommitMany\x12\x1d.kvstore.v1.CommitManyRequest\x1a\x1e.kvstore.v1.CommitManyResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x07Session\x12\x17.kvstore.v1.SessionPing\x1a\x17.kvstore.v1.SessionPong(\x01\x30\x01\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12\x36\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x39\n\x04List\x12\x17.kvstore.v1.ListRequest\x1a\x18.kvstore.v1.ListResponse\x12K\n\nNamespaces\x12\x1d.kvstore.v1.NamespacesRequest\x1a\x1e.kvstore.v1.NamespacesResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"\x9a\x02\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\x0f\n\x07pp_rank\x18\x08 \x01(\r\x12\x0f\n\x07pp_size\x18\t \x01(\r\x12\x0c\n\x04lora\x18\n \x01(\t\x12\x0c\n\x04salt\x18\x0b \x01(\t\x12/\n\x05\x65xtra\x18\x0c \x03(\x0b\x32 .kvstore.v1.Namespace.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"(\n\x06\x45xtent\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xd5\x02\n\x0cInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x15\n\rrecord_format\x18\x02 \x01(\r\x12\x12\n\nkey_scheme\x18\x03 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\x12\x13\n\x0bgranularity\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bpiece_bytes\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\x12\x10\n\x08shm_path\x18\t \x01(\t\x12\x10\n\x08shm_size\x18\n \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x0b \x01(\t\x12\x11\n\tshm_inode\x18\x0c \x01(\x04\x12\x10\n\x08lease_ms\x18\r \x01(\r\x12\r\n\x05tiers\x18\x0e \x03(\t\x12\x15\n\rauth_required\x18\x0f \x01(\x08\x12\x0e\n\x06native\x18\x10 \x01(\t\"\xab\x01\n\rLookupRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x12\n\nmin_tokens\x18\x03 \x01(\r\x12\x13\n\x0bgranularity\x18\x04 \x01(\r\x12(\n\tnamespace\x18\x05 \x01(\x0b\x32\x15.kvstore.v1.Namespace\x12\x0f\n\x07\x65xplain\x18\x06 \x01(\x08\x12\x0e\n\x06repeat\x18\x07 \x01(\x08\"g\n\x0eNamespaceMatch\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x16\n\x0ematched_tokens\x18\x02 \x01(\x04\x12(\n\tnamespace\x18\x03 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"q\n\x0c\x43hunkMatches\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\x15\n\rstored_tokens\x18\x04 \x03(\r\x12\x0c\n\x04tier\x18\x05 \x03(\r\x12\x0f\n\x07partial\x18\x06 \x03(\x08\"\xc1\x02\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\x04\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x04 \x01(\t\x12\x12\n\nstop_chunk\x18\x05 \x01(\x05\x12\x44\n\x0etokens_by_tier\x18\x06 \x03(\x0b\x32,.kvstore.v1.LookupResponse.TokensByTierEntry\x12\x34\n\x10other_namespaces\x18\x07 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceMatch\x12(\n\x06\x63hunks\x18\x08 \x01(\x0b\x32\x18.kvstore.v1.ChunkMatches\x1a\x33\n\x11TokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01J\x04\x08\x03\x10\x04\"6\n\nPutRequest\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"A\n\x0bPutResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x0b\n\x03key\x18\x02 \x01(\x0c\"\x19\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\"7\n\x0bGetResponse\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"<\n\x0eReserveRequest\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x1a\n\x12\x63hecksum_at_commit\x18\x02 \x01(\x08\"B\n\x12ReserveManyRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.ReserveRequest\"E\n\x13ReserveManyResponse\x12.\n\tresponses\x18\x01 \x03(\x0b\x32\x1b.kvstore.v1.ReserveResponse\"\xa1\x01\n\x0fReserveResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x16\n\x0ereservation_id\x18\x02 \x01(\x04\x12#\n\x07\x65xtents\x18\x03 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\x16\n\x0epayload_offset\x18\x04 \x01(\x04\x12\x12\n\nexpires_ms\x18\x05 \x01(\x04\"[\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\x12\x1d\n\x10payload_checksum\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\x13\n\x11_payload_checksum\"Z\n\x0e\x43ommitResponse\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.PutStatus\x12\x12\n\nerror_code\x18\x02 \x01(\r\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"?\n\x11\x43ommitManyRequest\x12*\n\x07\x63ommits\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.CommitRequest\"C\n\x12\x43ommitManyResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.kvstore.v1.CommitResponse\"&\n\x0c\x41\x62ortRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\"6\n\x0e\x41\x63quireRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63lient_verifies\x18\x02 \x01(\x08\"\xa4\x01\n\x0f\x41\x63quireResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12#\n\x07\x65xtents\x18\x04 \x03(\x0b\x32\x12.kvstore.v1.Extent\x12\x16\n\x0epayload_offset\x18\x05 \x01(\x04\x12\x12\n\nexpires_ms\x18\x06 \x01(\x04\x12\x0f\n\x07use_get\x18\x07 \x01(\x08\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x1c\n\x0bSessionPing\x12\r\n\x05owner\x18\x01 \x01(\t\"%\n\x0bSessionPong\x12\x16\n\x0eserver_time_ms\x18\x01 \x01(\x04\"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x18\n\x07TierSet\x12\r\n\x05tiers\x18\x01 \x03(\r\"4\n\x0e\x45xistsResponse\x12\"\n\x05\x66ound\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.TierSet\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"0\n\x0c\x43learRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"*\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x1e\n\x0bPinResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xa1\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05level\x18\x02 \x01(\r\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\n \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0b \x01(\x04\x12\x10\n\x08rejected\x18\x0c \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\r \x01(\x04\x12\x11\n\tbytes_out\x18\x0e \x01(\x04\x12\x0f\n\x07healthy\x18\x0f \x01(\x08\x12\x13\n\x0b\x64\x65tail_json\x18\x10 \x01(\t\"\xca\x02\n\rStatsResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\x12\n\nnamespaces\x18\x02 \x01(\x04\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x16\n\x0epending_writes\x18\x04 \x01(\x04\x12\x15\n\rpending_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ewrite_failures\x18\x06 \x01(\x04\x12\x0f\n\x07lookups\x18\x07 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ematched_tokens\x18\t \x01(\x04\x12\x0c\n\x04gets\x18\n \x01(\x04\x12\x0c\n\x04hits\x18\x0b \x01(\x04\x12\x0c\n\x04puts\x18\x0c \x01(\x04\x12\x15\n\rrejected_puts\x18\r \x01(\x04\x12\x15\n\ractive_leases\x18\x0e \x01(\x04\x12\x10\n\x08uptime_s\x18\x0f \x01(\x04\"\xc9\x01\n\tChunkInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x0e\n\x06parent\x18\x03 \x01(\x0c\x12\x10\n\x08n_tokens\x18\x04 \x01(\r\x12\x10\n\x08raw_size\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05tiers\x18\x07 \x03(\r\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x12\n\ncreated_ms\x18\t \x01(\x04\x12\x16\n\x0elast_access_ms\x18\n \x01(\x04\x12\x0c\n\x04hits\x18\x0b \x01(\x04\"l\n\x0bListRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x13\n\x0bpinned_only\x18\x05 \x01(\x08\"N\n\x0cListResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.ChunkInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x13\n\x11NamespacesRequest\"m\n\rNamespaceInfo\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\x0c\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12(\n\tnamespace\x18\x04 \x01(\x0b\x32\x15.kvstore.v1.Namespace\"C\n\x12NamespacesResponse\x12-\n\nnamespaces\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.NamespaceInfo*i\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\n\n\x06\x45XISTS\x10\x02\x12\x08\n\x04\x46ULL\x10\x03\x12\r\n\tTOO_LARGE\x10\x04\x12\x0f\n\x0bUNAVAILABLE\x10\x05\x32\xe0\t\n\x07KVStore\x12\x39\n\x04Info\x12\x17.kvstore.v1.InfoRequest\x1a\x18.kvstore.v1.InfoResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12\x42\n\x07Reserve\x12\x1a.kvstore.v1.ReserveRequest\x1a\x1b.kvstore.v1.ReserveResponse\x12N\n\x0bReserveMany\x12\x1e.kvstore.v1.ReserveManyRequest\x1a\x1f.kvstore.v1.ReserveManyResponse\x12K\n\nCommitMany\x12\x1d.kvstore.v1.CommitManyRequest\x1a\x1e.kvstore.v1.CommitManyResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x07Session\x12\x17.kvstore.v1.SessionPing\x1a\x17.kvstore.v1.SessionPong(\x01\x30\x01\x12?\n\x06\x45xists\x12\x19.kvstore.v1.ExistsRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12\x36\n\x03Pin\x12\x16.kvstore.v1.PinRequest\x1a\x17.kvstore.v1.PinResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12\x39\n\x04List\x12\x17.kvstore.v1.ListRequest\x1a\x18.kvstore.v1.ListResponse\x12K\n\nNamespaces\x12\x1d.kvstore.v1.NamespacesRequest\x1a\x1e.kvstore.v1.NamespacesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "kvstore.v1.kvstore_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_NAMESPACE_EXTRAENTRY"]._loaded_options = None
-    _globals["_NAMESPACE_EXTRAENTRY"]._serialized_options = b"8\001"
-    _globals["_LOOKUPRESPONSE_TOKENSBYTIERENTRY"]._loaded_options = None
-    _globals["_LOOKUPRESPONSE_TOKENSBYTIERENTRY"]._serialized_options = b"8\001"
-    _globals["_PUTSTATUS"]._serialized_start = 4315
-    _globals["_PUTSTATUS"]._serialized_end = 4420
-    _globals["_NAMESPACE"]._serialized_start = 41
-    _globals["_NAMESPACE"]._serialized_end = 323
-    _globals["_NAMESPACE_EXTRAENTRY"]._serialized_start = 279
-    _globals["_NAMESPACE_EXTRAENTRY"]._serialized_end = 323
-    _globals["_EXTENT"]._serialized_start = 325
-    _globals["_EXTENT"]._serialized_end = 365
-    _globals["_INFOREQUEST"]._serialized_start = 367
-    _globals["_INFOREQUEST"]._serialized_end = 380
-    _globals["_INFORESPONSE"]._serialized_start = 383
-    _globals["_INFORESPONSE"]._serialized_end = 724
-    _globals["_LOOKUPREQUEST"]._serialized_start = 727
-    _globals["_LOOKUPREQUEST"]._serialized_end = 882
-    _globals["_NAMESPACEMATCH"]._serialized_start = 884
-    _globals["_NAMESPACEMATCH"]._serialized_end = 987
-    _globals["_CHUNKMATCHES"]._serialized_start = 989
-    _globals["_CHUNKMATCHES"]._serialized_end = 1102
-    _globals["_LOOKUPRESPONSE"]._serialized_start = 1105
-    _globals["_LOOKUPRESPONSE"]._serialized_end = 1426
-    _globals["_LOOKUPRESPONSE_TOKENSBYTIERENTRY"]._serialized_start = 1369
-    _globals["_LOOKUPRESPONSE_TOKENSBYTIERENTRY"]._serialized_end = 1420
-    _globals["_PUTREQUEST"]._serialized_start = 1428
-    _globals["_PUTREQUEST"]._serialized_end = 1482
-    _globals["_PUTRESPONSE"]._serialized_start = 1484
-    _globals["_PUTRESPONSE"]._serialized_end = 1549
-    _globals["_GETREQUEST"]._serialized_start = 1551
-    _globals["_GETREQUEST"]._serialized_end = 1576
-    _globals["_GETRESPONSE"]._serialized_start = 1578
-    _globals["_GETRESPONSE"]._serialized_end = 1633
-    _globals["_RESERVEREQUEST"]._serialized_start = 1635
-    _globals["_RESERVEREQUEST"]._serialized_end = 1695
-    _globals["_RESERVEMANYREQUEST"]._serialized_start = 1697
-    _globals["_RESERVEMANYREQUEST"]._serialized_end = 1763
-    _globals["_RESERVEMANYRESPONSE"]._serialized_start = 1765
-    _globals["_RESERVEMANYRESPONSE"]._serialized_end = 1834
-    _globals["_RESERVERESPONSE"]._serialized_start = 1837
-    _globals["_RESERVERESPONSE"]._serialized_end = 1998
-    _globals["_COMMITREQUEST"]._serialized_start = 2000
-    _globals["_COMMITREQUEST"]._serialized_end = 2091
-    _globals["_COMMITRESPONSE"]._serialized_start = 2093
-    _globals["_COMMITRESPONSE"]._serialized_end = 2183
-    _globals["_COMMITMANYREQUEST"]._serialized_start = 2185
-    _globals["_COMMITMANYREQUEST"]._serialized_end = 2248
-    _globals["_COMMITMANYRESPONSE"]._serialized_start = 2250
-    _globals["_COMMITMANYRESPONSE"]._serialized_end = 2317
-    _globals["_ABORTREQUEST"]._serialized_start = 2319
-    _globals["_ABORTREQUEST"]._serialized_end = 2357
-    _globals["_ABORTRESPONSE"]._serialized_start = 2359
-    _globals["_ABORTRESPONSE"]._serialized_end = 2374
-    _globals["_ACQUIREREQUEST"]._serialized_start = 2376
-    _globals["_ACQUIREREQUEST"]._serialized_end = 2430
-    _globals["_ACQUIRERESPONSE"]._serialized_start = 2433
-    _globals["_ACQUIRERESPONSE"]._serialized_end = 2597
-    _globals["_RELEASEREQUEST"]._serialized_start = 2599
-    _globals["_RELEASEREQUEST"]._serialized_end = 2634
-    _globals["_RELEASERESPONSE"]._serialized_start = 2636
-    _globals["_RELEASERESPONSE"]._serialized_end = 2671
-    _globals["_SESSIONPING"]._serialized_start = 2673
-    _globals["_SESSIONPING"]._serialized_end = 2701
-    _globals["_SESSIONPONG"]._serialized_start = 2703
-    _globals["_SESSIONPONG"]._serialized_end = 2740
-    _globals["_EXISTSREQUEST"]._serialized_start = 2742
-    _globals["_EXISTSREQUEST"]._serialized_end = 2771
-    _globals["_TIERSET"]._serialized_start = 2773
-    _globals["_TIERSET"]._serialized_end = 2797
-    _globals["_EXISTSRESPONSE"]._serialized_start = 2799
-    _globals["_EXISTSRESPONSE"]._serialized_end = 2851
-    _globals["_DELETEREQUEST"]._serialized_start = 2853
-    _globals["_DELETEREQUEST"]._serialized_end = 2882
-    _globals["_DELETERESPONSE"]._serialized_start = 2884
-    _globals["_DELETERESPONSE"]._serialized_end = 2917
-    _globals["_CLEARREQUEST"]._serialized_start = 2919
-    _globals["_CLEARREQUEST"]._serialized_end = 2967
-    _globals["_CLEARRESPONSE"]._serialized_start = 2969
-    _globals["_CLEARRESPONSE"]._serialized_end = 3001
-    _globals["_PINREQUEST"]._serialized_start = 3003
-    _globals["_PINREQUEST"]._serialized_end = 3045
-    _globals["_PINRESPONSE"]._serialized_start = 3047
-    _globals["_PINRESPONSE"]._serialized_end = 3077
-    _globals["_STATSREQUEST"]._serialized_start = 3079
-    _globals["_STATSREQUEST"]._serialized_end = 3093
-    _globals["_TIERSTATS"]._serialized_start = 3096
-    _globals["_TIERSTATS"]._serialized_end = 3385
-    _globals["_STATSRESPONSE"]._serialized_start = 3388
-    _globals["_STATSRESPONSE"]._serialized_end = 3718
-    _globals["_CHUNKINFO"]._serialized_start = 3721
-    _globals["_CHUNKINFO"]._serialized_end = 3922
-    _globals["_LISTREQUEST"]._serialized_start = 3924
-    _globals["_LISTREQUEST"]._serialized_end = 4032
-    _globals["_LISTRESPONSE"]._serialized_start = 4034
-    _globals["_LISTRESPONSE"]._serialized_end = 4112
-    _globals["_NAMESPACESREQUEST"]._serialized_start = 4114
-    _globals["_NAMESPACESREQUEST"]._serialized_end = 4133
-    _globals["_NAMESPACEINFO"]._serialized_start = 4135
-    _globals["_NAMESPACEINFO"]._serialized_end = 4244
-    _globals["_NAMESPACESRESPONSE"]._serialized_start = 4246
-    _globals["_NAMESPACESRESPONSE"]._serialized_end = 4313
-    _globals["_KVSTORE"]._serialized_start = 4423
-    _globals["_KVSTORE"]._serialized_end = 5671
+  DESCRIPTOR._loaded_options = None
+  _globals['_NAMESPACE_EXTRAENTRY']._loaded_options = None
+  _globals['_NAMESPACE_EXTRAENTRY']._serialized_options = b'8\001'
+  _globals['_LOOKUPRESPONSE_TOKENSBYTIERENTRY']._loaded_options = None
+  _globals['_LOOKUPRESPONSE_TOKENSBYTIERENTRY']._serialized_options = b'8\001'
+  _globals['_PUTSTATUS']._serialized_start=4331
+  _globals['_PUTSTATUS']._serialized_end=4436
+  _globals['_NAMESPACE']._serialized_start=41
+  _globals['_NAMESPACE']._serialized_end=323
+  _globals['_NAMESPACE_EXTRAENTRY']._serialized_start=279
+  _globals['_NAMESPACE_EXTRAENTRY']._serialized_end=323
+  _globals['_EXTENT']._serialized_start=325
+  _globals['_EXTENT']._serialized_end=365
+  _globals['_INFOREQUEST']._serialized_start=367
+  _globals['_INFOREQUEST']._serialized_end=380
+  _globals['_INFORESPONSE']._serialized_start=383
+  _globals['_INFORESPONSE']._serialized_end=724
+  _globals['_LOOKUPREQUEST']._serialized_start=727
+  _globals['_LOOKUPREQUEST']._serialized_end=898
+  _globals['_NAMESPACEMATCH']._serialized_start=900
+  _globals['_NAMESPACEMATCH']._serialized_end=1003
+  _globals['_CHUNKMATCHES']._serialized_start=1005
+  _globals['_CHUNKMATCHES']._serialized_end=1118
+  _globals['_LOOKUPRESPONSE']._serialized_start=1121
+  _globals['_LOOKUPRESPONSE']._serialized_end=1442
+  _globals['_LOOKUPRESPONSE_TOKENSBYTIERENTRY']._serialized_start=1385
+  _globals['_LOOKUPRESPONSE_TOKENSBYTIERENTRY']._serialized_end=1436
+  _globals['_PUTREQUEST']._serialized_start=1444
+  _globals['_PUTREQUEST']._serialized_end=1498
+  _globals['_PUTRESPONSE']._serialized_start=1500
+  _globals['_PUTRESPONSE']._serialized_end=1565
+  _globals['_GETREQUEST']._serialized_start=1567
+  _globals['_GETREQUEST']._serialized_end=1592
+  _globals['_GETRESPONSE']._serialized_start=1594
+  _globals['_GETRESPONSE']._serialized_end=1649
+  _globals['_RESERVEREQUEST']._serialized_start=1651
+  _globals['_RESERVEREQUEST']._serialized_end=1711
+  _globals['_RESERVEMANYREQUEST']._serialized_start=1713
+  _globals['_RESERVEMANYREQUEST']._serialized_end=1779
+  _globals['_RESERVEMANYRESPONSE']._serialized_start=1781
+  _globals['_RESERVEMANYRESPONSE']._serialized_end=1850
+  _globals['_RESERVERESPONSE']._serialized_start=1853
+  _globals['_RESERVERESPONSE']._serialized_end=2014
+  _globals['_COMMITREQUEST']._serialized_start=2016
+  _globals['_COMMITREQUEST']._serialized_end=2107
+  _globals['_COMMITRESPONSE']._serialized_start=2109
+  _globals['_COMMITRESPONSE']._serialized_end=2199
+  _globals['_COMMITMANYREQUEST']._serialized_start=2201
+  _globals['_COMMITMANYREQUEST']._serialized_end=2264
+  _globals['_COMMITMANYRESPONSE']._serialized_start=2266
+  _globals['_COMMITMANYRESPONSE']._serialized_end=2333
+  _globals['_ABORTREQUEST']._serialized_start=2335
+  _globals['_ABORTREQUEST']._serialized_end=2373
+  _globals['_ABORTRESPONSE']._serialized_start=2375
+  _globals['_ABORTRESPONSE']._serialized_end=2390
+  _globals['_ACQUIREREQUEST']._serialized_start=2392
+  _globals['_ACQUIREREQUEST']._serialized_end=2446
+  _globals['_ACQUIRERESPONSE']._serialized_start=2449
+  _globals['_ACQUIRERESPONSE']._serialized_end=2613
+  _globals['_RELEASEREQUEST']._serialized_start=2615
+  _globals['_RELEASEREQUEST']._serialized_end=2650
+  _globals['_RELEASERESPONSE']._serialized_start=2652
+  _globals['_RELEASERESPONSE']._serialized_end=2687
+  _globals['_SESSIONPING']._serialized_start=2689
+  _globals['_SESSIONPING']._serialized_end=2717
+  _globals['_SESSIONPONG']._serialized_start=2719
+  _globals['_SESSIONPONG']._serialized_end=2756
+  _globals['_EXISTSREQUEST']._serialized_start=2758
+  _globals['_EXISTSREQUEST']._serialized_end=2787
+  _globals['_TIERSET']._serialized_start=2789
+  _globals['_TIERSET']._serialized_end=2813
+  _globals['_EXISTSRESPONSE']._serialized_start=2815
+  _globals['_EXISTSRESPONSE']._serialized_end=2867
+  _globals['_DELETEREQUEST']._serialized_start=2869
+  _globals['_DELETEREQUEST']._serialized_end=2898
+  _globals['_DELETERESPONSE']._serialized_start=2900
+  _globals['_DELETERESPONSE']._serialized_end=2933
+  _globals['_CLEARREQUEST']._serialized_start=2935
+  _globals['_CLEARREQUEST']._serialized_end=2983
+  _globals['_CLEARRESPONSE']._serialized_start=2985
+  _globals['_CLEARRESPONSE']._serialized_end=3017
+  _globals['_PINREQUEST']._serialized_start=3019
+  _globals['_PINREQUEST']._serialized_end=3061
+  _globals['_PINRESPONSE']._serialized_start=3063
+  _globals['_PINRESPONSE']._serialized_end=3093
+  _globals['_STATSREQUEST']._serialized_start=3095
+  _globals['_STATSREQUEST']._serialized_end=3109
+  _globals['_TIERSTATS']._serialized_start=3112
+  _globals['_TIERSTATS']._serialized_end=3401
+  _globals['_STATSRESPONSE']._serialized_start=3404
+  _globals['_STATSRESPONSE']._serialized_end=3734
+  _globals['_CHUNKINFO']._serialized_start=3737
+  _globals['_CHUNKINFO']._serialized_end=3938
+  _globals['_LISTREQUEST']._serialized_start=3940
+  _globals['_LISTREQUEST']._serialized_end=4048
+  _globals['_LISTRESPONSE']._serialized_start=4050
+  _globals['_LISTRESPONSE']._serialized_end=4128
+  _globals['_NAMESPACESREQUEST']._serialized_start=4130
+  _globals['_NAMESPACESREQUEST']._serialized_end=4149
+  _globals['_NAMESPACEINFO']._serialized_start=4151
+  _globals['_NAMESPACEINFO']._serialized_end=4260
+  _globals['_NAMESPACESRESPONSE']._serialized_start=4262
+  _globals['_NAMESPACESRESPONSE']._serialized_end=4329
+  _globals['_KVSTORE']._serialized_start=4439
+  _globals['_KVSTORE']._serialized_end=5687
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,6 @@ class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FULL: _ClassVar[PutStatus]
     TOO_LARGE: _ClassVar[PutStatus]
     UNAVAILABLE: _ClassVar[PutStatus]
-
 PUT_STATUS_UNSPECIFIED: PutStatus
 STORED: PutStatus
 EXISTS: PutStatus
@@ -27,20 +26,7 @@ TOO_LARGE: PutStatus
 UNAVAILABLE: PutStatus
 
 class Namespace(_message.Message):
-    __slots__ = (
-        "model",
-        "revision",
-        "dtype",
-        "layout",
-        "device",
-        "tp_rank",
-        "tp_size",
-        "pp_rank",
-        "pp_size",
-        "lora",
-        "salt",
-        "extra",
-    )
+    __slots__ = ("model", "revision", "dtype", "layout", "device", "tp_rank", "tp_size", "pp_rank", "pp_size", "lora", "salt", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,7 +34,6 @@ class Namespace(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -73,21 +58,7 @@ class Namespace(_message.Message):
     lora: str
     salt: str
     extra: _containers.ScalarMap[str, str]
-    def __init__(
-        self,
-        model: _Optional[str] = ...,
-        revision: _Optional[str] = ...,
-        dtype: _Optional[str] = ...,
-        layout: _Optional[str] = ...,
-        device: _Optional[str] = ...,
-        tp_rank: _Optional[int] = ...,
-        tp_size: _Optional[int] = ...,
-        pp_rank: _Optional[int] = ...,
-        pp_size: _Optional[int] = ...,
-        lora: _Optional[str] = ...,
-        salt: _Optional[str] = ...,
-        extra: _Optional[_Mapping[str, str]] = ...,
-    ) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., dtype: _Optional[str] = ..., layout: _Optional[str] = ..., device: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Extent(_message.Message):
     __slots__ = ("offset", "length")
@@ -102,24 +73,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = (
-        "server_version",
-        "record_format",
-        "key_scheme",
-        "chunk_tokens",
-        "granularity",
-        "max_chunk_bytes",
-        "piece_bytes",
-        "max_message_bytes",
-        "shm_path",
-        "shm_size",
-        "boot_id",
-        "shm_inode",
-        "lease_ms",
-        "tiers",
-        "auth_required",
-        "native",
-    )
+    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEY_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -152,49 +106,25 @@ class InfoResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[str]
     auth_required: bool
     native: str
-    def __init__(
-        self,
-        server_version: _Optional[str] = ...,
-        record_format: _Optional[int] = ...,
-        key_scheme: _Optional[str] = ...,
-        chunk_tokens: _Optional[int] = ...,
-        granularity: _Optional[int] = ...,
-        max_chunk_bytes: _Optional[int] = ...,
-        piece_bytes: _Optional[int] = ...,
-        max_message_bytes: _Optional[int] = ...,
-        shm_path: _Optional[str] = ...,
-        shm_size: _Optional[int] = ...,
-        boot_id: _Optional[str] = ...,
-        shm_inode: _Optional[int] = ...,
-        lease_ms: _Optional[int] = ...,
-        tiers: _Optional[_Iterable[str]] = ...,
-        auth_required: _Optional[bool] = ...,
-        native: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain")
+    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRANULARITY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     token_ids: bytes
     min_tokens: int
     granularity: int
     namespace: Namespace
     explain: bool
-    def __init__(
-        self,
-        fingerprint: _Optional[bytes] = ...,
-        token_ids: _Optional[bytes] = ...,
-        min_tokens: _Optional[int] = ...,
-        granularity: _Optional[int] = ...,
-        namespace: _Optional[_Union[Namespace, _Mapping]] = ...,
-        explain: _Optional[bool] = ...,
-    ) -> None: ...
+    repeat: bool
+    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ...) -> None: ...
 
 class NamespaceMatch(_message.Message):
     __slots__ = ("fingerprint", "matched_tokens", "namespace")
@@ -204,12 +134,7 @@ class NamespaceMatch(_message.Message):
     fingerprint: bytes
     matched_tokens: int
     namespace: Namespace
-    def __init__(
-        self,
-        fingerprint: _Optional[bytes] = ...,
-        matched_tokens: _Optional[int] = ...,
-        namespace: _Optional[_Union[Namespace, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, fingerprint: _Optional[bytes] = ..., matched_tokens: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
 
 class ChunkMatches(_message.Message):
     __slots__ = ("keys", "start", "tokens", "stored_tokens", "tier", "partial")
@@ -225,26 +150,10 @@ class ChunkMatches(_message.Message):
     stored_tokens: _containers.RepeatedScalarFieldContainer[int]
     tier: _containers.RepeatedScalarFieldContainer[int]
     partial: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(
-        self,
-        keys: _Optional[bytes] = ...,
-        start: _Optional[_Iterable[int]] = ...,
-        tokens: _Optional[_Iterable[int]] = ...,
-        stored_tokens: _Optional[_Iterable[int]] = ...,
-        tier: _Optional[_Iterable[int]] = ...,
-        partial: _Optional[_Iterable[bool]] = ...,
-    ) -> None: ...
+    def __init__(self, keys: _Optional[bytes] = ..., start: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[int]] = ..., partial: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = (
-        "matched_tokens",
-        "total_tokens",
-        "stop",
-        "stop_chunk",
-        "tokens_by_tier",
-        "other_namespaces",
-        "chunks",
-    )
+    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks")
     class TokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -252,7 +161,6 @@ class LookupResponse(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
-
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -267,16 +175,7 @@ class LookupResponse(_message.Message):
     tokens_by_tier: _containers.ScalarMap[int, int]
     other_namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceMatch]
     chunks: ChunkMatches
-    def __init__(
-        self,
-        matched_tokens: _Optional[int] = ...,
-        total_tokens: _Optional[int] = ...,
-        stop: _Optional[str] = ...,
-        stop_chunk: _Optional[int] = ...,
-        tokens_by_tier: _Optional[_Mapping[int, int]] = ...,
-        other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ...,
-        chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -292,9 +191,7 @@ class PutResponse(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     status: PutStatus
     key: bytes
-    def __init__(
-        self, status: _Optional[_Union[PutStatus, str]] = ..., key: _Optional[bytes] = ...
-    ) -> None: ...
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("key",)
@@ -316,25 +213,19 @@ class ReserveRequest(_message.Message):
     CHECKSUM_AT_COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     checksum_at_commit: bool
-    def __init__(
-        self, header: _Optional[bytes] = ..., checksum_at_commit: _Optional[bool] = ...
-    ) -> None: ...
+    def __init__(self, header: _Optional[bytes] = ..., checksum_at_commit: _Optional[bool] = ...) -> None: ...
 
 class ReserveManyRequest(_message.Message):
     __slots__ = ("requests",)
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
-    def __init__(
-        self, requests: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, requests: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ...) -> None: ...
 
 class ReserveManyResponse(_message.Message):
     __slots__ = ("responses",)
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[ReserveResponse]
-    def __init__(
-        self, responses: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, responses: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("status", "reservation_id", "extents", "payload_offset", "expires_ms")
@@ -348,14 +239,7 @@ class ReserveResponse(_message.Message):
     extents: _containers.RepeatedCompositeFieldContainer[Extent]
     payload_offset: int
     expires_ms: int
-    def __init__(
-        self,
-        status: _Optional[_Union[PutStatus, str]] = ...,
-        reservation_id: _Optional[int] = ...,
-        extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...,
-        payload_offset: _Optional[int] = ...,
-        expires_ms: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reservation_id: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "payload_checksum")
@@ -363,9 +247,7 @@ class CommitRequest(_message.Message):
     PAYLOAD_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     payload_checksum: int
-    def __init__(
-        self, reservation_id: _Optional[int] = ..., payload_checksum: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., payload_checksum: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status", "error_code", "error")
@@ -375,28 +257,19 @@ class CommitResponse(_message.Message):
     status: PutStatus
     error_code: int
     error: str
-    def __init__(
-        self,
-        status: _Optional[_Union[PutStatus, str]] = ...,
-        error_code: _Optional[int] = ...,
-        error: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CommitManyRequest(_message.Message):
     __slots__ = ("commits",)
     COMMITS_FIELD_NUMBER: _ClassVar[int]
     commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
-    def __init__(
-        self, commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
 
 class CommitManyResponse(_message.Message):
     __slots__ = ("responses",)
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[CommitResponse]
-    def __init__(
-        self, responses: _Optional[_Iterable[_Union[CommitResponse, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, responses: _Optional[_Iterable[_Union[CommitResponse, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
@@ -414,20 +287,10 @@ class AcquireRequest(_message.Message):
     CLIENT_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     client_verifies: bool
-    def __init__(
-        self, key: _Optional[bytes] = ..., client_verifies: _Optional[bool] = ...
-    ) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = (
-        "found",
-        "lease_id",
-        "header",
-        "extents",
-        "payload_offset",
-        "expires_ms",
-        "use_get",
-    )
+    __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms", "use_get")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -442,16 +305,7 @@ class AcquireResponse(_message.Message):
     payload_offset: int
     expires_ms: int
     use_get: bool
-    def __init__(
-        self,
-        found: _Optional[bool] = ...,
-        lease_id: _Optional[int] = ...,
-        header: _Optional[bytes] = ...,
-        extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ...,
-        payload_offset: _Optional[int] = ...,
-        expires_ms: _Optional[int] = ...,
-        use_get: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ..., use_get: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
@@ -527,9 +381,7 @@ class PinRequest(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pinned: bool
-    def __init__(
-        self, keys: _Optional[_Iterable[bytes]] = ..., pinned: _Optional[bool] = ...
-    ) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("changed",)
@@ -542,24 +394,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = (
-        "name",
-        "level",
-        "capacity_bytes",
-        "used_bytes",
-        "chunks",
-        "hits",
-        "misses",
-        "puts",
-        "evictions",
-        "corrupt",
-        "errors",
-        "rejected",
-        "bytes_in",
-        "bytes_out",
-        "healthy",
-        "detail_json",
-    )
+    __slots__ = ("name", "level", "capacity_bytes", "used_bytes", "chunks", "hits", "misses", "puts", "evictions", "corrupt", "errors", "rejected", "bytes_in", "bytes_out", "healthy", "detail_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -592,44 +427,10 @@ class TierStats(_message.Message):
     bytes_out: int
     healthy: bool
     detail_json: str
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        level: _Optional[int] = ...,
-        capacity_bytes: _Optional[int] = ...,
-        used_bytes: _Optional[int] = ...,
-        chunks: _Optional[int] = ...,
-        hits: _Optional[int] = ...,
-        misses: _Optional[int] = ...,
-        puts: _Optional[int] = ...,
-        evictions: _Optional[int] = ...,
-        corrupt: _Optional[int] = ...,
-        errors: _Optional[int] = ...,
-        rejected: _Optional[int] = ...,
-        bytes_in: _Optional[int] = ...,
-        bytes_out: _Optional[int] = ...,
-        healthy: _Optional[bool] = ...,
-        detail_json: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., level: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., healthy: _Optional[bool] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = (
-        "chunks",
-        "namespaces",
-        "tiers",
-        "pending_writes",
-        "pending_bytes",
-        "write_failures",
-        "lookups",
-        "lookup_tokens",
-        "matched_tokens",
-        "gets",
-        "hits",
-        "puts",
-        "rejected_puts",
-        "active_leases",
-        "uptime_s",
-    )
+    __slots__ = ("chunks", "namespaces", "tiers", "pending_writes", "pending_bytes", "write_failures", "lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts", "active_leases", "uptime_s")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -660,39 +461,10 @@ class StatsResponse(_message.Message):
     rejected_puts: int
     active_leases: int
     uptime_s: int
-    def __init__(
-        self,
-        chunks: _Optional[int] = ...,
-        namespaces: _Optional[int] = ...,
-        tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...,
-        pending_writes: _Optional[int] = ...,
-        pending_bytes: _Optional[int] = ...,
-        write_failures: _Optional[int] = ...,
-        lookups: _Optional[int] = ...,
-        lookup_tokens: _Optional[int] = ...,
-        matched_tokens: _Optional[int] = ...,
-        gets: _Optional[int] = ...,
-        hits: _Optional[int] = ...,
-        puts: _Optional[int] = ...,
-        rejected_puts: _Optional[int] = ...,
-        active_leases: _Optional[int] = ...,
-        uptime_s: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, chunks: _Optional[int] = ..., namespaces: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[int] = ...) -> None: ...
 
 class ChunkInfo(_message.Message):
-    __slots__ = (
-        "key",
-        "fingerprint",
-        "parent",
-        "n_tokens",
-        "raw_size",
-        "dtype",
-        "tiers",
-        "pinned",
-        "created_ms",
-        "last_access_ms",
-        "hits",
-    )
+    __slots__ = ("key", "fingerprint", "parent", "n_tokens", "raw_size", "dtype", "tiers", "pinned", "created_ms", "last_access_ms", "hits")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -715,20 +487,7 @@ class ChunkInfo(_message.Message):
     created_ms: int
     last_access_ms: int
     hits: int
-    def __init__(
-        self,
-        key: _Optional[bytes] = ...,
-        fingerprint: _Optional[bytes] = ...,
-        parent: _Optional[bytes] = ...,
-        n_tokens: _Optional[int] = ...,
-        raw_size: _Optional[int] = ...,
-        dtype: _Optional[str] = ...,
-        tiers: _Optional[_Iterable[int]] = ...,
-        pinned: _Optional[bool] = ...,
-        created_ms: _Optional[int] = ...,
-        last_access_ms: _Optional[int] = ...,
-        hits: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., raw_size: _Optional[int] = ..., dtype: _Optional[str] = ..., tiers: _Optional[_Iterable[int]] = ..., pinned: _Optional[bool] = ..., created_ms: _Optional[int] = ..., last_access_ms: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("fingerprint", "page_size", "page_token", "tier", "pinned_only")
@@ -742,14 +501,7 @@ class ListRequest(_message.Message):
     page_token: str
     tier: int
     pinned_only: bool
-    def __init__(
-        self,
-        fingerprint: _Optional[bytes] = ...,
-        page_size: _Optional[int] = ...,
-        page_token: _Optional[str] = ...,
-        tier: _Optional[int] = ...,
-        pinned_only: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, fingerprint: _Optional[bytes] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., tier: _Optional[int] = ..., pinned_only: _Optional[bool] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("chunks", "next_page_token")
@@ -757,11 +509,7 @@ class ListResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkInfo]
     next_page_token: str
-    def __init__(
-        self,
-        chunks: _Optional[_Iterable[_Union[ChunkInfo, _Mapping]]] = ...,
-        next_page_token: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class NamespacesRequest(_message.Message):
     __slots__ = ()
@@ -777,18 +525,10 @@ class NamespaceInfo(_message.Message):
     chunks: int
     bytes: int
     namespace: Namespace
-    def __init__(
-        self,
-        fingerprint: _Optional[bytes] = ...,
-        chunks: _Optional[int] = ...,
-        bytes: _Optional[int] = ...,
-        namespace: _Optional[_Union[Namespace, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, fingerprint: _Optional[bytes] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
 
 class NamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(
-        self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
