@@ -32,7 +32,7 @@ from kvstore.connectors.vllm_private import PrivateServer, open_private, sweep_e
 from kvstore import Client
 from kvstore.errors import ConfigError
 from kvstore.keys import ROOT, Namespace
-from tests.server.conftest import KVServer
+from kvstore.testing.server import KVServer
 
 CFG = ConnectorConfig(memory_capacity="64MiB", disk_capacity="64MiB")
 NS = Namespace(model="tiny", dtype="float32", layout="block16")

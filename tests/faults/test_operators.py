@@ -35,8 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import kvstore
 from kvstore.errors import ConfigError, InvalidArgument, KVStoreError
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
+from kvstore.testing.server import KVServer
 from tests.helpers import payload_bytes
-from tests.server.conftest import KVServer
 
 MiB = 1 << 20
 NOBODY = 65534

@@ -16,8 +16,8 @@ import numpy as np
 
 import kvstore
 from kvstore.keys import ROOT, Namespace
+from kvstore.testing.server import KVServer
 from server.tenants import MAX_NAMESPACES_PER_TENANT, Tenants
-from tests.server.conftest import KVServer
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
 
