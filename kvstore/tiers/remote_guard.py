@@ -44,14 +44,16 @@ DOMAIN = b"kvstore-remote-record-v1\x00"  # so the key's MACs mean nothing anywh
 
 # What an operator should look at, by the first word of the server's error reply.
 _HINTS = {
-    "WRONGTYPE": "a key under this prefix holds a value kvstore did not write "
-    "(another application using the same prefix?)",
+    "WRONGTYPE": "a key under this prefix holds a value kvstore did not write: "
+    "another application using the same prefix?",
     "NOREPLICAS": "the server's min-replicas-to-write is not met",
     "READONLY": "the URL names a read-only replica",
     "NOPERM": "the ACL user may not run this command or touch this key",
     "OOM": "maxmemory reached with a noeviction policy",
 }
 _REPLY = re.compile(r"\b(" + "|".join(_HINTS) + r")\b")
+# The client libraries turn some replies into classes and drop the reply's first word.
+_BY_CLASS = {"ReadOnlyError": "READONLY", "NoPermissionError": "NOPERM", "OutOfMemoryError": "OOM"}
 
 
 class Refused(TierError):
@@ -106,7 +108,7 @@ class Refusals:
         """An error reply to ``op`` (any command): count it, log it (rate-limited)."""
         text = f"{type(error).__name__}: {error}"
         found = _REPLY.search(str(error))  # pipelines put "Command # n (...)" before it
-        word = found.group(1) if found else "other"
+        word = _BY_CLASS.get(type(error).__name__) or (found.group(1) if found else "other")
         hint = _HINTS.get(word, "the server answered with an error")
         with self._lock:
             self.count += 1

@@ -141,6 +141,26 @@ def test_foreign_value_under_a_bookkeeping_key_is_a_refusal(
         assert tier.stats().healthy and tier.get(h.key) is not None
 
 
+@pytest.mark.parametrize("how", ["read-only replica", "ACL without SET"])
+def test_replica_and_acl_refusals_degrade_with_a_hint(
+    solo: RedisServer, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "kvstore.tiers.remote")
+    with RedisServer(solo.flavor) as other:
+        if how == "read-only replica":
+            other.cli("REPLICAOF", "127.0.0.1", str(solo.port))
+            url, hint = other.url, "read-only replica"
+        else:
+            solo.cli("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all", "-set")
+            url, hint = f"{solo.flavor}://kv:pw@127.0.0.1:{solo.port}", "ACL user may not"
+        with make_tier(url) as tier:
+            assert tier.put(*record(seed=315)[:2]) is PutStatus.UNAVAILABLE
+            s = tier.stats()
+            assert not s.healthy and s.detail["writes_refused"] == 1, s.detail
+        assert any(hint in w for w in _warnings(caplog)), _warnings(caplog)
+        assert all(":pw@" not in w for w in _warnings(caplog)), "passwords stay hidden"
+
+
 def test_foreign_value_under_a_record_key_is_corrupt_and_replaced(backend: Backend) -> None:
     with make_tier(backend.url) as tier:
         reported: list[bytes] = []
