@@ -290,6 +290,7 @@ class RemoteTier(Tier):
             return int(value or 0)
         except ValueError:
             e = ValueError(f"{self._used} holds {bytes(value)[:32]!r}, not a byte count")
+            self._count(errors=1)
             self._refusals.saw("put", e)
             raise Refused(f"remote put refused: {e}") from e
 
