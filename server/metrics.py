@@ -101,6 +101,16 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(
             "kvstore_store_pending_bytes", "Bytes of queued write-downs", value=s.pending_bytes
         )
+        # Every figure of each tier's detail (refusals, forged records, the retry backlog,
+        # internal reads, ...): a new counter in a tier reaches the metrics without a change here.
+        g = GaugeMetricFamily(
+            "kvstore_tier_detail", "A figure of the tier's Stats detail", labels=["tier", "name"]
+        )
+        for t in s.tiers:
+            for key, value in sorted(t.detail.items()):
+                if isinstance(value, int | float):  # bools too: degraded, verify_reads
+                    g.add_metric([t.name, key], float(value))
+        yield g
         detail = s.tiers[0].detail if s.tiers else {}
         for key in ("active_leases", "reservations", "pages_used", "pages_total"):
             value = detail.get(key)

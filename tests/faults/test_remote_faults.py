@@ -72,12 +72,16 @@ def _remote(c: kvstore.Client) -> Any:
     return next(t for t in c.stats().tiers if t.name == "remote")
 
 
-def _metric_healthy(port: int) -> float:
+def _metric(port: int, prefix: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith('kvstore_tier_healthy{tier="remote"}'):
+            if line.startswith(prefix):
                 return float(line.split()[-1])
-    raise AssertionError("no kvstore_tier_healthy metric for the remote tier")
+    raise AssertionError(f"no metric {prefix} at /metrics")
+
+
+def _metric_healthy(port: int) -> float:
+    return _metric(port, 'kvstore_tier_healthy{tier="remote"}')
 
 
 def _reaches_remote(c: kvstore.Client, tag: str) -> bool:
@@ -266,6 +270,9 @@ def test_redis_refusing_writes(
                 "Stats to report the refusing remote tier degraded",
             )
             metric_down = _metric_healthy(port)
+            refused_metric = _metric(
+                port, 'kvstore_tier_detail{name="writes_refused",tier="remote"}'
+            )
             before = _remote(c).detail
             time.sleep(REFUSING_S)  # 30 sweeps, each of which retried the backlog before
             during = _remote(c).detail
@@ -304,6 +311,7 @@ def test_redis_refusing_writes(
         )
         assert lost == 0 and wrong == 0, (lost, wrong)
         assert metric_down == 0.0 and metric_up == 1.0, (metric_down, metric_up)
+        assert refused_metric > 0, "refused writes do not reach /metrics"
         assert during["refused"] > 0 and during["last_refusal"], during
         # Before: every sweep re-read, re-encoded and re-sent up to 256 refused copies.
         assert tries <= REFUSING_S / 0.5 + 2, f"{tries} tries in {REFUSING_S} s: {during}"
