@@ -81,8 +81,8 @@ def copy_bandwidth() -> list[dict[str, Any]]:
     import numpy as np
     import torch
 
+    from kvstore.arena import ArenaView
     from kvstore.config import MemoryConfig
-    from kvstore.tiers.arena import ArenaView
     from kvstore.tiers.memory import MemoryTier
 
     records: list[dict[str, Any]] = []

@@ -221,7 +221,7 @@ def _gbs(nbytes: int, seconds: list[float]) -> float:
 # -- 1. shared memory vs memcpy ---------------------------------------------------------------
 def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> list[Record]:
     import kvstore
-    from kvstore.tiers.base import PutStatus
+    from kvstore.types import PutStatus
 
     out = []
     with kvstore.Client(s.unix, shm=True, timeout=60) as c:

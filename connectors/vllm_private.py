@@ -47,7 +47,8 @@ from vllm.logger import init_logger
 
 from kvstore.config import DiskConfig
 from kvstore.errors import KVStoreError
-from kvstore.wire import default_socket_path
+from kvstore.protocol import default_socket_path
+from kvstore.sockets import untrusted_reason
 
 log = init_logger("vllm.kvstore.connector")
 

@@ -19,8 +19,8 @@ from vllm.logger import init_logger
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
-from kvstore.lookup import LookupResult
 from kvstore.records import RecordHeader
+from kvstore.types import LookupResult
 
 log = init_logger("vllm.kvstore.connector")
 

@@ -37,7 +37,7 @@ from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_byte
 from kvstore.records import make_header
 from kvstore.sdk import unsealed_header
 from kvstore.shm import Reservation
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 
 log = init_logger("vllm.kvstore.connector")
 

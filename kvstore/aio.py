@@ -25,9 +25,16 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvstore.arena import ArenaView, as_u8
 from kvstore.errors import KVStoreError, NamespaceNotRegistered
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.lookup import LookupResult
+from kvstore.protocol import (
+    SERVICE_NAME,
+    chunk_from_pb,
+    lookup_from_pb,
+    stats_from_pb,
+    status_from_pb,
+)
 from kvstore.records import RecordHeader, parse_header
 from kvstore.sdk import (
     GET_METHOD,
@@ -40,21 +47,10 @@ from kvstore.sdk import (
     chunk_header,
 )
 from kvstore.shm import Lease
-from kvstore.store import ChunkView, StoreStats
-from kvstore.tiers.arena import ArenaView, as_u8
-from kvstore.tiers.base import PutStatus
+from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import (
-    SERVICE_NAME,
-    NamespaceInfo,
-    ServerInfo,
-    chunk_from_pb,
-    info_from_pb,
-    lookup_from_pb,
-    stats_from_pb,
-    status_from_pb,
-)
+from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
 
 log = logging.getLogger("kvstore.client")
 

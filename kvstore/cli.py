@@ -412,7 +412,7 @@ def cmd_stats(args: argparse.Namespace) -> Doc:
 def cmd_info(args: argparse.Namespace) -> Doc:
     import dataclasses
 
-    from kvstore.wire import boot_id
+    from kvstore.protocol import boot_id
 
     with _client(args) as c:
         info = c.info()

@@ -137,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
     import numpy as np
 
     from kvstore.keys import ROOT
-    from kvstore.tiers.base import PutStatus
+    from kvstore.types import PutStatus
 
     size, count = args.size, args.count
     from kvstore.client import Client

@@ -40,10 +40,17 @@ import grpc
 import numpy as np
 import xxhash
 
+from kvstore.arena import ArenaView, as_u8
 from kvstore.client_writes import InPlaceWrites
 from kvstore.errors import KVStoreError, NamespaceNotRegistered, NotFound
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.lookup import LookupResult
+from kvstore.protocol import (
+    SERVICE_NAME,
+    chunk_from_pb,
+    lookup_from_pb,
+    stats_from_pb,
+    status_from_pb,
+)
 from kvstore.records import RecordHeader, parse_header
 from kvstore.sdk import (
     GET_METHOD,
@@ -59,21 +66,10 @@ from kvstore.sdk import (
     parse_url,
 )
 from kvstore.shm import Lease, Reservation, prefault
-from kvstore.store import ChunkView, StoreStats
-from kvstore.tiers.arena import ArenaView, as_u8
-from kvstore.tiers.base import PutStatus
+from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import (
-    SERVICE_NAME,
-    NamespaceInfo,
-    ServerInfo,
-    chunk_from_pb,
-    info_from_pb,
-    lookup_from_pb,
-    stats_from_pb,
-    status_from_pb,
-)
+from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
 
 __all__ = [
     "Client",

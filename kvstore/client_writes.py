@@ -15,14 +15,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstore.arena import ArenaView
 from kvstore.errors import InvalidArgument, KVStoreError, ServerError
+from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
 from kvstore.sdk import LEASE_MARGIN
 from kvstore.shm import Reservation
-from kvstore.tiers.arena import ArenaView
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import MAX_RESERVE_BATCH, error_from_code, status_from_pb
+from kvstore.wire import error_from_code
 
 T = TypeVar("T")
 

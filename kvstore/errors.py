@@ -9,7 +9,8 @@ Every class carries the gRPC status a server answers with when it escapes a call
 (``code``, a ``grpc.StatusCode`` name: this module stays free of grpc), and where
 the code alone does not say which class it was, a ``reason`` sent beside it in the
 call's trailing metadata. ``client_class`` is the one table back: the class a client
-raises for a status. ``kvstore.wire`` does the gRPC half of both directions.
+raises for a status. ``kvstore.protocol`` (what a server sends) and ``kvstore.wire``
+(what a client reads back) do the gRPC half.
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ comparison per sibling at the stopping point. Nothing scales with store size.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -33,13 +32,13 @@ from kvstore.keys import (
     ROOT,
     ChunkKey,
     Fingerprint,
-    Namespace,
     chunk_prefix,
     common_units,
     family,
     sub_hashes,
     token_view,
 )
+from kvstore.types import ChunkMatch, LookupResult
 
 
 class RemoteView(Protocol):
@@ -50,49 +49,6 @@ class RemoteView(Protocol):
     def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
         """Stored children of ``parent`` in namespace ``fingerprint``, with their token ids."""
         ...
-
-
-class ChunkMatch(NamedTuple):
-    """One stored chunk that serves part of the prompt (a tuple: a lookup makes hundreds)."""
-
-    key: ChunkKey
-    start: int  # offset of the chunk's first token in the prompt
-    tokens: int  # tokens of the prompt it serves (fewer than stored when partial)
-    stored_tokens: int  # tokens the stored chunk holds
-    tier: int  # the fastest tier that holds it: 1 memory, 2 disk, 3 remote
-    partial: bool  # True when only a prefix of the stored chunk matches
-
-
-STOP_REASONS = (
-    "complete",  # every token of the prompt matched
-    "not_stored",  # the next chunk was never stored (or was evicted long ago)
-    "evicted",  # the next chunk was evicted from every tier
-    "corrupt",  # the next chunk failed verification and was deleted
-    "deleted",  # the next chunk was deleted by a user
-    "diverged",  # a stored sibling shares only part of the next chunk
-    "below_min_tokens",  # a match was found but is shorter than min_tokens
-    "granularity",  # the match was cut to whole units of the requested granularity
-)
-
-
-@dataclass(frozen=True)
-class NamespaceMatch:
-    """Another namespace holding more of the same tokens (a lookup with ``explain``)."""
-
-    fingerprint: Fingerprint
-    matched_tokens: int
-    namespace: Namespace | None = None  # when a client described it
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    matched_tokens: int
-    total_tokens: int
-    chunks: tuple[ChunkMatch, ...] = ()
-    stop: str = "not_stored"  # one of STOP_REASONS: why matching ended where it did
-    stop_chunk: int = -1  # index of the chunk where matching ended; -1 when complete
-    by_tier: dict[int, int] = field(default_factory=dict)  # matched tokens per tier
-    other_namespaces: tuple[NamespaceMatch, ...] = ()  # explain: namespaces that match more
 
 
 # ChunkMatch rows built in C from columns: the NamedTuple constructor is Python code.

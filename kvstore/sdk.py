@@ -22,28 +22,26 @@ import grpc
 import numpy as np
 import xxhash
 
+from kvstore.arena import ArenaView, as_u8
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, KVStoreError, ServerError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
-from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
-from kvstore.shm import prefault
-from kvstore.sockets import untrusted_reason
-from kvstore.tiers.arena import ArenaView, as_u8
-from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import (
+from kvstore.protocol import (
     AUTH_HEADER,
     DEFAULT_PORT,
     SERVICE_NAME,
     SESSION_HEADER,
-    NamespaceInfo,
-    ServerInfo,
     boot_id,
-    error_from_rpc,
     frame,
     namespace_from_pb,
     namespace_to_pb,
     unframe,
 )
+from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
+from kvstore.shm import prefault
+from kvstore.sockets import untrusted_reason
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire import NamespaceInfo, ServerInfo, error_from_rpc
 
 log = logging.getLogger("kvstore.client")
 
@@ -64,7 +62,7 @@ class Endpoint:
 
 def parse_url(url: str | None = None) -> Endpoint:
     """grpc://host[:port], grpcs://host[:port], unix:///path, or a bare host:port."""
-    from kvstore.wire import default_socket_path
+    from kvstore.protocol import default_socket_path
 
     url = url or os.environ.get("KVSTORE_URL") or f"unix://{default_socket_path()}"
     if url.startswith("unix://") or url.startswith("unix:"):
@@ -92,7 +90,7 @@ def check_default_socket(ep: Endpoint) -> None:
     write to it, can listen there and receive this client's token and KV. An explicit
     socket path is the operator's choice (the server checks its own side of it).
     """
-    from kvstore.wire import default_socket_path
+    from kvstore.protocol import default_socket_path
 
     if not ep.target.startswith("unix:"):
         return
@@ -363,7 +361,7 @@ class ClientBase:
         return src
 
     def _put_frames(self, header: RecordHeader, src: np.ndarray) -> Iterator[bytes]:
-        """Put messages as raw frames (kvstore.wire.frame): one copy of each piece."""
+        """Put messages as raw frames (kvstore.protocol.frame): one copy of each piece."""
         yield frame(1, header.pack())
         piece = self._info.piece_bytes if self._info else 1 << 20
         mv = src.data

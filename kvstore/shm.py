@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.arena import ArenaView, as_u8, spans
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.records import RecordHeader
-from kvstore.tiers.arena import ArenaView, as_u8, spans
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 
 
 class Lease:

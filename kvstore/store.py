@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,48 +24,14 @@ from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.index import Entry, Index, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
-from kvstore.lookup import LookupResult, RemoteView, lookup
+from kvstore.lookup import RemoteView, lookup
 from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
-from kvstore.tiers.base import PutStatus, Tier, TierStats, copy_into
+from kvstore.tiers.base import Tier, copy_into
 from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
+from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.writer import Backlog, Job, WriteDown
 
 log = logging.getLogger("kvstore.store")
-
-
-@dataclass(frozen=True)
-class ChunkView:
-    """A chunk as the store knows it, for inspection (``kvstore ls``)."""
-
-    key: ChunkKey
-    fingerprint: Fingerprint
-    parent: ChunkKey
-    n_tokens: int
-    raw_size: int
-    dtype: str
-    tiers: tuple[int, ...]
-    pinned: bool
-    created_ms: int
-    last_access_ms: int
-    hits: int
-
-
-@dataclass
-class StoreStats:
-    chunks: int
-    namespaces: int
-    tiers: list[TierStats]
-    pending_writes: int = 0
-    pending_bytes: int = 0
-    write_failures: int = 0
-    lookups: int = 0
-    lookup_tokens: int = 0
-    matched_tokens: int = 0
-    gets: int = 0
-    hits: int = 0
-    puts: int = 0
-    rejected_puts: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class TieredStore:

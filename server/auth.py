@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.wire import AUTH_HEADER
+from kvstore.protocol import AUTH_HEADER
 
 log = logging.getLogger("kvstore.server.auth")
 

@@ -26,7 +26,7 @@ from kvstore.config import (
     read_toml,
 )
 from kvstore.errors import ConfigError
-from kvstore.wire import DEFAULT_PORT, default_socket_path
+from kvstore.protocol import DEFAULT_PORT, default_socket_path
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")

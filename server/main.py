@@ -28,8 +28,8 @@ from typing import Any
 from kvstore import __version__
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.protocol import default_socket_path
 from kvstore.sockets import untrusted_reason
-from kvstore.wire import default_socket_path
 
 from . import logs
 from .config import ServerConfig, load, parse_address
@@ -314,7 +314,7 @@ def _start(
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from kvstore.wire import SERVICE_NAME
+    from kvstore.protocol import SERVICE_NAME
 
     from .auth import TokenAuth
     from .streams import add_to_server

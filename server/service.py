@@ -2,7 +2,7 @@
 
 Every method runs under ``_rpc``: it counts and times the call, refuses new calls
 while the server shuts down, and turns any exception into a gRPC status with a
-message saying what was wrong (``kvstore.wire.status_of``); an unexpected
+message saying what was wrong (``kvstore.protocol.status_of``); an unexpected
 exception is logged with its traceback and returned as INTERNAL. No request can
 take the server down.
 
@@ -36,13 +36,8 @@ from kvstore.errors import (
     ResourceExhausted,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
-from kvstore.lookup import NamespaceMatch, lookup
-from kvstore.records import DTYPES, FORMAT_VERSION, Codec, RecordHeader, parse_header
-from kvstore.store import ChunkView, TieredStore
-from kvstore.tiers.base import PutStatus
-from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import (
+from kvstore.lookup import lookup
+from kvstore.protocol import (
     MAX_RESERVE_BATCH,
     SESSION_HEADER,
     boot_id,
@@ -56,6 +51,11 @@ from kvstore.wire import (
     status_to_pb,
     unframe,
 )
+from kvstore.records import DTYPES, FORMAT_VERSION, Codec, RecordHeader, parse_header
+from kvstore.store import TieredStore
+from kvstore.types import ChunkView, NamespaceMatch, PutStatus
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 from .config import ServerConfig
 from .holds import Holds

@@ -1,6 +1,6 @@
 """The remote data plane: Put and Get streams, and how the service is registered.
 
-Put and Get move payloads as raw frames (``kvstore.wire.frame``): the servicer
+Put and Get move payloads as raw frames (``kvstore.protocol.frame``): the servicer
 gets each Put message as bytes and writes the payload straight from it into a
 reservation in the L1 arena; Get reads a leased record out of the arena straight
 into each frame. A payload is copied once on its way between the socket buffer
@@ -24,15 +24,15 @@ from typing import Any
 import grpc
 import xxhash
 
+from kvstore.arena import spans
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import ChunkKey
+from kvstore.protocol import frame, unframe
 from kvstore.records import RecordHeader, parse_header
 from kvstore.store import TieredStore
-from kvstore.tiers.arena import spans
-from kvstore.tiers.base import PutStatus
 from kvstore.tiers.memory import Reservation
+from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import frame, unframe
 
 log = logging.getLogger("kvstore.server")
 
@@ -315,9 +315,9 @@ def add_to_server(servicer: Any, server: grpc.Server) -> None:
         request: Callable[[bytes], Any] | None = _parser(getattr(pb, m.input_type.name))
         response = getattr(pb, m.output_type.name).SerializeToString
         if m.name == "Put":
-            request = None  # the servicer reads frames: kvstore.wire.unframe
+            request = None  # the servicer reads frames: kvstore.protocol.unframe
         if m.name == "Get":
-            response = _serialize  # the servicer yields frames: kvstore.wire.frame
+            response = _serialize  # the servicer yields frames: kvstore.protocol.frame
         make = kinds[(m.client_streaming, m.server_streaming)]
         handlers[m.name] = make(
             getattr(servicer, m.name), request_deserializer=request, response_serializer=response

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping
 
 from kvstore.errors import ConfigError, NamespaceNotRegistered, PermissionDenied
 from kvstore.keys import Fingerprint, Namespace
-from kvstore.wire import AUTH_HEADER
+from kvstore.protocol import AUTH_HEADER
 
 log = logging.getLogger("kvstore.server")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -25,11 +25,12 @@ import kvstore
 from kvstore import errors
 from kvstore.client import chunk_header
 from kvstore.keys import ROOT, Namespace
+from kvstore.protocol import ERROR_REASON_HEADER, error_trailers, status_of
 from kvstore.testing.server import KVServer
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import ERROR_REASON_HEADER, error_from_status, error_trailers, status_of
+from kvstore.wire import error_from_status
 from tests.server.helpers import payload, tokens
 
 

@@ -13,7 +13,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, Namespace
 from kvstore.records import make_header, parse_header
 from kvstore.store import TieredStore
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from tests.helpers import FP, make_chain, make_chunk
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -31,50 +31,16 @@ Contract, for every tier:
 
 from __future__ import annotations
 
-import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Self
 
 from kvstore.errors import InvalidArgument, StoreClosed
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader, decode_payload, verify
-
-
-class PutStatus(enum.Enum):
-    STORED = "stored"  # the record is now in the tier
-    EXISTS = "exists"  # the key was already there; nothing changed
-    FULL = "full"  # no room could be made (everything left is pinned or in use)
-    TOO_LARGE = "too_large"  # the record is larger than the tier's whole capacity
-    UNAVAILABLE = "unavailable"  # a remote tier is down; the write was skipped
-
-    @property
-    def ok(self) -> bool:
-        return self in (PutStatus.STORED, PutStatus.EXISTS)
-
-
-@dataclass
-class TierStats:
-    """Counters of one tier. ``used_bytes`` counts stored record bytes."""
-
-    name: str
-    level: int
-    capacity_bytes: int
-    used_bytes: int = 0
-    chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    evictions: int = 0
-    corrupt: int = 0  # records that failed verification (each deleted)
-    errors: int = 0  # backend calls that failed
-    rejected: int = 0  # puts refused as FULL, TOO_LARGE or UNAVAILABLE
-    bytes_in: int = 0
-    bytes_out: int = 0
-    healthy: bool = True
-    detail: dict[str, object] = field(default_factory=dict)
+from kvstore.types import PutStatus, TierStats
 
 
 @dataclass(frozen=True)

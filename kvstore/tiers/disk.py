@@ -64,7 +64,7 @@ from kvstore.records import (
     transcode_parts,
     verify,
 )
-from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+from kvstore.tiers.base import ChunkInfo, Tier
 from kvstore.tiers.disk_format import (
     DATA_FILE,
     META_FIXED,
@@ -77,6 +77,7 @@ from kvstore.tiers.disk_format import (
     pack_meta,
     parse_meta,
 )
+from kvstore.types import PutStatus, TierStats
 
 log = logging.getLogger(__name__)
 

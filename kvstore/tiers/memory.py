@@ -3,7 +3,7 @@
 The arena is one file (``/dev/shm/kvstore-<pid>-<hex>`` unless ``config.path``
 says otherwise), mapped by this process and, by path, by same-host clients. It
 is cut into ``config.page_bytes`` pages; a record (packed header, then the RAW
-payload) occupies one or more extents (``kvstore.tiers.arena``). The index
+payload) occupies one or more extents (``kvstore.arena``). The index
 (key -> extents, LRU order, pins, leases) lives only in this process: L1 is
 volatile and starts empty.
 
@@ -62,12 +62,7 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
-from kvstore.clock import Clock, monotonic, wall_ms
-from kvstore.config import MemoryConfig
-from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
-from kvstore.keys import ChunkKey
-from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
-from kvstore.tiers.arena import (
+from kvstore.arena import (
     ArenaView,
     Extent,
     LeaseError,
@@ -79,7 +74,13 @@ from kvstore.tiers.arena import (
     flat_view,
     remove_stale_arenas,
 )
-from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+from kvstore.clock import Clock, monotonic, wall_ms
+from kvstore.config import MemoryConfig
+from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
+from kvstore.keys import ChunkKey
+from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
+from kvstore.tiers.base import ChunkInfo, Tier
+from kvstore.types import PutStatus, TierStats
 
 __all__ = ["LeaseError", "MemoryTier", "ReadLease", "Reservation"]
 

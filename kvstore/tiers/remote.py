@@ -82,7 +82,7 @@ from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, TierErro
 from kvstore.keys import KEY_BYTES, ROOT, ChunkKey, Fingerprint, chunk_key
 from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
 from kvstore.retry import BreakerState, CircuitBreaker, Retry
-from kvstore.tiers.base import ChunkInfo, PutStatus, Tier, TierStats
+from kvstore.tiers.base import ChunkInfo, Tier
 from kvstore.tiers.remote_client import client_classes, parse_url, redact
 from kvstore.tiers.remote_guard import (
     ForgedRecord,
@@ -92,6 +92,7 @@ from kvstore.tiers.remote_guard import (
     Refused,
     open_value,
 )
+from kvstore.types import PutStatus, TierStats
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
 from kvstore.testing.server import KVServer
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Physical orders vLLM uses: CPU_ATTN's contiguous LBHNC, CUDA FlashAttention's LBNHC

@@ -23,7 +23,7 @@ import kvstore
 from kvstore.keys import ROOT, Namespace, chunk_key, tokens_to_bytes
 from kvstore.testing.mix import Mix, MixConfig, payload_for
 from kvstore.testing.server import KVServer
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from tests.faults.test_crash import _verify_everything
 
 ARGS = ["--chunk-tokens", "16", "--granularity", "4", "--log-level", "error"]

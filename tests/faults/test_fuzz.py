@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 
 import kvstore
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
+from kvstore.protocol import SERVICE_NAME, frame
 from kvstore.records import DTYPES, Codec, RecordHeader
 from kvstore.testing.mix import payload_for
 from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import SERVICE_NAME, frame
 
 EXAMPLES = 60  # per RPC (and per kind of raw input)
 OK_CODES = {

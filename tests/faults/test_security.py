@@ -22,11 +22,11 @@ import kvstore
 from kvstore.client import chunk_header
 from kvstore.errors import KVStoreError, ServerUnavailable, Unauthenticated
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
+from kvstore.protocol import SERVICE_NAME
 from kvstore.testing.mix import payload_for
 from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import SERVICE_NAME
 from tests.server.test_security import _self_signed
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"

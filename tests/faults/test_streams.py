@@ -19,10 +19,10 @@ import pytest
 
 import kvstore
 from kvstore.keys import ROOT, ChunkKey
+from kvstore.protocol import SERVICE_NAME, frame, unframe
 from kvstore.records import parse_header
 from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import SERVICE_NAME, frame, unframe
 from tests.server.helpers import chunk_header_for, memory_detail, namespace, payload, tokens
 
 BPT = 4096  # bytes per token: a 64-token chunk is 256 KiB

@@ -12,7 +12,7 @@ import kvstore
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ROOT
 from kvstore.testing.server import KVServer
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from tests.server.helpers import memory_detail, namespace, payload, put_chain, shape_for, tokens
 
 MiB = 1 << 20
@@ -282,7 +282,7 @@ def test_commit_refuses_bytes_that_do_not_match_a_checksum_given_up_front(
 def _stored_then_changed(c: kvstore.Client, tag: str, data: np.ndarray, at: int) -> bytes:
     """Store ``data`` as a chunk, then change its byte ``at`` in the arena, as a rogue
     writer on the host would; the chunk's key."""
-    from kvstore.tiers.arena import ArenaView
+    from kvstore.arena import ArenaView
 
     key, status = c.put_chunk(
         namespace(tag, 4096), ROOT, tokens(256), data, "bfloat16", shape_for(256, 4096)

@@ -15,7 +15,7 @@ import kvstore
 from kvstore.errors import ServerUnavailable, Unauthenticated
 from kvstore.keys import ROOT
 from kvstore.testing.server import KVServer, clean_env
-from kvstore.tiers.base import PutStatus
+from kvstore.types import PutStatus
 from tests.server.helpers import namespace, payload, tokens
 
 

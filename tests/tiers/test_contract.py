@@ -20,7 +20,8 @@ from kvstore.errors import StoreClosed
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import Codec, parse_header, verify
 from kvstore.testing.redis import RedisServer, ServerCluster
-from kvstore.tiers.base import PutStatus, Tier
+from kvstore.tiers.base import Tier
+from kvstore.types import PutStatus
 from tests.helpers import FP, make_chain, make_chunk
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -36,7 +37,7 @@ class Harness:
 
 
 def _flip_memory(tier: Tier, key: ChunkKey) -> None:
-    from kvstore.tiers.arena import ArenaView
+    from kvstore.arena import ArenaView
 
     lease = tier.acquire(key)  # type: ignore[attr-defined]
     assert lease is not None

@@ -25,8 +25,8 @@ from kvstore.config import DiskConfig, KiB, MiB
 from kvstore.errors import StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.records import Codec, RecordHeader, encode, make_header, verify
-from kvstore.tiers.base import PutStatus
 from kvstore.tiers.disk import DiskTier
+from kvstore.types import PutStatus
 from tests.helpers import FP, make_chunk
 
 REPO = str(Path(__file__).resolve().parents[2])

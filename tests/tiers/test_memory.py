@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.arena import ArenaView, Extent, PageAllocator, spans
 from kvstore.clock import FakeClock
 from kvstore.config import MemoryConfig
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, StoreClosed, TierError
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, encode_payload, make_header, verify
-from kvstore.tiers.arena import ArenaView, Extent, PageAllocator, spans
-from kvstore.tiers.base import PutStatus
 from kvstore.tiers.memory import LeaseError, MemoryTier, ReadLease, Reservation
+from kvstore.types import PutStatus
 
 PAGE = 4096
 FP = Namespace(model="test-l1").fingerprint
@@ -550,7 +550,7 @@ def test_delete_while_leased_frees_pages_on_release(make_tier: Callable[..., Mem
 CHILD = r"""
 import json, sys
 import numpy as np, xxhash
-from kvstore.tiers.arena import ArenaView
+from kvstore.arena import ArenaView
 a = json.loads(sys.argv[1])
 with ArenaView.open(a["path"], a["size"]) as view:
     got = bytearray(a["read_len"])

@@ -23,9 +23,9 @@ from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierUnavai
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, decode_payload, encode, verify
 from kvstore.testing.redis import RedisServer, ServerCluster, available, free_port
-from kvstore.tiers.base import PutStatus
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote_client import parse_url, redact
+from kvstore.types import PutStatus
 
 BACKENDS = ["redis", "valkey", "valkey-cluster"]
 FP = Namespace("test/model", dtype="float16").fingerprint

@@ -22,9 +22,9 @@ from kvstore.config import RemoteConfig
 from kvstore.errors import ConfigError
 from kvstore.records import encode, verify
 from kvstore.testing.redis import RedisServer, ServerCluster
-from kvstore.tiers.base import PutStatus
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote_guard import TRAILER_BYTES, TRAILER_TAG
+from kvstore.types import PutStatus
 from tests.tiers.test_remote import BACKENDS, FP, Backend, config, make_tier, raw_client, record
 from tests.tiers.test_remote import pytestmark as pytestmark  # needs both servers
 

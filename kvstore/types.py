@@ -1,0 +1,155 @@
+"""Values both sides of the wire share: put outcomes, lookup results, stats, tier levels.
+
+Part of the core (no I/O, no other layer): the engine produces these, the server
+maps them onto the wire (``kvstore.protocol``), and the SDK maps them back, so a
+client on a laptop uses the same types without importing the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvstore.keys import ChunkKey, Fingerprint, Namespace
+
+
+class TierLevel(enum.IntEnum):
+    """The tiers by level; each tier class takes its ``level`` and ``name`` from here."""
+
+    MEMORY = 1  # L1: the shared-memory arena
+    DISK = 2  # L2: LMDB
+    REMOTE = 3  # L3: Redis or Valkey
+
+    @property
+    def label(self) -> str:
+        """The tier's name as Stats, the CLI and the metrics show it ("memory", ...)."""
+        return self.name.lower()
+
+    @classmethod
+    def named(cls, name: str) -> TierLevel:
+        """The level of a tier name; ValueError naming the allowed ones."""
+        for t in cls:
+            if t.label == name:
+                return t
+        raise ValueError(f"unknown tier {name!r}; allowed: {', '.join(t.label for t in cls)}")
+
+
+def tier_label(level: int) -> str:
+    """The name of a tier level, or ``L<level>`` for one this version does not know."""
+    try:
+        return TierLevel(level).label
+    except ValueError:
+        return f"L{level}"
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"  # the record is now in the tier
+    EXISTS = "exists"  # the key was already there; nothing changed
+    FULL = "full"  # no room could be made (everything left is pinned or in use)
+    TOO_LARGE = "too_large"  # the record is larger than the tier's whole capacity
+    UNAVAILABLE = "unavailable"  # a remote tier is down; the write was skipped
+
+    @property
+    def ok(self) -> bool:
+        return self in (PutStatus.STORED, PutStatus.EXISTS)
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. ``used_bytes`` counts stored record bytes."""
+
+    name: str
+    level: int
+    capacity_bytes: int
+    used_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    corrupt: int = 0  # records that failed verification (each deleted)
+    errors: int = 0  # backend calls that failed
+    rejected: int = 0  # puts refused as FULL, TOO_LARGE or UNAVAILABLE
+    bytes_in: int = 0
+    bytes_out: int = 0
+    healthy: bool = True
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+class ChunkMatch(NamedTuple):
+    """One stored chunk that serves part of the prompt (a tuple: a lookup makes hundreds)."""
+
+    key: ChunkKey
+    start: int  # offset of the chunk's first token in the prompt
+    tokens: int  # tokens of the prompt it serves (fewer than stored when partial)
+    stored_tokens: int  # tokens the stored chunk holds
+    tier: int  # the fastest tier that holds it: 1 memory, 2 disk, 3 remote
+    partial: bool  # True when only a prefix of the stored chunk matches
+
+
+STOP_REASONS = (
+    "complete",  # every token of the prompt matched
+    "not_stored",  # the next chunk was never stored (or was evicted long ago)
+    "evicted",  # the next chunk was evicted from every tier
+    "corrupt",  # the next chunk failed verification and was deleted
+    "deleted",  # the next chunk was deleted by a user
+    "diverged",  # a stored sibling shares only part of the next chunk
+    "below_min_tokens",  # a match was found but is shorter than min_tokens
+    "granularity",  # the match was cut to whole units of the requested granularity
+)
+
+
+@dataclass(frozen=True)
+class NamespaceMatch:
+    """Another namespace holding more of the same tokens (a lookup with ``explain``)."""
+
+    fingerprint: Fingerprint
+    matched_tokens: int
+    namespace: Namespace | None = None  # when a client described it
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    matched_tokens: int
+    total_tokens: int
+    chunks: tuple[ChunkMatch, ...] = ()
+    stop: str = "not_stored"  # one of STOP_REASONS: why matching ended where it did
+    stop_chunk: int = -1  # index of the chunk where matching ended; -1 when complete
+    by_tier: dict[int, int] = field(default_factory=dict)  # matched tokens per tier
+    other_namespaces: tuple[NamespaceMatch, ...] = ()  # explain: namespaces that match more
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """A chunk as the store knows it, for inspection (``kvstore ls``)."""
+
+    key: ChunkKey
+    fingerprint: Fingerprint
+    parent: ChunkKey
+    n_tokens: int
+    raw_size: int
+    dtype: str
+    tiers: tuple[int, ...]
+    pinned: bool
+    created_ms: int
+    last_access_ms: int
+    hits: int
+
+
+@dataclass
+class StoreStats:
+    chunks: int
+    namespaces: int
+    tiers: list[TierStats]
+    pending_writes: int = 0
+    pending_bytes: int = 0
+    write_failures: int = 0
+    lookups: int = 0
+    lookup_tokens: int = 0
+    matched_tokens: int = 0
+    gets: int = 0
+    hits: int = 0
+    puts: int = 0
+    rejected_puts: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
