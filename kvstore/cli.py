@@ -30,6 +30,7 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace
+from kvstore.types import tier_label
 
 if TYPE_CHECKING:
     from kvstore.client import Client
@@ -496,7 +497,7 @@ def cmd_ls(args: argparse.Namespace) -> Doc:
                     "tokens": v.n_tokens,
                     "size_bytes": v.raw_size,
                     "dtype": v.dtype,
-                    "tiers": [fmt.tier_name(t) for t in v.tiers],
+                    "tiers": [tier_label(t) for t in v.tiers],
                     "pinned": v.pinned,
                     "hits": v.hits,
                     "created_ms": v.created_ms,
@@ -546,7 +547,7 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
             "end": m.start + m.tokens,
             "tokens": m.tokens,
             "stored_tokens": m.stored_tokens,
-            "tier": fmt.tier_name(m.tier),
+            "tier": tier_label(m.tier),
             "partial": m.partial,
         }
         for m in d.chunks
@@ -583,7 +584,7 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         "chunk_tokens": ct,
         "granularity": g,
         "min_tokens": args.min_tokens,
-        "by_tier": {fmt.tier_name(t): n for t, n in sorted(d.by_tier.items())},
+        "by_tier": {tier_label(t): n for t, n in sorted(d.by_tier.items())},
         "chunks": chunks,
         "stop": d.stop,
         "stop_chunk": d.stop_chunk,

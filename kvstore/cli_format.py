@@ -19,16 +19,13 @@ from typing import IO, Any
 from kvstore.config import parse_size
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Namespace, parse_key
+from kvstore.types import TierLevel, tier_label
 
 Doc = dict[str, Any]  # what a command returns: rendered for people, or printed as JSON
 
 
 class CLIError(KVStoreError):
     """An expected failure: printed as one line on stderr, exit status 1."""
-
-
-TIER_NAMES = {1: "memory", 2: "disk", 3: "remote"}
-TIER_LEVELS = {name: level for level, name in TIER_NAMES.items()}
 
 
 def human_bytes(n: float) -> str:
@@ -62,12 +59,8 @@ def percent(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
 
-def tier_name(level: int) -> str:
-    return TIER_NAMES.get(level, f"L{level}")
-
-
 def tier_names(levels: Iterable[int]) -> str:
-    return ",".join(tier_name(t) for t in levels) or "-"
+    return ",".join(tier_label(t) for t in levels) or "-"
 
 
 def namespace_fields(ns: Namespace | None) -> dict[str, Any] | None:
@@ -197,11 +190,12 @@ def arg_positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 def arg_tier(text: str) -> int:
     t = text.lower()
-    if t in TIER_LEVELS:
-        return TIER_LEVELS[t]
-    if t in ("1", "2", "3"):
-        return int(t)
-    raise argparse.ArgumentTypeError(f"{text!r}: a tier is memory, disk or remote (or 1, 2, 3)")
+    for level in TierLevel:
+        if t in (level.label, str(int(level))):
+            return int(level)
+    names = ", ".join(level.label for level in TierLevel)
+    numbers = ", ".join(str(int(level)) for level in TierLevel)
+    raise argparse.ArgumentTypeError(f"{text!r}: a tier is {names} (or {numbers})")
 
 
 def arg_pair(text: str) -> tuple[str, str]:

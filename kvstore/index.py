@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvstore.keys import ChunkKey, Fingerprint, family, sub_hashes
 from kvstore.records import RecordHeader, header_size
+from kvstore.types import TierLevel
 
 
 @dataclass(slots=True)
@@ -36,11 +37,11 @@ class Entry:
 
 
 def tier_levels(mask: int) -> list[int]:
-    return [lvl for lvl in (1, 2, 3) if mask & (1 << lvl)]
+    return [int(lvl) for lvl in TierLevel if mask & (1 << lvl)]
 
 
 # The fastest tier holding a chunk, by tier mask (bits 1..3): lookups ask this per chunk.
-FASTEST = [next((lvl for lvl in (1, 2, 3) if m & (1 << lvl)), 0) for m in range(16)]
+FASTEST = [next((int(lvl) for lvl in TierLevel if m & (1 << lvl)), 0) for m in range(16)]
 
 
 class Index:

@@ -28,7 +28,7 @@ from kvstore.lookup import RemoteView, lookup
 from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
 from kvstore.tiers.base import Tier, copy_into
 from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
-from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
+from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats, TierLevel
 from kvstore.writer import Backlog, Job, WriteDown
 
 log = logging.getLogger("kvstore.store")
@@ -394,7 +394,7 @@ class TieredStore:
         for i, key in enumerate(keys):
             entry = self.index.get(key)
             out.append(tuple(tier_levels(entry.tiers)) if entry else ())
-            if entry is None or not entry.tiers & (1 << 3):
+            if entry is None or not entry.tiers & (1 << TierLevel.REMOTE):
                 unknown.append(i)
         if self.remote is not None and unknown:
             present = self.remote.contains([keys[i] for i in unknown])

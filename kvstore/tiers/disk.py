@@ -77,7 +77,7 @@ from kvstore.tiers.disk_format import (
     pack_meta,
     parse_meta,
 )
-from kvstore.types import PutStatus, TierStats
+from kvstore.types import PutStatus, TierLevel, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ _SCAN_BATCH = 512
 class DiskTier(Tier):
     """L2: LMDB on local disk. See the module docstring for layout and guarantees."""
 
-    name = "disk"
-    level = 2
+    name = TierLevel.DISK.label
+    level = TierLevel.DISK
 
     def __init__(
         self,

@@ -80,7 +80,7 @@ from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
 from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
 from kvstore.tiers.base import ChunkInfo, Tier
-from kvstore.types import PutStatus, TierStats
+from kvstore.types import PutStatus, TierLevel, TierStats
 
 __all__ = ["LeaseError", "MemoryTier", "ReadLease", "Reservation"]
 
@@ -117,8 +117,8 @@ class _Hold:
 class MemoryTier(Tier):
     """The shared-memory arena tier. Thread-safe: one lock guards the index."""
 
-    name = "memory"
-    level = 1
+    name = TierLevel.MEMORY.label
+    level = TierLevel.MEMORY
 
     def __init__(
         self,

@@ -92,7 +92,7 @@ from kvstore.tiers.remote_guard import (
     Refused,
     open_value,
 )
-from kvstore.types import PutStatus, TierStats
+from kvstore.types import PutStatus, TierLevel, TierStats
 
 T = TypeVar("T")
 
@@ -105,8 +105,8 @@ _HEX_KEY = re.compile(rb"[0-9a-f]{%d}" % (2 * KEY_BYTES))
 class RemoteTier(Tier):
     """Redis/Valkey tier. See the module docstring for layout, capacity and failures."""
 
-    name = "remote"
-    level = 3
+    name = TierLevel.REMOTE.label
+    level = TierLevel.REMOTE
 
     def __init__(
         self,
