@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.arena import ArenaView
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
@@ -411,13 +412,17 @@ class TieredStore:
         min_tokens: int = 0,
         granularity: int | None = None,
         count: bool = True,
+        local: bool = False,
     ) -> LookupResult:
         """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup).
 
-        ``count=False``: a repeat of a lookup already counted (Stats count a request once).
+        ``count=False``: a repeat of a lookup already counted (Stats count a request once);
+        ``local``: only what this host's tiers hold (no round trip to the remote).
         """
         self._check_open()
-        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
+        remote: RemoteView | None = (
+            self.remote if hasattr(self.remote, "children") and not local else None
+        )
         result = lookup(
             self.index,
             fingerprint,
@@ -597,9 +602,41 @@ class TieredStore:
 
         return on_corrupt
 
+    # -- what a server needs beyond the data plane ----------------------------
+    @property
+    def arena(self) -> ArenaView:
+        """L1's mapping of the arena: a server relays reservations and leases through it
+        (``Reservation``/``ReadLease`` extents are offsets into it)."""
+        return self.memory.arena
+
+    def __contains__(self, key: object) -> bool:
+        """Whether the index knows the chunk (in some tier, by this store's account)."""
+        return key in self.index
+
+    def fingerprint_of(self, key: ChunkKey) -> Fingerprint | None:
+        """The namespace of an indexed chunk, or None."""
+        entry = self.index.get(key)
+        return None if entry is None else entry.fingerprint
+
+    def renew(self, hold_id: int) -> bool:
+        """Extend an L1 lease or reservation (``MemoryTier.renew``)."""
+        return self.memory.renew(hold_id)
+
+    def release_owner(self, owner: str) -> int:
+        """Drop every L1 lease and reservation of ``owner`` (``MemoryTier.release_owner``)."""
+        return self.memory.release_owner(owner)
+
+    def upkeep(self) -> int:
+        """What must happen now and then, whoever runs the store: expired leases and
+        reservations reclaimed, copies the remote refused queued again once it takes
+        writes. Returns how many holds were reclaimed. A server calls it periodically."""
+        reclaimed = self.memory.sweep()
+        self.retry_remote()
+        return reclaimed
+
     def retry_remote(self, max_keys: int = 256) -> int:
         """Queue copies to the remote of chunks it refused while down, if it takes calls
-        again; how many were queued. The server calls this periodically."""
+        again; how many were queued (part of ``upkeep``)."""
         remote = self.remote
         if remote is None or not len(self._remote_backlog) or not remote.accepting:
             return 0

@@ -87,10 +87,7 @@ class Holds:
             for hid, _ in gone:
                 del self._holds[hid]
         self._drop(gone)
-        try:
-            return self._store.memory.sweep()
-        except StoreClosed:
-            return 0
+        return len(gone)
 
     def open_session(self, owner: str, per_owner: int) -> None:
         """One more Session stream of ``owner``; ResourceExhausted past ``per_owner`` (the
@@ -110,7 +107,7 @@ class Holds:
         lost = []
         for hid in mine:
             try:
-                alive = self._store.memory.renew(hid)
+                alive = self._store.renew(hid)
             except StoreClosed:
                 return
             with self._lock:
@@ -136,7 +133,7 @@ class Holds:
                 del self._holds[hid]
         self._drop(mine)
         try:
-            n = self._store.memory.release_owner(owner)
+            n = self._store.release_owner(owner)
         except StoreClosed:
             return
         if mine or n:

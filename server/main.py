@@ -27,7 +27,7 @@ from typing import Any
 
 from kvstore import __version__
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, StoreClosed
 from kvstore.protocol import default_socket_path
 from kvstore.sockets import untrusted_reason
 
@@ -370,12 +370,16 @@ def _start(
     return _Running(server, health_servicer, cfg.unix_socket, inode, endpoints)
 
 
-def _housekeeping(service: Any, cfg: ServerConfig, stop: threading.Event) -> None:
-    """Reclaim expired leases; log request counts every log_interval_s."""
+def _housekeeping(service: Any, store: Any, cfg: ServerConfig, stop: threading.Event) -> None:
+    """The servicer's sweep and the store's upkeep (expired leases reclaimed, refused remote
+    copies retried) every sweep_interval_s; request counts logged every log_interval_s."""
     last_log, last_counts = time.monotonic(), service.request_counts()
     while not stop.wait(cfg.sweep_interval_s):
         try:
             service.sweep()
+            store.upkeep()
+        except StoreClosed:
+            return
         except Exception:  # the sweeper must outlive any one failure
             log.exception("lease sweep failed")
         if cfg.log_interval_s and time.monotonic() - last_log >= cfg.log_interval_s:
@@ -438,7 +442,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     keeper = threading.Thread(
         target=_housekeeping,
-        args=(service, cfg, housekeeping_stop),
+        args=(service, store, cfg, housekeeping_stop),
         name="kvstore-housekeeping",
         daemon=True,
     )
@@ -449,7 +453,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
         ", ".join(running.endpoints),
         [t.name for t in store.tiers],
         store_cfg.data_dir,
-        store.memory.path if cfg.shm else "off",
+        store.arena.path if cfg.shm else "off",
         extra={"endpoints": running.endpoints, "pid": os.getpid()},
     )
     while not stop.wait(1.0):

@@ -36,7 +36,6 @@ from kvstore.errors import (
     ResourceExhausted,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
-from kvstore.lookup import lookup
 from kvstore.protocol import (
     MAX_RESERVE_BATCH,
     SESSION_HEADER,
@@ -173,7 +172,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._tenant_info.ClearField(name)
 
     def _make_info(self, auth_required: bool) -> pb.InfoResponse:
-        mem, cfg = self.store.memory, self.store.config
+        arena, cfg = self.store.arena, self.store.config
         shm = self.config.shm
         return pb.InfoResponse(
             server_version=__version__,
@@ -184,10 +183,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             max_chunk_bytes=cfg.max_chunk_bytes,
             piece_bytes=self.config.piece_bytes,
             max_message_bytes=self.config.max_message_bytes,
-            shm_path=mem.path if shm else "",
-            shm_size=mem.capacity_bytes if shm else 0,
+            shm_path=arena.path if shm else "",
+            shm_size=arena.size if shm else 0,
             boot_id=boot_id() if shm else "",
-            shm_inode=os.stat(mem.path).st_ino if shm else 0,
+            shm_inode=os.stat(arena.path).st_ino if shm else 0,
             lease_ms=cfg.memory.lease_ms,
             tiers=[t.name for t in self.store.tiers],
             auth_required=auth_required,
@@ -246,9 +245,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return True
 
     def sweep(self) -> int:
-        """Reclaim expired leases and reservations, cancel idle streams (called periodically)."""
+        """Cancel idle and too slow streams, forget holds whose lease ran out (called
+        periodically, beside the store's own ``upkeep``); how many holds were forgotten."""
         self.watchdog.sweep()
-        self.store.retry_remote()  # copies the remote refused while it was down
         return self.holds.sweep()
 
     def request_counts(self) -> dict[str, int]:
@@ -281,8 +280,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         """Whether the caller may see this chunk (it is in the index, in a namespace of its)."""
         if tenant is None:
             return True
-        entry = self.store.index.get(key)
-        return entry is not None and self.tenants.owns(tenant, entry.fingerprint)
+        fp = self.store.fingerprint_of(key)
+        return fp is not None and self.tenants.owns(tenant, fp)
 
     @staticmethod
     def _key(raw: bytes, what: str = "key") -> ChunkKey:
@@ -387,11 +386,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None
     ) -> tuple[NamespaceMatch, ...]:
         out = []
-        cfg = self.store.config
         for other in self.store.namespaces():
             if other == fp or not self.tenants.owns(tenant, other):
                 continue
-            r = lookup(self.store.index, other, tokens, chunk_tokens=cfg.chunk_tokens)
+            r = self.store.lookup(other, tokens, count=False, local=True)
             if r.matched_tokens > result.matched_tokens:
                 out.append(NamespaceMatch(other, r.matched_tokens, self.names.get(other)))
         out.sort(key=lambda m: -m.matched_tokens)
@@ -421,7 +419,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         sent = 0
         key, tenant = self._key(request.key), self._tenant(context)
-        if tenant is not None and key in self.store.index and not self._visible(tenant, key):
+        if tenant is not None and key in self.store and not self._visible(tenant, key):
             return  # another tenant's chunk: a miss
         cid, watch = self.watchdog.watch(context, "data")
         frames = send_get(self.store, key, self.config.piece_bytes, watch)
@@ -536,7 +534,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         lease = self.store.acquire(key, owner=owner, payload=not request.client_verifies)
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
-            return pb.AcquireResponse(found=False, use_get=key in self.store.index)
+            return pb.AcquireResponse(found=False, use_get=key in self.store)
         self.holds.track(lease.id, owner, "lease", lease.header.stored_size)
         self._moved("out", "shm", lease.header.stored_size)
         return pb.AcquireResponse(

@@ -24,13 +24,12 @@ from typing import Any
 import grpc
 import xxhash
 
-from kvstore.arena import spans
+from kvstore.arena import Reservation, spans
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import ChunkKey
 from kvstore.protocol import frame, unframe
 from kvstore.records import RecordHeader, parse_header
 from kvstore.store import TieredStore
-from kvstore.tiers.memory import Reservation
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -74,7 +73,7 @@ def receive_put(store: TieredStore, header: RecordHeader, parts: Pieces, watch: 
     if res == PutStatus.EXISTS:
         return PutStatus.EXISTS
     if isinstance(res, Reservation):
-        arena, base = store.memory.arena, res.payload_offset
+        arena, base = store.arena, res.payload_offset
         try:
             _receive(
                 parts,
@@ -141,7 +140,7 @@ def send_get(
     """
     lease = store.acquire(key, owner=SERVER_OWNER, lasting=True)
     if lease is not None:
-        arena, extents, hs = store.memory.arena.array, lease.extents, lease.payload_offset
+        arena, extents, hs = store.arena.array, lease.extents, lease.payload_offset
         try:
             size = lease.header.stored_size
             watch.expect(size)
@@ -153,7 +152,7 @@ def send_get(
             with contextlib.suppress(KVStoreError):
                 store.release(lease.id)
         return
-    if key not in store.index:
+    if key not in store:
         return  # a miss (acquire already looked in every tier)
     blob = store.get(key, count=False)  # stored below, and L1 could not take it now
     if blob is None:
