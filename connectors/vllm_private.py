@@ -109,6 +109,15 @@ def open_private(
     """
     run = run_root()
     os.makedirs(run, mode=0o700, exist_ok=True)
+    # Whoever can change this directory could plant a ``server`` file naming their own
+    # socket, and this engine would send its KV there: the server's own rule, checked
+    # before anything in it is read or removed.
+    why = untrusted_reason(run)
+    if why:
+        raise KVStoreError(
+            f"the embedded kvstore-server cannot use {run}: {why}. Another user could "
+            "swap its socket; fix the directory, set TMPDIR, or give a url"
+        )
     name = ENGINE_PREFIX + engine_id[:16]
     sweep_engine_dirs(run, keep=name)
     engine_dir = os.path.join(run, name)

@@ -30,7 +30,7 @@ from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_private import PrivateServer, open_private, sweep_engine_dirs
 
 from kvstore import Client
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ROOT, Namespace
 from kvstore.testing.server import KVServer
 
@@ -198,3 +198,17 @@ def test_leftovers_of_gone_engines_are_removed_live_ones_kept(
             assert c.health(), "a live engine's server must be left alone"
     finally:
         assert live.stop() == 0, live.log()
+
+
+def test_a_run_dir_others_can_change_is_refused(
+    dirs: tuple[Path, Path], started: list[PrivateServer]
+) -> None:
+    """Another user able to write there could plant a ``server`` file naming their socket."""
+    run, _ = dirs
+    (run / "engine-planted").mkdir(parents=True)
+    (run / "engine-planted" / "server").write_text("unix:///tmp/not-yours.sock\n")
+    run.chmod(0o770)
+    with pytest.raises(KVStoreError, match="writable by its group"):
+        open_engine(started, "planted", "tagP")
+    assert (run / "engine-planted").exists(), "nothing may be read or removed there"
+    assert not started
