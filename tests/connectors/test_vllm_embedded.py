@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore import Client
-from tests.connectors.tinymodel import make_tiny_llama
-from tests.server.conftest import clean_env
+from kvstore.testing.server import clean_env
+from kvstore.testing.tinymodel import make_tiny_llama
 
 PHASES = Path(__file__).with_name("phases.py")
 TOL = 5e-3  # max |logprob difference|; loaded and recomputed KV differ by ~3e-5
