@@ -149,6 +149,13 @@ class ResourceExhausted(KVStoreError):
     code: ClassVar[Code] = "RESOURCE_EXHAUSTED"
 
 
+class ChunkTooLarge(InvalidArgument):
+    """A record larger than ``max_chunk_bytes``: a bad argument to a put, sent as the
+    server limit it is (RESOURCE_EXHAUSTED; clients read it back as ResourceExhausted)."""
+
+    code: ClassVar[Code] = "RESOURCE_EXHAUSTED"
+
+
 class ServerError(KVStoreError):
     """The server failed while handling the call (INTERNAL, UNKNOWN and other statuses)."""
 

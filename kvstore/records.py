@@ -23,13 +23,14 @@ import xxhash
 import zstandard
 
 from kvstore import accel
-from kvstore.errors import CorruptRecord, InvalidArgument
+from kvstore.errors import ChunkTooLarge, CorruptRecord, InvalidArgument
 from kvstore.keys import (
     FINGERPRINT_BYTES,
     KEY_BYTES,
     ChunkKey,
     Fingerprint,
     bytes_to_tokens,
+    chunk_key,
 )
 
 MAGIC = b"KVS1"
@@ -420,3 +421,43 @@ def transcode_parts(
 def transcode(blob: bytes | memoryview, codec: Codec, level: int = 1) -> bytes:
     header = verify(blob)
     return transcode_parts(header, memoryview(blob)[header.header_size :], codec, level)
+
+
+def check_put(
+    header: RecordHeader,
+    *,
+    max_chunk_bytes: int | None = None,
+    chunk_tokens: int | None = None,
+    key: bool = False,
+) -> None:
+    """The one check of a header that is put (by the SDK before it sends, the server
+    when one arrives, the store, L1): RAW, self-consistent, within the limits given.
+
+    ``key``: also check that the key is hash(parent, namespace, tokens) (one SHA-256:
+    the store does it, the client made the key that way). Raises InvalidArgument, or
+    ChunkTooLarge (an InvalidArgument sent as RESOURCE_EXHAUSTED) past max_chunk_bytes.
+    """
+    if header.codec != Codec.RAW:
+        raise InvalidArgument(
+            f"puts carry RAW payloads (each tier chooses its own codec), got codec "
+            f"{header.codec.name}"
+        )
+    if (
+        not header.shape
+        or header.raw_size != prod(header.shape) * DTYPES[header.dtype][1]
+        or header.stored_size != header.raw_size
+    ):
+        raise InvalidArgument(
+            f"header is inconsistent: {header.dtype} x {header.shape} is "
+            f"not {header.raw_size} raw / {header.stored_size} stored bytes"
+        )
+    if max_chunk_bytes is not None and header.record_size > max_chunk_bytes:
+        raise ChunkTooLarge(
+            f"record of {header.record_size} bytes exceeds max_chunk_bytes={max_chunk_bytes}"
+        )
+    if chunk_tokens is not None and header.n_tokens > chunk_tokens:
+        raise InvalidArgument(
+            f"chunk holds {header.n_tokens} tokens; chunk_tokens is {chunk_tokens}"
+        )
+    if key and chunk_key(header.parent, header.fingerprint, header.token_bytes) != header.key:
+        raise InvalidArgument("key does not match hash(parent, namespace, tokens)")

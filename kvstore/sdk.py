@@ -37,7 +37,13 @@ from kvstore.protocol import (
     namespace_to_pb,
     unframe,
 )
-from kvstore.records import Codec, RecordHeader, dtype_itemsize, make_header, parse_header
+from kvstore.records import (
+    RecordHeader,
+    check_put,
+    dtype_itemsize,
+    make_header,
+    parse_header,
+)
 from kvstore.shm import prefault
 from kvstore.sockets import untrusted_reason
 from kvstore.v1 import kvstore_pb2 as pb
@@ -346,17 +352,11 @@ class ClientBase:
 
     def _check_put(self, header: RecordHeader, payload: Any) -> np.ndarray:
         src = as_u8(payload)
-        if header.codec != Codec.RAW:
-            raise InvalidArgument("put takes raw payloads; the server picks codecs per tier")
+        info = self._info  # the server's limit, once known: refused before anything is sent
+        check_put(header, max_chunk_bytes=info.max_chunk_bytes if info is not None else None)
         if src.size != header.stored_size:
             raise InvalidArgument(
                 f"payload is {src.size} bytes, its header says {header.stored_size}"
-            )
-        info = self._info
-        if info is not None and header.record_size > info.max_chunk_bytes:
-            raise InvalidArgument(
-                f"record of {header.record_size} bytes exceeds the server's "
-                f"max_chunk_bytes={info.max_chunk_bytes}"
             )
         return src
 

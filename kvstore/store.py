@@ -26,7 +26,14 @@ from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.index import Entry, Index, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.lookup import RemoteView, lookup
-from kvstore.records import Codec, RecordHeader, make_header, parse_header, transcode_parts
+from kvstore.records import (
+    Codec,
+    RecordHeader,
+    check_put,
+    make_header,
+    parse_header,
+    transcode_parts,
+)
 from kvstore.tiers.base import Tier, copy_into
 from kvstore.tiers.memory import MemoryTier, ReadLease, Reservation
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats, TierLevel
@@ -115,19 +122,10 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------
     def _validate(self, header: RecordHeader) -> None:
-        if header.codec != Codec.RAW:
-            raise InvalidArgument("puts carry raw payloads; tiers choose their own codec")
-        if header.record_size > self.config.max_chunk_bytes:
-            raise InvalidArgument(
-                f"record of {header.record_size} bytes exceeds max_chunk_bytes="
-                f"{self.config.max_chunk_bytes}"
-            )
-        if header.n_tokens > self.config.chunk_tokens:
-            raise InvalidArgument(
-                f"chunk holds {header.n_tokens} tokens; chunk_tokens is {self.config.chunk_tokens}"
-            )
-        if chunk_key(header.parent, header.fingerprint, header.token_bytes) != header.key:
-            raise InvalidArgument("key does not match hash(parent, namespace, tokens)")
+        cfg = self.config
+        check_put(
+            header, max_chunk_bytes=cfg.max_chunk_bytes, chunk_tokens=cfg.chunk_tokens, key=True
+        )
         known = self._layouts.get(header.fingerprint)
         dtype, raw, ntok = _layout(header)
         if known is not None:

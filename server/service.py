@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from math import prod
 from typing import Any, TypeVar
 
 import grpc
@@ -33,7 +32,6 @@ from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
     KVStoreError,
-    ResourceExhausted,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
 from kvstore.protocol import (
@@ -50,7 +48,7 @@ from kvstore.protocol import (
     status_to_pb,
     unframe,
 )
-from kvstore.records import DTYPES, FORMAT_VERSION, Codec, RecordHeader, parse_header
+from kvstore.records import FORMAT_VERSION, RecordHeader, check_put, parse_header
 from kvstore.store import TieredStore
 from kvstore.types import ChunkView, NamespaceMatch, PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
@@ -310,22 +308,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument(
                 f"malformed record header: {len(raw)} bytes, its fields say {header.header_size}"
             )
-        if header.codec != Codec.RAW:
-            raise InvalidArgument(f"puts carry raw payloads, got codec {header.codec.name}")
-        if (
-            not header.shape
-            or header.raw_size != prod(header.shape) * DTYPES[header.dtype][1]
-            or header.stored_size != header.raw_size
-        ):
-            raise InvalidArgument(
-                f"header is inconsistent: {header.dtype} x {header.shape} is "
-                f"not {header.raw_size} raw / {header.stored_size} stored bytes"
-            )
-        limit = self.store.config.max_chunk_bytes
-        if header.record_size > limit:
-            raise ResourceExhausted(
-                f"record of {header.record_size} bytes exceeds max_chunk_bytes={limit}"
-            )
+        # Before any payload is read or staged (the store checks again, with the key).
+        check_put(header, max_chunk_bytes=self.store.config.max_chunk_bytes)
         return header
 
     def _shm_enabled(self, context: grpc.ServicerContext) -> None:

@@ -73,6 +73,7 @@ SENT_AS = {
     "NamespaceNotRegistered": "PERMISSION_DENIED",
     "NotFound": "NOT_FOUND",
     "ResourceExhausted": "RESOURCE_EXHAUSTED",
+    "ChunkTooLarge": "RESOURCE_EXHAUSTED",
     "ServerError": "INTERNAL",
     "LeaseError": "NOT_FOUND",
     "Denied": "PERMISSION_DENIED",

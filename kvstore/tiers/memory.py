@@ -78,7 +78,7 @@ from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
-from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
+from kvstore.records import Codec, RecordHeader, check_put, parse_header, transcode_parts
 from kvstore.tiers.base import ChunkInfo, Tier
 from kvstore.types import PutStatus, TierLevel, TierStats
 
@@ -671,8 +671,7 @@ class MemoryTier(Tier):
 
     # -- writes ------------------------------------------------------------------
     def _check_raw(self, header: RecordHeader) -> None:
-        if header.codec != Codec.RAW:
-            raise InvalidArgument(f"L1 stores RAW records only, got codec {header.codec.name}")
+        check_put(header)  # written in place, read in place: RAW and self-consistent
 
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
         if header.codec != Codec.RAW:  # L1 is read in place: decode compressed records once here

@@ -153,7 +153,8 @@ text = st.one_of(
     st.text(max_size=40),
     st.just("x" * 70_000),
     st.just(""),
-    st.text(alphabet=st.characters(min_codepoint=0x80), max_size=10),
+    # Surrogates cannot be sent as protobuf strings at all: invalid UTF-8 has its own cases.
+    st.text(alphabet=st.characters(min_codepoint=0x80, exclude_categories=("Cs",)), max_size=10),
 )
 token_ids = st.one_of(
     st.binary(max_size=300),
