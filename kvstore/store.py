@@ -620,6 +620,14 @@ class TieredStore:
         """Extend an L1 lease or reservation (``MemoryTier.renew``)."""
         return self.memory.renew(hold_id)
 
+    def hold_info(self, hold_id: int) -> tuple[str, str, int] | None:
+        """(owner, kind, payload bytes) of an L1 lease or reservation (``MemoryTier.hold_info``)."""
+        return self.memory.hold_info(hold_id)
+
+    def renew_owner(self, owner: str) -> int:
+        """Renew every L1 lease and reservation of ``owner`` (``MemoryTier.renew_owner``)."""
+        return self.memory.renew_owner(owner)
+
     def release_owner(self, owner: str) -> int:
         """Drop every L1 lease and reservation of ``owner`` (``MemoryTier.release_owner``)."""
         return self.memory.release_owner(owner)

@@ -1,93 +1,51 @@
-"""Leases and reservations handed to clients, tracked per owner (session id).
+"""Who holds what: the check that a client names only its own holds, and the sessions.
 
-The memory tier knows holds by id; this table adds who holds what, so that
-a client can only commit, abort or release what it was handed, a Session
-stream renews its owner's holds on every ping, and everything an owner holds is
-dropped when its last Session stream ends. Holds of owners without a Session
-(or of a client that stopped pinging) are forgotten here once the tier's lease
-has run out; the tier reclaims their pages on its own (``sweep``).
+The memory tier keeps the one table of leases and reservations (owner, kind, expiry on
+its injected clock; ``MemoryTier.hold_info``); this module adds what a server needs on
+top: a client may commit, abort or release only a hold it was handed (same owner, same
+kind), a Session stream renews its owner's holds on every ping, and everything an owner
+holds is dropped when its last Session stream ends. Holds of owners without a Session
+(or of a client that stopped pinging) expire in the tier, which reclaims their pages on
+its own (``TieredStore.upkeep``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
-from dataclasses import dataclass
 
-from kvstore.errors import KVStoreError, NotFound, ResourceExhausted, StoreClosed
+from kvstore.errors import NotFound, ResourceExhausted, StoreClosed
 from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.server")
 
 
-@dataclass
-class Hold:
-    owner: str
-    kind: str  # "lease" or "reservation"
-    expires: float  # monotonic; pushed forward by each Session ping
-    nbytes: int = 0  # payload bytes (for the metrics of a commit)
-
-
 class Holds:
-    def __init__(self, store: TieredStore, lease_s: float) -> None:
+    def __init__(self, store: TieredStore) -> None:
         self._store = store
-        self._lease_s = lease_s
         self._lock = threading.Lock()
-        self._holds: dict[int, Hold] = {}
         self._sessions: Counter[str] = Counter()  # owner -> live Session streams
 
-    def track(self, hid: int, owner: str, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self._holds[hid] = Hold(owner, kind, time.monotonic() + self._lease_s, nbytes)
-
-    def claim(self, hid: int, owner: str, kind: str) -> Hold:
-        """Stop tracking a hold the caller owns; NotFound if it does not own it."""
-        with self._lock:
-            hold = self._holds.get(hid)
-            if hold is None or hold.owner != owner or hold.kind != kind:
-                raise NotFound(
-                    f"unknown {kind} {hid} (expired, already used, or handed to another session)"
-                )
-            del self._holds[hid]
-            return hold
+    def claim(self, hid: int, owner: str, kind: str) -> int:
+        """Check that ``owner`` holds ``hid`` as a ``kind``; its payload bytes, or NotFound."""
+        info = self._store.hold_info(hid)
+        if info is None or info[0] != owner or info[1] != kind:
+            raise NotFound(
+                f"unknown {kind} {hid} (expired, already used, or handed to another session)"
+            )
+        return info[2]
 
     def claim_leases(self, ids: list[int], owner: str) -> None:
-        """Stop tracking these leases, all or none; NotFound naming the unknown ones."""
-        with self._lock:
-            unknown = [
-                i
-                for i in ids
-                if (h := self._holds.get(i)) is None or h.owner != owner or h.kind != "lease"
-            ]
-            if unknown:
-                raise NotFound(
-                    f"unknown lease(s) {unknown[:8]} (expired, already released, or "
-                    "handed to another session)"
-                )
-            for i in ids:
-                del self._holds[i]
-
-    def _drop(self, holds: list[tuple[int, str]]) -> None:
-        for hid, kind in holds:
-            try:
-                if kind == "reservation":
-                    self._store.abort(hid)
-                else:
-                    self._store.release(hid)
-            except KVStoreError:
-                pass  # expired, or the store is closing: nothing left to give back
-
-    def sweep(self) -> int:
-        """Forget holds whose lease ran out; let the tier reclaim their pages."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [(h, v.kind) for h, v in self._holds.items() if v.expires < now - 1.0]
-            for hid, _ in gone:
-                del self._holds[hid]
-        self._drop(gone)
-        return len(gone)
+        """Check that ``owner`` holds every one of these leases; NotFound naming the others."""
+        unknown = [
+            i for i in ids if (h := self._store.hold_info(i)) is None or h[:2] != (owner, "lease")
+        ]
+        if unknown:
+            raise NotFound(
+                f"unknown lease(s) {unknown[:8]} (expired, already released, or "
+                "handed to another session)"
+            )
 
     def open_session(self, owner: str, per_owner: int) -> None:
         """One more Session stream of ``owner``; ResourceExhausted past ``per_owner`` (the
@@ -102,24 +60,11 @@ class Holds:
             self._sessions[owner] += 1
 
     def renew(self, owner: str) -> None:
-        with self._lock:
-            mine = [h for h, v in self._holds.items() if v.owner == owner]
-        lost = []
-        for hid in mine:
-            try:
-                alive = self._store.renew(hid)
-            except StoreClosed:
-                return
-            with self._lock:
-                hold = self._holds.get(hid)
-                if hold is None:
-                    continue
-                if alive:
-                    hold.expires = time.monotonic() + self._lease_s
-                else:
-                    lost.append((hid, hold.kind))
-                    del self._holds[hid]
-        self._drop(lost)
+        """A ping: every live hold of ``owner`` gets a whole lease from now."""
+        try:
+            self._store.renew_owner(owner)
+        except StoreClosed:
+            pass
 
     def end_session(self, owner: str) -> None:
         """The owner's last Session stream ended: drop everything it holds."""
@@ -128,15 +73,9 @@ class Holds:
             if self._sessions[owner] > 0:
                 return
             del self._sessions[owner]
-            mine = [(h, v.kind) for h, v in self._holds.items() if v.owner == owner]
-            for hid, _ in mine:
-                del self._holds[hid]
-        self._drop(mine)
         try:
             n = self._store.release_owner(owner)
         except StoreClosed:
             return
-        if mine or n:
-            log.info(
-                "session %s ended: dropped %d leases/reservations", owner[:16], max(len(mine), n)
-            )
+        if n:
+            log.info("session %s ended: dropped %d leases/reservations", owner[:16], n)

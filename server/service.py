@@ -150,7 +150,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._closing = False
         self._active = 0  # calls in flight, Session streams excepted
         self._lease_s = store.config.memory.lease_ms / 1000.0
-        self.holds = Holds(store, self._lease_s)
+        self.holds = Holds(store)
         # Streams idle for a whole lease, or too slow for their size, are cancelled.
         self.watchdog = Watchdog(
             self._lease_s,
@@ -243,10 +243,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return True
 
     def sweep(self) -> int:
-        """Cancel idle and too slow streams, forget holds whose lease ran out (called
-        periodically, beside the store's own ``upkeep``); how many holds were forgotten."""
-        self.watchdog.sweep()
-        return self.holds.sweep()
+        """Cancel idle and too slow streams (called periodically, beside the store's own
+        ``upkeep``, which reclaims expired holds); how many streams were cancelled."""
+        return self.watchdog.sweep()
 
     def request_counts(self) -> dict[str, int]:
         with self._lock:
@@ -449,7 +448,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             for done in out.responses:  # all or nothing: no pages held for an error
                 if done.reservation_id:
                     with contextlib.suppress(KVStoreError):
-                        self.holds.claim(done.reservation_id, owner, "reservation")
                         self.store.abort(done.reservation_id)
             raise
         return out
@@ -459,7 +457,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         res = self.store.reserve(header, owner=owner, checksum_at_commit=request.checksum_at_commit)
         if isinstance(res, PutStatus):
             return pb.ReserveResponse(status=status_to_pb(res))
-        self.holds.track(res.id, owner, "reservation", header.stored_size)
         return pb.ReserveResponse(
             status=pb.STORED,
             reservation_id=res.id,
@@ -495,11 +492,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return out
 
     def _commit(self, request: pb.CommitRequest, owner: str) -> pb.CommitResponse:
-        hold = self.holds.claim(request.reservation_id, owner, "reservation")
+        nbytes = self.holds.claim(request.reservation_id, owner, "reservation")
         checksum = request.payload_checksum if request.HasField("payload_checksum") else None
         status = self.store.commit(request.reservation_id, checksum)
         if status == PutStatus.STORED:
-            self._moved("in", "shm", hold.nbytes)
+            self._moved("in", "shm", nbytes)
         return pb.CommitResponse(status=status_to_pb(status))
 
     @_rpc
@@ -519,7 +516,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
             return pb.AcquireResponse(found=False, use_get=key in self.store)
-        self.holds.track(lease.id, owner, "lease", lease.header.stored_size)
         self._moved("out", "shm", lease.header.stored_size)
         return pb.AcquireResponse(
             found=True,

@@ -503,6 +503,19 @@ class MemoryTier(Tier):
                         n += 1
             return n
 
+    def hold_info(self, hold_id: int) -> tuple[str, str, int] | None:
+        """(owner, "lease" or "reservation", payload bytes) of a hold not yet given back
+        or reclaimed (one that expired a moment ago answers until the next sweep, so its
+        holder learns from ``release`` that it expired); None if there is none."""
+        with self._lock:
+            if (hold := self._leases.get(hold_id)) is not None:
+                kind = "lease"
+            elif (hold := self._reservations.get(hold_id)) is not None:
+                kind = "reservation"
+            else:
+                return None
+            return hold.owner, kind, hold.entry.header.stored_size
+
     def release_owner(self, owner: str) -> int:
         """Drop every lease and reservation tagged ``owner`` (a client went away); how many.
 
