@@ -9,6 +9,7 @@ and what is allowed. ``docs/configuration.md`` lists every field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import stat
@@ -18,7 +19,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvstore.errors import ConfigError
 
@@ -40,9 +41,14 @@ _UNITS = {
     "tib": TiB,
 }
 
-WRITE_POLICIES = ("write-through", "write-back")
-DURABILITY = ("process", "fsync")
-CODECS = ("raw", "zstd", "zstd_shuffle")
+# String options are Literal types: check_choices (the one check of them) reads their
+# allowed values from the type, and mypy holds code to them.
+WritePolicy = Literal["write-through", "write-back"]
+Durability = Literal["process", "fsync"]
+CodecName = Literal["raw", "zstd", "zstd_shuffle"]
+WRITE_POLICIES: tuple[str, ...] = typing.get_args(WritePolicy)
+DURABILITY: tuple[str, ...] = typing.get_args(Durability)
+CODECS: tuple[str, ...] = typing.get_args(CodecName)
 AUTH_KEY_MIN_BYTES, AUTH_KEY_MAX_BYTES = 16, 4096  # remote.auth_key_file, once stripped
 
 
@@ -113,21 +119,17 @@ class DiskConfig:
     enabled: bool = True  # false: no L2 (chunks evicted from L1 go to L3 or are dropped)
     path: str = ""  # LMDB directory; "" = <data dir>/lmdb
     capacity_bytes: int = 16 * GiB  # stored record bytes; LMDB's map is sized above this
-    codec: str = "raw"  # payload codec on disk: raw, zstd, zstd_shuffle
+    codec: CodecName = "raw"  # payload codec on disk: raw, zstd, zstd_shuffle
     level: int = 1  # zstd level when a zstd codec is chosen (1-19)
-    durability: str = "process"  # process: survives kill -9; fsync: also power loss (slower)
+    durability: Durability = "process"  # process: survives kill -9; fsync: also power loss
 
     def __post_init__(self) -> None:
         _require(
             self.capacity_bytes >= 1 * MiB,
             f"disk.capacity_bytes={self.capacity_bytes}: must be at least 1 MiB",
         )
-        _require(self.codec in CODECS, f"disk.codec={self.codec!r}: allowed {', '.join(CODECS)}")
+        check_choices(self, "disk")
         _require(1 <= self.level <= 19, f"disk.level={self.level}: allowed 1-19")
-        _require(
-            self.durability in DURABILITY,
-            f"disk.durability={self.durability!r}: allowed {', '.join(DURABILITY)}",
-        )
 
     def resolved_path(self, data_dir: str) -> str:
         return self.path or os.path.join(data_dir, "lmdb")
@@ -143,7 +145,7 @@ class RemoteConfig:
     capacity_bytes: int = (
         0  # 0: no kvstore-side limit (set maxmemory-policy allkeys-lru on the server)
     )
-    codec: str = "zstd_shuffle"  # payload codec on the wire and in the remote store
+    codec: CodecName = "zstd_shuffle"  # payload codec on the wire and in the remote store
     level: int = 1  # zstd level
     prefix: str = "kvs"  # key prefix, so several deployments can share one Redis
     timeout_ms: int = 500  # deadline of every remote call
@@ -165,7 +167,7 @@ class RemoteConfig:
                 "or valkeys://",
             )
         _require(self.capacity_bytes >= 0, "remote.capacity_bytes must be >= 0")
-        _require(self.codec in CODECS, f"remote.codec={self.codec!r}: allowed {', '.join(CODECS)}")
+        check_choices(self, "remote")
         _require(1 <= self.level <= 19, f"remote.level={self.level}: allowed 1-19")
         _require(
             bool(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", self.prefix)),
@@ -216,7 +218,7 @@ class StoreConfig:
     # partial-match unit in tokens; divides chunk_tokens (the engine's block size or a divisor)
     granularity: int = 16
     # write-through: every put goes down asynchronously; write-back: only on eviction
-    write_policy: str = "write-through"
+    write_policy: WritePolicy = "write-through"
     write_queue_bytes: int = 256 * MiB  # bytes waiting to be written down; puts wait beyond this
     max_chunk_bytes: int = 256 * MiB  # largest record accepted
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -230,15 +232,35 @@ class StoreConfig:
             f"granularity={self.granularity}: must be > 0 and divide "
             f"chunk_tokens={self.chunk_tokens}",
         )
-        _require(
-            self.write_policy in WRITE_POLICIES,
-            f"write_policy={self.write_policy!r}: allowed {', '.join(WRITE_POLICIES)}",
-        )
+        check_choices(self)
         _require(self.write_queue_bytes >= 0, "write_queue_bytes must be >= 0")
         _require(self.max_chunk_bytes > 0, "max_chunk_bytes must be > 0")
 
 
 T = TypeVar("T")
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The Literal-typed fields of a config class and the values each allows."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: typing.get_args(hints[f.name])
+        for f in dataclasses.fields(cls)
+        if typing.get_origin(hints[f.name]) is Literal
+    }
+
+
+def check_choices(cfg: Any, where: str = "") -> None:
+    """Every string option of a config (a Literal-typed field) holds an allowed value;
+    ConfigError naming the setting, what it got and what is allowed. The one check of
+    them, called by each config's ``__post_init__``."""
+    cls: type = type(cfg)
+    for name, allowed in _choices(cls).items():
+        value = getattr(cfg, name)
+        if value not in allowed:
+            setting = f"{where}.{name}" if where else name
+            raise ConfigError(f"{setting}={value!r}: allowed {', '.join(str(a) for a in allowed)}")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -277,7 +299,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if tp is str:
+    if tp is str or typing.get_origin(tp) is Literal:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return str(value)

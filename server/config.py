@@ -14,13 +14,14 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.config import (
     KiB,
     MiB,
     StoreConfig,
     build,
+    check_choices,
     env_values,
     merge,
     read_toml,
@@ -28,8 +29,8 @@ from kvstore.config import (
 from kvstore.errors import ConfigError
 from kvstore.protocol import DEFAULT_PORT, default_socket_path
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("text", "json")
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -84,8 +85,8 @@ class ServerConfig:
     shm: bool = True  # offer the shared-memory data plane to same-host clients
     grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
     sweep_interval_s: float = 1.0  # how often expired leases and reservations are reclaimed
-    log_level: str = "info"  # debug, info, warning, error
-    log_format: str = "text"  # text or json (one JSON object per line)
+    log_level: LogLevel = "info"  # debug, info, warning, error
+    log_format: LogFormat = "text"  # text or json (one JSON object per line)
     log_interval_s: float = 60.0  # period of the request-count summary in the log; 0 = off
 
     def __post_init__(self) -> None:
@@ -133,14 +134,7 @@ class ServerConfig:
             self.sweep_interval_s > 0, f"sweep_interval_s={self.sweep_interval_s}: must be > 0"
         )
         _require(self.log_interval_s >= 0, "log_interval_s must be >= 0")
-        _require(
-            self.log_level in LOG_LEVELS,
-            f"log_level={self.log_level!r}: allowed {', '.join(LOG_LEVELS)}",
-        )
-        _require(
-            self.log_format in LOG_FORMATS,
-            f"log_format={self.log_format!r}: allowed {', '.join(LOG_FORMATS)}",
-        )
+        check_choices(self)
         if self.unix_socket:
             _require(
                 len(self.unix_socket.encode()) < 104,

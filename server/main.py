@@ -21,18 +21,19 @@ import stat
 import sys
 import threading
 import time
+import typing
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore import __version__
-from kvstore.config import StoreConfig
+from kvstore.config import CODECS, WRITE_POLICIES, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError, StoreClosed
 from kvstore.protocol import default_socket_path
 from kvstore.sockets import untrusted_reason
 
 from . import logs
-from .config import ServerConfig, load, parse_address
+from .config import LogFormat, LogLevel, ServerConfig, load, parse_address
 
 log = logging.getLogger("kvstore.server")
 
@@ -159,12 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-host", metavar="HOST", help=f"{default('metrics_host')[1:]}")
     g.add_argument(
         "--log-level",
-        choices=("debug", "info", "warning", "error"),
+        choices=typing.get_args(LogLevel),
         help=f"{default('log_level')[1:]}",
     )
     g.add_argument(
         "--log-format",
-        choices=("text", "json"),
+        choices=typing.get_args(LogFormat),
         help=f"json: one object per line{default('log_format')}",
     )
     g.add_argument(
@@ -195,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--write-policy",
-        choices=("write-through", "write-back"),
+        choices=WRITE_POLICIES,
         help=f"(default: {s.write_policy})",
     )
     g.add_argument("--max-chunk-bytes", metavar="SIZE", help="largest record (default: 256MiB)")
@@ -215,9 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--disk-capacity", metavar="SIZE", help="L2 capacity (default: 16GiB)")
     g.add_argument("--disk-path", metavar="DIR", help="LMDB directory (default: DATA_DIR/lmdb)")
-    g.add_argument(
-        "--disk-codec", choices=("raw", "zstd", "zstd_shuffle"), help=f"(default: {s.disk.codec})"
-    )
+    g.add_argument("--disk-codec", choices=CODECS, help=f"(default: {s.disk.codec})")
     g.add_argument(
         "--no-disk", dest="disk_enabled", action="store_const", const=False, help="no L2 tier"
     )
