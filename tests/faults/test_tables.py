@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvstore.server.tenants import MAX_NAMESPACES_PER_TENANT, Tenants
 
 import kvstore
 from kvstore.keys import ROOT, Namespace
 from kvstore.testing.server import KVServer
-from server.tenants import MAX_NAMESPACES_PER_TENANT, Tenants
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
 
