@@ -7,6 +7,12 @@ two data planes, deadlines and errors), as coroutines over ``grpc.aio``:
         key, status = await kv.put_chunk(namespace, ROOT, tokens, payload, "bfloat16", shape)
         header, data = await kv.get(key)
 
+Each method runs the same operation of the client core as ``Client``'s
+(``kvstore.client_core``, ``kvstore.client_writes``); this module is the asyncio
+transport that drives it, each step awaited. What differs is only what must be
+awaited: ``acquire`` gives an ``AsyncLease`` (``await lease.release()``, ``async
+with``) and ``reserve`` ``AsyncReservation``s (``await res.commit()``).
+
 Copies into and out of shared memory run on the event loop (they are memcpy
 speed: ~3 ms for 32 MiB); the Session stream that keeps leases alive is a task
 of the loop the client was first used on.
@@ -17,42 +23,31 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
-from kvstore.arena import ArenaView, as_u8
-from kvstore.errors import KVStoreError, NamespaceNotRegistered
-from kvstore.keys import ChunkKey, Namespace
-from kvstore.protocol import (
-    SERVICE_NAME,
-    chunk_from_pb,
-    lookup_from_pb,
-    stats_from_pb,
-    status_from_pb,
-)
-from kvstore.records import RecordHeader, parse_header
-from kvstore.sdk import (
-    GET_METHOD,
-    LEASE_MARGIN,
-    PUT_METHOD,
-    ClientBase,
-    GetAssembler,
-    NamespaceLike,
-    Tokens,
-    chunk_header,
-)
-from kvstore.shm import Lease
+from kvstore import client_core as core
+from kvstore import client_writes as writes
+from kvstore.arena import ArenaView
+from kvstore.errors import KVStoreError
+from kvstore.keys import ChunkKey
+from kvstore.records import RecordHeader
+from kvstore.sdk import GET_METHOD, PUT_METHOD, ClientBase, NamespaceLike, Tokens
+from kvstore.shm import AsyncLease, AsyncReservation
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
+from kvstore.wire import NamespaceInfo, ServerInfo
+
+__all__ = ["AsyncClient", "AsyncLease", "AsyncReservation"]
 
 log = logging.getLogger("kvstore.client")
+
+T = TypeVar("T")
 
 
 class AsyncClient(ClientBase):
@@ -85,7 +80,8 @@ class AsyncClient(ClientBase):
             else grpc.aio.insecure_channel(ep.target, self._options)
         )
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._put_raw = self._channel.stream_unary(
+        self._methods: dict[str, Any] = {m: getattr(self._stub, m) for m in core.UNARY_METHODS}
+        self._methods[core.PUT] = self._channel.stream_unary(
             PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
         )
         self._get_raw = self._channel.unary_stream(
@@ -96,44 +92,77 @@ class AsyncClient(ClientBase):
         self._lock: asyncio.Lock | None = None
         self._pending: set[asyncio.Task[None]] = set()  # Releases sent without waiting
         self._stop: asyncio.Event | None = None
-        self._session: asyncio.Task[None] | None = None
 
-    # -- plumbing -------------------------------------------------------------------------
-    async def _call(self, what: str, method: Any, request: Any, timeout: float | None) -> Any:
+    # -- the transport: each step of a plan awaited ---------------------------------------
+    async def _run(self, plan: core.Plan[T]) -> T:
+        try:
+            step = next(plan)
+            while True:
+                try:
+                    result = await self._step(step)
+                except BaseException as e:
+                    step = plan.throw(e)
+                else:
+                    step = plan.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _step(self, step: core.Step) -> Any:
         if self._closed:
             raise KVStoreError("the client is closed")
-        try:
-            return await method(request, timeout=self._deadline(timeout), metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise self._error(e, what) from e
+        if type(step) is core.Call:
+            try:
+                return await self._methods[step.method](
+                    step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                raise self._error(e, step.method) from e
+        if step is core.NEED_ARENA:
+            return await self._shm()
+        if type(step) is core.GetStream:
+            try:
+                async for raw in self._get_raw(
+                    step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
+                ):
+                    step.sink.add(raw)
+            except grpc.RpcError as e:
+                raise self._error(e, "Get") from e
+            return None
+        if type(step) is core.ReleaseLater:
+            request = pb.ReleaseRequest(lease_ids=[step.lease_id])
+            task = asyncio.get_running_loop().create_task(self._release_quietly(request))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+            return None
+        if type(step) is core.HealthCheck:
+            from grpc_health.v1 import health_pb2_grpc
+
+            try:
+                return await health_pb2_grpc.HealthStub(self._channel).Check(
+                    step.request, timeout=self._deadline(step.timeout)
+                )
+            except grpc.RpcError:
+                return None
+        raise TypeError(f"not a step of the client core: {step!r}")
+
+    async def _release_quietly(self, request: pb.ReleaseRequest) -> None:
+        with contextlib.suppress(grpc.RpcError):  # it expires, or goes with the Session
+            await self._stub.Release(request, timeout=self.timeout, metadata=self._metadata)
 
     async def _shm(self) -> ArenaView | None:
-        if self._shm_checked and (self._session is None or not self._session.done()):
+        if self._plane_ready():
             return self._arena
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._closed:
-                raise KVStoreError("the client is closed")
-            if self._shm_checked and self._session is not None and self._session.done():
-                # The Session ended: see Client._shm.
-                info = await self.info()
-                if self._arena is not None and self._same_arena(info):
-                    self._session = None if self._session_refused else self._new_session()
-                    return self._arena
-                if self._arena is not None:
-                    self._arena.close()
-                self._arena, self._session, self._shm_checked = None, None, False
-            if not self._shm_checked:
-                self._arena = self._open_arena(await self.info())
-                if self._arena is not None:
-                    self._stop = asyncio.Event()
-                    self._session = self._new_session()
-                self._shm_checked = True
-            return self._arena
+            arena = await self._run(core.setup_plane(self))
+            if arena is not None and self._session is None and not self._session_refused:
+                self._stop = asyncio.Event()
+                self._session = asyncio.get_running_loop().create_task(self._run_session())
+            return arena
 
-    def _new_session(self) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._run_session())
+    def _session_alive(self) -> bool:
+        return self._session is not None and not self._session.done()
 
     async def _run_session(self) -> None:
         assert self._stop is not None
@@ -155,73 +184,85 @@ class AsyncClient(ClientBase):
             if not stop.is_set():
                 self._session_ended(e)
 
+    def _plane_without_waiting(self) -> None:
+        """``setup_plane`` with a blocking Info over a channel of its own: for
+        ``shm_active``, which cannot await. The Session starts with the next call."""
+        ep = self.endpoint
+        channel = (
+            grpc.secure_channel(ep.target, self._credentials(), self._options)
+            if ep.tls
+            else grpc.insecure_channel(ep.target, self._options)
+        )
+        info_rpc = pb_grpc.KVStoreStub(channel).Info
+
+        def step(s: core.Step) -> Any:
+            assert type(s) is core.Call and s.method == "Info", s  # all setup_plane asks
+            try:
+                return info_rpc(
+                    s.request, timeout=self._deadline(s.timeout), metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                raise self._error(e, "Info") from e
+
+        with channel:
+            core.run_blocking(core.setup_plane(self), step)
+
+    def _lease(self, timeout: float | None) -> functools.partial[AsyncLease]:
+        return functools.partial(
+            AsyncLease, release=lambda lid: self._run(core.release(lid, timeout))
+        )
+
+    def _reservation(self, timeout: float | None) -> Callable[..., AsyncReservation]:
+        def finish(rid: int, commit: bool, checksum: int | None) -> Awaitable[PutStatus]:
+            return self._run(writes.finish(rid, commit, checksum, timeout))
+
+        def make(
+            h: RecordHeader,
+            rid: int,
+            extents: builtins.list[tuple[int, int]],
+            offset: int,
+            arena: ArenaView,
+            until: float,
+            at_commit: bool,
+        ) -> AsyncReservation:
+            return AsyncReservation(h, rid, extents, offset, arena, finish, until, at_commit)
+
+        return make
+
+    @property
+    def arena(self) -> ArenaView | None:
+        """This client's mapping of the server's arena, if it has one now (no setup)."""
+        return self._arena
+
     @property
     def shm_active(self) -> bool:
-        """Whether shared memory is in use (known after the first data-plane call)."""
+        """True when chunk bytes travel through the server's shared memory, as
+        ``Client.shm_active``: set up on first use. A property cannot await: where the
+        plane is not set up yet (no data-plane call so far, or the Session ended), this
+        asks the server's Info with a blocking call, once."""
+        if not self._plane_ready() and not (self._lock is not None and self._lock.locked()):
+            self._plane_without_waiting()
         return self._arena is not None
 
     # -- server --------------------------------------------------------------------------
     async def info(self, *, timeout: float | None = None) -> ServerInfo:
         """What the server is and offers (versions, chunking, shared memory)."""
-        msg = await self._call("Info", self._stub.Info, pb.InfoRequest(), timeout)
-        self._info = info_from_pb(msg)
-        return self._info
+        return await self._run(core.info(self, timeout))
 
     async def health(self, *, timeout: float | None = None) -> bool:
         """True when the server answers its health check with SERVING (no token needed)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            resp = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self._deadline(timeout)
-            )
-        except grpc.RpcError:
-            return False
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        return await self._run(core.health(timeout))
 
     async def stats(self, *, timeout: float | None = None) -> StoreStats:
         """Store and tier counters; ``extra`` holds active_leases and uptime_s."""
-        return stats_from_pb(
-            await self._call("Stats", self._stub.Stats, pb.StatsRequest(), timeout)
-        )
+        return await self._run(core.stats(timeout))
 
     # -- writes ----------------------------------------------------------------------------
     async def put(
         self, header: RecordHeader, payload: Any, *, timeout: float | None = None
     ) -> PutStatus:
         """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
-        if self._info is None:
-            await self.info(timeout=timeout)
-        src = self._check_put(header, payload)
-        arena = await self._shm()
-        if arena is not None:
-            r = await self._call(
-                "Reserve", self._stub.Reserve, pb.ReserveRequest(header=header.pack()), timeout
-            )
-            status = status_from_pb(r.status)
-            if status == PutStatus.EXISTS:
-                return status
-            if status == PutStatus.STORED:
-                try:
-                    arena.write(self._check_extents(r.extents), r.payload_offset, src)
-                except BaseException:
-                    with contextlib.suppress(KVStoreError):
-                        await self._call(
-                            "Abort",
-                            self._stub.Abort,
-                            pb.AbortRequest(reservation_id=r.reservation_id),
-                            timeout,
-                        )
-                    raise
-                c = await self._call(
-                    "Commit",
-                    self._stub.Commit,
-                    pb.CommitRequest(reservation_id=r.reservation_id),
-                    timeout,
-                )
-                return status_from_pb(c.status)
-        r = await self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
-        return status_from_pb(r.status)
+        return await self._run(writes.put(self, header, payload, timeout))
 
     async def put_chunk(
         self,
@@ -236,108 +277,48 @@ class AsyncClient(ClientBase):
     ) -> tuple[ChunkKey, PutStatus]:
         """Build the record of one chunk (key from parent, namespace, tokens) and put it
         (proving the namespace first where a server with tenants asks: see Client)."""
-        header = chunk_header(namespace, parent, tokens, payload, dtype, shape)
-        try:
-            return header.key, await self.put(header, payload, timeout=timeout)
-        except NamespaceNotRegistered:
-            if not isinstance(namespace, Namespace):  # a fingerprint alone proves nothing
-                raise
-        await self.lookup(namespace, [], timeout=timeout)
-        return header.key, await self.put(header, payload, timeout=timeout)
+        return await self._run(
+            writes.put_chunk(self, namespace, parent, tokens, payload, dtype, shape, timeout)
+        )
+
+    async def reserve(
+        self,
+        headers: Sequence[RecordHeader],
+        *,
+        checksum_at_commit: bool = True,
+        timeout: float | None = None,
+    ) -> builtins.list[AsyncReservation | PutStatus]:
+        """Arena space to write chunks in place, one round trip: see ``Client.reserve``."""
+        make = self._reservation(timeout)
+        return await self._run(writes.reserve(self, headers, checksum_at_commit, timeout, make))
+
+    async def commit(
+        self,
+        reservations: Sequence[AsyncReservation],
+        checksums: Sequence[int | None] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> builtins.list[PutStatus | KVStoreError]:
+        """Commit several reservations in one round trip: see ``Client.commit``."""
+        return await self._run(writes.commit(self, reservations, checksums, timeout))
 
     # -- reads ------------------------------------------------------------------------------
-    async def _lease(self, key: bytes, timeout: float | None) -> Lease | str | None:
-        arena = await self._shm()
-        if arena is None:
-            return "stream"
-        t0 = time.monotonic()
-        a = await self._call(
-            "Acquire",
-            self._stub.Acquire,
-            pb.AcquireRequest(key=key, client_verifies=self.verify),
-            timeout,
-        )
-        if not a.found:
-            return "stream" if a.use_get else None
-        header = parse_header(a.header, expect_key=key)
-        # The release callback is unused: AsyncClient releases with _done_with below.
-        return Lease(
-            header,
-            a.lease_id,
-            self._check_extents(a.extents),
-            a.payload_offset,
-            arena,
-            lambda lid: True,
-            t0 + a.expires_ms / 1000 * LEASE_MARGIN,
-        )
-
-    async def _done_with(self, lease: Lease, timeout: float | None) -> bool:
-        """Release a lease; False if what was read may be wrong (see Client._done_with)."""
-        lease.released = True
-        request = pb.ReleaseRequest(lease_ids=[lease.id])
-        if time.monotonic() >= lease.valid_until:
-            r = await self._call("Release", self._stub.Release, request, timeout)
-            return bool(r.released == 1)
-        task = asyncio.get_running_loop().create_task(self._release_quietly(request))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        return True
-
-    async def _release_quietly(self, request: pb.ReleaseRequest) -> None:
-        with contextlib.suppress(grpc.RpcError):
-            await self._stub.Release(request, timeout=self.timeout, metadata=self._metadata)
+    async def acquire(self, key: bytes, *, timeout: float | None = None) -> AsyncLease | None:
+        """A read lease on a chunk in shared memory (zero copy), or None on a miss; only
+        on the server's host (see ``Client.acquire``)."""
+        return await self._run(core.acquire(self, key, timeout, self._lease(timeout)))
 
     async def get(
         self, key: bytes, *, timeout: float | None = None
     ) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""
-        got = await self._lease(key, timeout)
-        if isinstance(got, Lease):
-            try:
-                data = got.read()
-            finally:
-                ok = await self._done_with(got, timeout)
-            if ok and self._verified(got.header, data):
-                return got.header, data
-            got = "stream"  # expired while we read, or corrupt: the server decides
-        if got is None:
-            return None
-        return await self._get_stream(key, None, timeout)
+        return await self._run(core.get(self, key, timeout))
 
     async def get_into(
         self, key: bytes, out: Any, *, timeout: float | None = None
     ) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out`` (any writable buffer); its header or None."""
-        dst = as_u8(out, writable=True)
-        got = await self._lease(key, timeout)
-        if isinstance(got, Lease):
-            try:
-                if self.verify:
-                    digest = got.read_into_hashed(dst)
-                else:
-                    got.read_into(dst)
-            finally:
-                ok = await self._done_with(got, timeout)
-            if ok and (not self.verify or digest == got.header.payload_checksum):
-                return got.header
-            got = "stream"  # expired while we read, or corrupt: the server decides
-        if got is None:
-            return None
-        found = await self._get_stream(key, dst, timeout)
-        return found[0] if found else None
-
-    async def _get_stream(
-        self, key: bytes, out: np.ndarray | None, timeout: float | None
-    ) -> tuple[RecordHeader, bytes] | None:
-        got = GetAssembler(key, out)
-        try:
-            async for raw in self._get_raw(
-                pb.GetRequest(key=key), timeout=self._deadline(timeout), metadata=self._metadata
-            ):
-                got.add(raw)
-        except grpc.RpcError as e:
-            raise self._error(e, "Get") from e
-        return got.finish()
+        return await self._run(core.get_into(self, key, out, timeout))
 
     # -- lookup and management --------------------------------------------------------------
     async def lookup(
@@ -356,24 +337,19 @@ class AsyncClient(ClientBase):
         ``repeat``: this prompt was looked up already (by the engine's scheduler, say);
         the server answers alike but does not count the lookup again in its stats.
         """
-        req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain, repeat)
-        return lookup_from_pb(await self._call("Lookup", self._stub.Lookup, req, timeout))
+        return await self._run(
+            core.lookup(self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout)
+        )
 
     async def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> builtins.list[tuple[int, ...]]:
         """For each key, the tier levels that hold it (empty: not stored)."""
-        r = await self._call(
-            "Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)), timeout
-        )
-        return [tuple(t.tiers) for t in r.found]
+        return await self._run(core.exists(keys, timeout))
 
     async def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove chunks from every tier; how many were stored."""
-        r = await self._call(
-            "Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout
-        )
-        return int(r.deleted)
+        return await self._run(core.delete(keys, timeout))
 
     async def clear(
         self,
@@ -383,19 +359,13 @@ class AsyncClient(ClientBase):
         timeout: float | None = None,
     ) -> int:
         """Remove every chunk of one namespace, or everything with ``all=True``."""
-        r = await self._call(
-            "Clear", self._stub.Clear, self._clear_request(namespace, all), timeout
-        )
-        return int(r.removed)
+        return await self._run(core.clear(self, namespace, all, timeout))
 
     async def pin(
         self, keys: Sequence[bytes], pinned: bool = True, *, timeout: float | None = None
     ) -> int:
         """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
-        r = await self._call(
-            "Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned), timeout
-        )
-        return int(r.changed)
+        return await self._run(core.pin(keys, pinned, timeout))
 
     async def list(
         self,
@@ -409,19 +379,17 @@ class AsyncClient(ClientBase):
         """Every stored chunk (of one namespace, tier), fetched page by page."""
         token = ""
         while True:
-            req = self._list_request(namespace, tier, pinned_only, page_size, token)
-            r = await self._call("List", self._stub.List, req, timeout)
-            for c in r.chunks:
-                yield chunk_from_pb(c)
-            token = r.next_page_token
+            chunks, token = await self._run(
+                core.list_page(self, namespace, tier, pinned_only, page_size, token, timeout)
+            )
+            for chunk in chunks:
+                yield chunk
             if not token:
                 return
 
     async def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
         """The namespaces the server holds chunks of, with counts and bytes."""
-        return self._namespaces(
-            await self._call("Namespaces", self._stub.Namespaces, pb.NamespacesRequest(), timeout)
-        )
+        return await self._run(core.namespaces(self, timeout))
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -431,7 +399,7 @@ class AsyncClient(ClientBase):
         self._closed = True
         self._prefault_stop.set()
         if self._pending:
-            await asyncio.wait(list(self._pending), timeout=1.0)
+            await asyncio.wait(builtins.list(self._pending), timeout=1.0)
         if self._stop is not None:
             self._stop.set()
         if self._session is not None:

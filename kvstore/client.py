@@ -23,42 +23,36 @@ raises ``kvstore.errors`` classes: ``ServerUnavailable``, ``Unauthenticated``,
 ``PermissionDenied``, ``InvalidArgument``, ``NotFound``, ``CorruptRecord``,
 ``DeadlineExceeded``, ``ResourceExhausted``, ``ServerError``. Misses are ``None``,
 not exceptions.
+
+Each method is one operation of the client core (``kvstore.client_core``,
+``kvstore.client_writes``), written once for this client and ``AsyncClient``;
+this module is the blocking transport that drives them: each step a direct call.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
-import xxhash
 
-from kvstore.arena import ArenaView, as_u8
-from kvstore.client_writes import InPlaceWrites
-from kvstore.errors import KVStoreError, NamespaceNotRegistered, NotFound
-from kvstore.keys import ChunkKey, Namespace
-from kvstore.protocol import (
-    SERVICE_NAME,
-    chunk_from_pb,
-    lookup_from_pb,
-    stats_from_pb,
-    status_from_pb,
-)
-from kvstore.records import RecordHeader, parse_header
+from kvstore import client_core as core
+from kvstore import client_writes as writes
+from kvstore.arena import ArenaView
+from kvstore.errors import KVStoreError
+from kvstore.keys import ChunkKey
+from kvstore.records import RecordHeader
 from kvstore.sdk import (
     GET_METHOD,
-    LEASE_MARGIN,
     PUT_METHOD,
     ClientBase,
     Endpoint,
-    GetAssembler,
     NamespaceLike,
     Tokens,
     chunk_header,
@@ -69,7 +63,7 @@ from kvstore.shm import Lease, Reservation, prefault
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
+from kvstore.wire import NamespaceInfo, ServerInfo
 
 __all__ = [
     "Client",
@@ -87,7 +81,7 @@ log = logging.getLogger("kvstore.client")
 T = TypeVar("T")
 
 
-class Client(InPlaceWrites, ClientBase):
+class Client(ClientBase):
     """A blocking client of kvstore-server; thread-safe. See the module docstring."""
 
     def __init__(
@@ -122,7 +116,8 @@ class Client(InPlaceWrites, ClientBase):
             else grpc.insecure_channel(ep.target, self._options)
         )
         self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._put_raw = self._channel.stream_unary(
+        self._methods: dict[str, Any] = {m: getattr(self._stub, m) for m in core.UNARY_METHODS}
+        self._methods[core.PUT] = self._channel.stream_unary(
             PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
         )
         self._get_raw = self._channel.unary_stream(
@@ -133,40 +128,67 @@ class Client(InPlaceWrites, ClientBase):
         self._lock = threading.Lock()
         self._pending: set[grpc.Future] = set()  # Releases sent without waiting
         self._stop = threading.Event()
-        self._session: threading.Thread | None = None
 
-    # -- plumbing -------------------------------------------------------------------------
-    def _call(self, what: str, method: Callable[..., T], request: Any, timeout: float | None) -> T:
+    # -- the transport: each step of a plan as a blocking call ----------------------------
+    def _run(self, plan: core.Plan[T]) -> T:
+        return core.run_blocking(plan, self._step)
+
+    def _step(self, step: core.Step) -> Any:
         if self._closed:
             raise KVStoreError("the client is closed")
-        try:
-            return method(request, timeout=self._deadline(timeout), metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise self._error(e, what) from e
+        if type(step) is core.Call:
+            try:
+                return self._methods[step.method](
+                    step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                raise self._error(e, step.method) from e
+        if step is core.NEED_ARENA:
+            return self._shm()
+        if type(step) is core.GetStream:
+            try:
+                for raw in self._get_raw(
+                    step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
+                ):
+                    step.sink.add(raw)
+            except grpc.RpcError as e:
+                raise self._error(e, "Get") from e
+            return None
+        if type(step) is core.ReleaseLater:
+            try:
+                fut = self._stub.Release.future(
+                    pb.ReleaseRequest(lease_ids=[step.lease_id]),
+                    timeout=self.timeout,
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError:
+                return None  # the lease expires, or goes with the Session, on its own
+            self._pending.add(fut)
+            fut.add_done_callback(self._pending.discard)
+            return None
+        if type(step) is core.HealthCheck:
+            from grpc_health.v1 import health_pb2_grpc
+
+            try:
+                return health_pb2_grpc.HealthStub(self._channel).Check(
+                    step.request, timeout=self._deadline(step.timeout)
+                )
+            except grpc.RpcError:
+                return None
+        raise TypeError(f"not a step of the client core: {step!r}")
 
     def _shm(self) -> ArenaView | None:
         """The mapped arena if the shared-memory plane is in use (set up on first use)."""
-        if self._shm_checked and (self._session is None or self._session.is_alive()):
+        if self._plane_ready():
             return self._arena
         with self._lock:
-            if self._closed:
-                raise KVStoreError("the client is closed")
-            if self._shm_checked and self._session is not None and not self._session.is_alive():
-                # The Session ended: a restarted server has a new arena; the same one
-                # (a broken stream) needs a new Session, unless the server refused it.
-                info = self.info()
-                if self._arena is not None and self._same_arena(info):
-                    self._session = None if self._session_refused else self._start_session()
-                    return self._arena
-                if self._arena is not None:
-                    self._arena.close()
-                self._arena, self._session, self._shm_checked = None, None, False
-            if not self._shm_checked:
-                self._arena = self._open_arena(self.info())
-                if self._arena is not None:
-                    self._session = self._start_session()
-                self._shm_checked = True
-            return self._arena
+            arena = self._run(core.setup_plane(self))
+            if arena is not None and self._session is None and not self._session_refused:
+                self._session = self._start_session()
+            return arena
+
+    def _session_alive(self) -> bool:
+        return self._session is not None and bool(self._session.is_alive())
 
     def _start_session(self) -> threading.Thread:
         interval = self._ping_interval()
@@ -187,6 +209,26 @@ class Client(InPlaceWrites, ClientBase):
         thread.start()
         return thread
 
+    def _lease(self, timeout: float | None) -> functools.partial[Lease]:
+        return functools.partial(Lease, release=lambda lid: self._run(core.release(lid, timeout)))
+
+    def _reservation(self, timeout: float | None) -> Callable[..., Reservation]:
+        def finish(rid: int, commit: bool, checksum: int | None) -> PutStatus:
+            return self._run(writes.finish(rid, commit, checksum, timeout))
+
+        def make(
+            h: RecordHeader,
+            rid: int,
+            extents: builtins.list[tuple[int, int]],
+            offset: int,
+            arena: ArenaView,
+            until: float,
+            at_commit: bool,
+        ) -> Reservation:
+            return Reservation(h, rid, extents, offset, arena, finish, until, at_commit)
+
+        return make
+
     @property
     def arena(self) -> ArenaView | None:
         """This client's mapping of the server's arena, if it has one now (no setup)."""
@@ -194,70 +236,27 @@ class Client(InPlaceWrites, ClientBase):
 
     @property
     def shm_active(self) -> bool:
-        """True when chunk bytes travel through the server's shared memory."""
+        """True when chunk bytes travel through the server's shared memory (set up on
+        first use: the first read may wait for the server's Info)."""
         return self._shm() is not None
 
     # -- server --------------------------------------------------------------------------
     def info(self, *, timeout: float | None = None) -> ServerInfo:
         """What the server is and offers (versions, chunking, shared memory)."""
-        self._info = info_from_pb(self._call("Info", self._stub.Info, pb.InfoRequest(), timeout))
-        return self._info
+        return self._run(core.info(self, timeout))
 
     def health(self, *, timeout: float | None = None) -> bool:
         """True when the server answers its health check with SERVING (no token needed)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            resp = health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=self._deadline(timeout)
-            )
-        except grpc.RpcError:
-            return False
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        return self._run(core.health(timeout))
 
     def stats(self, *, timeout: float | None = None) -> StoreStats:
         """Store and tier counters; ``extra`` holds active_leases and uptime_s."""
-        return stats_from_pb(self._call("Stats", self._stub.Stats, pb.StatsRequest(), timeout))
+        return self._run(core.stats(timeout))
 
     # -- writes ----------------------------------------------------------------------------
     def put(self, header: RecordHeader, payload: Any, *, timeout: float | None = None) -> PutStatus:
         """Store one chunk (raw payload: bytes, memoryview, numpy array...)."""
-        if self._info is None:
-            self.info(timeout=timeout)
-        return self._put(header, payload, timeout, sealed=True)
-
-    def _put(
-        self, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
-    ) -> PutStatus:
-        """``sealed=False``: the header's checksum is a placeholder; the payload is hashed
-        as it is copied into the arena and the checksum goes with the Commit, and a put
-        that must stream hashes the payload here first."""
-        src = self._check_put(header, payload)
-        arena = self._shm()
-        if arena is not None:
-            status = self._put_shm(header, src, timeout, sealed)
-            if status is not None:
-                return status
-        if not sealed:
-            header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
-        return self._put_stream(header, src, timeout)
-
-    def _put_shm(
-        self, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
-    ) -> PutStatus | None:
-        (res,) = self.reserve([header], checksum_at_commit=not sealed, timeout=timeout)
-        if isinstance(res, PutStatus):
-            # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
-            return res if res == PutStatus.EXISTS else None
-        with res:  # given back if the copy fails
-            res.write(src)  # unsealed: hashed as it is copied (accel.scatter_xxh3)
-            return res.commit()
-
-    def _put_stream(
-        self, header: RecordHeader, src: np.ndarray, timeout: float | None
-    ) -> PutStatus:
-        r = self._call("Put", self._put_raw, self._put_frames(header, src), timeout)
-        return status_from_pb(r.status)
+        return self._run(writes.put(self, header, payload, timeout))
 
     def put_chunk(
         self,
@@ -274,18 +273,47 @@ class Client(InPlaceWrites, ClientBase):
 
         On a server with tenants, a namespace the server does not know as the caller's yet
         is proved with a Lookup that carries it (docs/security.md), and the put retried."""
-        if self._info is None:
-            self.info(timeout=timeout)
-        # Through shared memory the server hashes the payload at Commit: not hashed here.
-        sealed = self._shm() is None
-        header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype, shape)
-        try:
-            return header.key, self._put(header, payload, timeout, sealed=sealed)
-        except NamespaceNotRegistered:
-            if not isinstance(namespace, Namespace):  # a fingerprint alone proves nothing
-                raise
-        self.lookup(namespace, [], timeout=timeout)
-        return header.key, self._put(header, payload, timeout, sealed=sealed)
+        return self._run(
+            writes.put_chunk(self, namespace, parent, tokens, payload, dtype, shape, timeout)
+        )
+
+    def reserve(
+        self,
+        headers: Sequence[RecordHeader],
+        *,
+        checksum_at_commit: bool = True,
+        timeout: float | None = None,
+    ) -> builtins.list[Reservation | PutStatus]:
+        """Arena space for chunks whose payloads the caller writes in place: one round trip.
+
+        For each header, a ``Reservation`` (write its ``views()``, then ``commit()``), or
+        the status a put would get without one: EXISTS (already stored: nothing to
+        write), FULL or TOO_LARGE (L1 cannot take it now; ``put`` sends it below). With
+        ``checksum_at_commit`` the headers' checksums are placeholders (``chunk_header``
+        with ``payload=None``) and the checksum of what was written goes with the commit
+        (``Reservation.commit``), where the server checks the pages against it.
+        Only on the server's host; raises KVStoreError when shared memory is not in use.
+        """
+        make = self._reservation(timeout)
+        return self._run(writes.reserve(self, headers, checksum_at_commit, timeout, make))
+
+    def commit(
+        self,
+        reservations: Sequence[Reservation],
+        checksums: Sequence[int | None] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> builtins.list[PutStatus | KVStoreError]:
+        """Commit several reservations of this client in one round trip.
+
+        ``checksums[i]`` as for ``reservations[i].commit``. For each, its status, or the
+        error its own ``commit`` would have raised (that chunk is not stored; the others
+        are not affected). Raises ``InvalidArgument`` before using any reservation if one
+        cannot be committed (another client's, used already, twice in the list), and the
+        call's error if a round trip fails: then every reservation passed in is used up
+        (those of batches not sent are aborted; those sent may be stored).
+        """
+        return self._run(writes.commit(self, reservations, checksums, timeout))
 
     # -- reads ------------------------------------------------------------------------------
     def acquire(self, key: bytes, *, timeout: float | None = None) -> Lease | None:
@@ -293,131 +321,17 @@ class Client(InPlaceWrites, ClientBase):
 
         Only on the server's host; raises KVStoreError when shared memory is not in use.
         """
-        arena = self._shm()
-        if arena is None:
-            raise KVStoreError("acquire needs the shared-memory data plane (same host)")
-        a = self._call("Acquire", self._stub.Acquire, pb.AcquireRequest(key=key), timeout)
-        if not a.found:
-            return None
-        try:
-            header = parse_header(a.header, expect_key=key)
-            extents = self._check_extents(a.extents)
-        except KVStoreError:
-            self._release(a.lease_id, timeout)
-            raise
-        return Lease(
-            header,
-            a.lease_id,
-            extents,
-            a.payload_offset,
-            arena,
-            lambda lid: self._release(lid, timeout),
-        )
-
-    def _release(self, lease_id: int, timeout: float | None) -> bool:
-        """False if the lease was gone (expired, or dropped with a broken Session)."""
-        try:
-            r = self._call(
-                "Release", self._stub.Release, pb.ReleaseRequest(lease_ids=[lease_id]), timeout
-            )
-        except NotFound:
-            return False
-        return r.released == 1
-
-    def _acquire_or_stream(self, key: bytes, timeout: float | None) -> Lease | str | None:
-        if self._shm() is None:
-            return "stream"
-        t0 = time.monotonic()
-        a = self._call(
-            "Acquire",
-            self._stub.Acquire,
-            pb.AcquireRequest(key=key, client_verifies=self.verify),
-            timeout,
-        )
-        if not a.found:
-            return "stream" if a.use_get else None
-        assert self._arena is not None
-        header = parse_header(a.header, expect_key=key)
-        return Lease(
-            header,
-            a.lease_id,
-            self._check_extents(a.extents),
-            a.payload_offset,
-            self._arena,
-            lambda lid: self._release(lid, timeout),
-            t0 + a.expires_ms / 1000 * LEASE_MARGIN,
-        )
-
-    def _done_with(self, lease: Lease) -> bool:
-        """Release a lease read by get/get_into; False if what was read may be wrong.
-
-        While the lease surely still holds, the Release is sent without waiting for
-        its answer: a get costs one round trip, not two.
-        """
-        if time.monotonic() >= lease.valid_until:
-            return lease.release()
-        lease.released = True
-        try:
-            fut = self._stub.Release.future(
-                pb.ReleaseRequest(lease_ids=[lease.id]),
-                timeout=self.timeout,
-                metadata=self._metadata,
-            )
-        except grpc.RpcError:
-            return True  # the lease expires, or goes with the Session, on its own
-        self._pending.add(fut)
-        fut.add_done_callback(self._pending.discard)
-        return True
+        return self._run(core.acquire(self, key, timeout, self._lease(timeout)))
 
     def get(self, key: bytes, *, timeout: float | None = None) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""
-        got = self._acquire_or_stream(key, timeout)
-        if isinstance(got, Lease):
-            try:
-                data = got.read()
-            finally:
-                ok = self._done_with(got)
-            if ok and self._verified(got.header, data):
-                return got.header, data
-            got = "stream"  # expired while we read, or corrupt: the server decides
-        if got is None:
-            return None
-        return self._get_stream(key, None, timeout)
+        return self._run(core.get(self, key, timeout))
 
     def get_into(
         self, key: bytes, out: Any, *, timeout: float | None = None
     ) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out`` (any writable buffer); its header or None."""
-        dst = as_u8(out, writable=True)
-        got = self._acquire_or_stream(key, timeout)
-        if isinstance(got, Lease):
-            try:
-                if self.verify:
-                    digest = got.read_into_hashed(dst)
-                else:
-                    got.read_into(dst)
-            finally:
-                ok = self._done_with(got)
-            if ok and (not self.verify or digest == got.header.payload_checksum):
-                return got.header
-            got = "stream"  # expired while we read, or corrupt: the server decides
-        if got is None:
-            return None
-        found = self._get_stream(key, dst, timeout)
-        return found[0] if found else None
-
-    def _get_stream(
-        self, key: bytes, out: np.ndarray | None, timeout: float | None
-    ) -> tuple[RecordHeader, bytes] | None:
-        got = GetAssembler(key, out)
-        try:
-            for raw in self._get_raw(
-                pb.GetRequest(key=key), timeout=self._deadline(timeout), metadata=self._metadata
-            ):
-                got.add(raw)
-        except grpc.RpcError as e:
-            raise self._error(e, "Get") from e
-        return got.finish()
+        return self._run(core.get_into(self, key, out, timeout))
 
     # -- lookup and management --------------------------------------------------------------
     def lookup(
@@ -436,20 +350,19 @@ class Client(InPlaceWrites, ClientBase):
         ``repeat``: this prompt was looked up already (by the engine's scheduler, say);
         the server answers alike but does not count the lookup again in its stats.
         """
-        req = self._lookup_request(namespace, tokens, min_tokens, granularity, explain, repeat)
-        return lookup_from_pb(self._call("Lookup", self._stub.Lookup, req, timeout))
+        return self._run(
+            core.lookup(self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout)
+        )
 
     def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None
-    ) -> list[tuple[int, ...]]:
+    ) -> builtins.list[tuple[int, ...]]:
         """For each key, the tier levels that hold it (empty: not stored)."""
-        r = self._call("Exists", self._stub.Exists, pb.ExistsRequest(keys=list(keys)), timeout)
-        return [tuple(t.tiers) for t in r.found]
+        return self._run(core.exists(keys, timeout))
 
     def delete(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
         """Remove chunks from every tier; how many were stored."""
-        r = self._call("Delete", self._stub.Delete, pb.DeleteRequest(keys=list(keys)), timeout)
-        return r.deleted
+        return self._run(core.delete(keys, timeout))
 
     def clear(
         self,
@@ -459,17 +372,13 @@ class Client(InPlaceWrites, ClientBase):
         timeout: float | None = None,
     ) -> int:
         """Remove every chunk of one namespace, or everything with ``all=True``."""
-        r = self._call("Clear", self._stub.Clear, self._clear_request(namespace, all), timeout)
-        return r.removed
+        return self._run(core.clear(self, namespace, all, timeout))
 
     def pin(
         self, keys: Sequence[bytes], pinned: bool = True, *, timeout: float | None = None
     ) -> int:
         """Keep chunks from eviction (``pinned=False`` undoes it); how many changed."""
-        r = self._call(
-            "Pin", self._stub.Pin, pb.PinRequest(keys=list(keys), pinned=pinned), timeout
-        )
-        return r.changed
+        return self._run(core.pin(keys, pinned, timeout))
 
     def list(
         self,
@@ -483,18 +392,16 @@ class Client(InPlaceWrites, ClientBase):
         """Every stored chunk (of one namespace, tier), fetched page by page."""
         token = ""
         while True:
-            req = self._list_request(namespace, tier, pinned_only, page_size, token)
-            r = self._call("List", self._stub.List, req, timeout)
-            yield from (chunk_from_pb(c) for c in r.chunks)
-            token = r.next_page_token
+            chunks, token = self._run(
+                core.list_page(self, namespace, tier, pinned_only, page_size, token, timeout)
+            )
+            yield from chunks
             if not token:
                 return
 
     def namespaces(self, *, timeout: float | None = None) -> builtins.list[NamespaceInfo]:
         """The namespaces the server holds chunks of, with counts and bytes."""
-        return self._namespaces(
-            self._call("Namespaces", self._stub.Namespaces, pb.NamespacesRequest(), timeout)
-        )
+        return self._run(core.namespaces(self, timeout))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -505,7 +412,7 @@ class Client(InPlaceWrites, ClientBase):
         self._stop.set()
         self._prefault_stop.set()
         deadline = time.monotonic() + 1.0  # let Releases in flight land, briefly
-        for fut in list(self._pending):
+        for fut in builtins.list(self._pending):
             with contextlib.suppress(Exception):
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
         if self._session is not None:

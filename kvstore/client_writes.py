@@ -1,92 +1,127 @@
-"""``Client`` methods that write chunks in place in the server's arena (same host only):
-``reserve`` a batch in one round trip, write each payload into its pages, ``commit``
-them one by one (``Reservation.commit``) or together (``Client.commit``).
+"""The writes of the client core (``kvstore.client_core``): put, put_chunk, and writing
+in place in the server's arena (same host only): ``reserve`` a batch in one round
+trip, write each payload into its pages, commit them one by one (``finish``) or
+together (``commit``).
 
-A mixin of ``kvstore.client.Client``, kept apart so each module reads in one sitting;
-it uses only the client's plumbing declared below.
+A put goes through shared memory where the client has the server's arena mapped
+(ReserveMany, one copy into the pages, Commit) and is streamed (Put) otherwise,
+or when L1 cannot take the chunk now (FULL, TOO_LARGE: the server's Put writes
+it to a lower tier). ``put_chunk`` leaves the payload's checksum to the server
+when it goes through shared memory (hashed as it is copied, checked at Commit),
+and hashes it here only when it must stream.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
-import functools
-import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
-from kvstore.arena import ArenaView
-from kvstore.errors import InvalidArgument, KVStoreError, ServerError
+import numpy as np
+import xxhash
+
+from kvstore.client_core import NEED_ARENA, PUT, Call, Plan, info, lookup
+from kvstore.errors import InvalidArgument, KVStoreError, NamespaceNotRegistered, ServerError
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
-from kvstore.sdk import LEASE_MARGIN
-from kvstore.shm import Reservation
+from kvstore.sdk import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens, chunk_header
+from kvstore.shm import ReservationBase
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import error_from_code
 
-T = TypeVar("T")
+R = TypeVar("R", bound=ReservationBase)
 
 
-class InPlaceWrites:
-    if TYPE_CHECKING:  # provided by Client
-        _stub: Any
-        _arena: ArenaView | None
-        url: str
-        timeout: float
+def put(
+    c: ClientBase, header: RecordHeader, payload: Any, timeout: float | None
+) -> Plan[PutStatus]:
+    if c._info is None:
+        yield from info(c, timeout)
+    return (yield from _put(c, header, payload, timeout, sealed=True))
 
-        def _shm(self) -> ArenaView | None: ...
 
-        def _call(
-            self, what: str, method: Callable[..., T], request: Any, timeout: float | None
-        ) -> T: ...
-
-        def _check_extents(self, extents: Iterable[pb.Extent]) -> list[tuple[int, int]]: ...
-
-    def reserve(
-        self,
-        headers: Sequence[RecordHeader],
-        *,
-        checksum_at_commit: bool = True,
-        timeout: float | None = None,
-    ) -> builtins.list[Reservation | PutStatus]:
-        """Arena space for chunks whose payloads the caller writes in place: one round trip.
-
-        For each header, a ``Reservation`` (write its ``views()``, then ``commit()``), or
-        the status a put would get without one: EXISTS (already stored: nothing to
-        write), FULL or TOO_LARGE (L1 cannot take it now; ``put`` sends it below). With
-        ``checksum_at_commit`` the headers' checksums are placeholders (``chunk_header``
-        with ``payload=None``) and the checksum of what was written goes with the commit
-        (``Reservation.commit``), where the server checks the pages against it.
-        Only on the server's host; raises KVStoreError when shared memory is not in use.
-        """
-        arena = self._shm()
-        if arena is None:
-            raise KVStoreError("reserve needs the shared-memory data plane (same host)")
-        out: builtins.list[Reservation | PutStatus] = []
-        try:
-            self._reserve_batches(arena, headers, checksum_at_commit, timeout, out)
-        except BaseException:
-            for res in out:  # a later batch failed: give back what earlier ones got
-                if isinstance(res, Reservation):
-                    res.abort()
+def put_chunk(
+    c: ClientBase,
+    namespace: NamespaceLike,
+    parent: ChunkKey,
+    tokens: Tokens,
+    payload: Any,
+    dtype: str,
+    shape: Sequence[int],
+    timeout: float | None,
+) -> Plan[tuple[ChunkKey, PutStatus]]:
+    """On a server with tenants, a namespace the server does not know as the caller's yet
+    is proved with a Lookup that carries it (docs/security.md), and the put retried."""
+    if c._info is None:
+        yield from info(c, timeout)
+    # Through shared memory the server hashes the payload at Commit: not hashed here.
+    sealed = (yield NEED_ARENA) is None
+    header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype, shape)
+    try:
+        return header.key, (yield from _put(c, header, payload, timeout, sealed=sealed))
+    except NamespaceNotRegistered:
+        if not isinstance(namespace, Namespace):  # a fingerprint alone proves nothing
             raise
-        return out
+    yield from lookup(c, namespace, [], timeout=timeout)
+    return header.key, (yield from _put(c, header, payload, timeout, sealed=sealed))
 
-    def _reserve_batches(
-        self,
-        arena: ArenaView,
-        headers: Sequence[RecordHeader],
-        checksum_at_commit: bool,
-        timeout: float | None,
-        out: builtins.list[Reservation | PutStatus],
-    ) -> None:
+
+def _put(
+    c: ClientBase, header: RecordHeader, payload: Any, timeout: float | None, *, sealed: bool
+) -> Plan[PutStatus]:
+    """``sealed=False``: the header's checksum is a placeholder; the payload is hashed
+    as it is copied into the arena and the checksum goes with the Commit, and a put
+    that must stream hashes the payload here first."""
+    src = c._check_put(header, payload)
+    if (yield NEED_ARENA) is not None:
+        status = yield from _put_shm(c, header, src, timeout, sealed)
+        if status is not None:
+            return status
+    if not sealed:
+        header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
+    r = yield Call(PUT, c._put_frames(header, src), timeout)
+    return status_from_pb(r.status)
+
+
+def _put_shm(
+    c: ClientBase, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
+) -> Plan[PutStatus | None]:
+    """The status of a put through the arena; None when it must stream instead."""
+    (res,) = yield from reserve(c, [header], not sealed, timeout, ReservationBase)
+    if isinstance(res, PutStatus):
+        # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
+        return res if res == PutStatus.EXISTS else None
+    try:
+        res.write(src)  # unsealed: hashed as it is copied (accel.scatter_xxh3)
+    except BaseException:
+        yield from abort(res, timeout)
+        raise
+    return (yield from finish(res.id, True, res.closing(), timeout))
+
+
+def reserve(
+    c: ClientBase,
+    headers: Sequence[RecordHeader],
+    checksum_at_commit: bool,
+    timeout: float | None,
+    make: Callable[..., R],
+) -> Plan[builtins.list[R | PutStatus]]:
+    """For each header, a reservation built by ``make(header, reservation_id, extents,
+    payload_offset, arena, valid_until, checksum_at_commit)``, or the status a put would
+    get without one (see ``Client.reserve``)."""
+    arena = yield NEED_ARENA
+    if arena is None:
+        raise KVStoreError("reserve needs the shared-memory data plane (same host)")
+    out: builtins.list[R | PutStatus] = []
+    try:
         for i in range(0, len(headers), MAX_RESERVE_BATCH):
             batch = headers[i : i + MAX_RESERVE_BATCH]
-            t0 = time.monotonic()
-            r = self._call(
+            t0 = c._clock()
+            r = yield Call(
                 "ReserveMany",
-                self._stub.ReserveMany,
                 pb.ReserveManyRequest(
                     requests=[
                         pb.ReserveRequest(header=h.pack(), checksum_at_commit=checksum_at_commit)
@@ -102,91 +137,88 @@ class InPlaceWrites:
                 if status != PutStatus.STORED:
                     out.append(status)
                     continue
+                until = t0 + one.expires_ms / 1000 * LEASE_MARGIN
+                extents = c._check_extents(one.extents)
                 out.append(
-                    Reservation(
+                    make(
                         h,
                         one.reservation_id,
-                        self._check_extents(one.extents),
+                        extents,
                         one.payload_offset,
                         arena,
-                        functools.partial(self._finish, timeout=timeout),
-                        t0 + one.expires_ms / 1000 * LEASE_MARGIN,
+                        until,
                         checksum_at_commit,
                     )
                 )
+    except BaseException:
+        for res in out:  # a later batch failed: give back what earlier ones got
+            if isinstance(res, ReservationBase):
+                yield from abort(res, timeout)
+        raise
+    return out
 
-    def commit(
-        self,
-        reservations: Sequence[Reservation],
-        checksums: Sequence[int | None] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> builtins.list[PutStatus | KVStoreError]:
-        """Commit several reservations of this client in one round trip.
 
-        ``checksums[i]`` as for ``reservations[i].commit``. For each, its status, or the
-        error its own ``commit`` would have raised (that chunk is not stored; the others
-        are not affected). Raises ``InvalidArgument`` before using any reservation if one
-        cannot be committed (another client's, used already, twice in the list), and the
-        call's error if a round trip fails: then every reservation passed in is used up
-        (those of batches not sent are aborted; those sent may be stored).
-        """
-        sums = list(checksums) if checksums is not None else [None] * len(reservations)
-        if len(sums) != len(reservations):
-            raise InvalidArgument(f"{len(sums)} checksums for {len(reservations)} reservations")
-        if len({id(res) for res in reservations}) != len(reservations):
-            raise InvalidArgument("the same reservation twice in one commit")
-        for res, c in zip(reservations, sums, strict=True):  # refused before any is used
-            if res.arena is not self._arena:
-                raise InvalidArgument("a reservation of another client (or an earlier connection)")
-            if res.done:
-                raise InvalidArgument(f"reservation {res.id} was already committed or aborted")
-            if c is not None and not 0 <= c < 1 << 64:
-                raise InvalidArgument(f"checksum {c} of reservation {res.id} is not a u64")
-        reqs = [
-            pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(c))
-            for res, c in zip(reservations, sums, strict=True)
+def commit(
+    c: ClientBase,
+    reservations: Sequence[ReservationBase],
+    checksums: Sequence[int | None] | None,
+    timeout: float | None,
+) -> Plan[builtins.list[PutStatus | KVStoreError]]:
+    """Several reservations of this client in one CommitMany per batch (see ``Client.commit``)."""
+    sums = list(checksums) if checksums is not None else [None] * len(reservations)
+    if len(sums) != len(reservations):
+        raise InvalidArgument(f"{len(sums)} checksums for {len(reservations)} reservations")
+    if len({id(res) for res in reservations}) != len(reservations):
+        raise InvalidArgument("the same reservation twice in one commit")
+    for res, s in zip(reservations, sums, strict=True):  # refused before any is used
+        if res.arena is not c._arena:
+            raise InvalidArgument("a reservation of another client (or an earlier connection)")
+        if res.done:
+            raise InvalidArgument(f"reservation {res.id} was already committed or aborted")
+        if s is not None and not 0 <= s < 1 << 64:
+            raise InvalidArgument(f"checksum {s} of reservation {res.id} is not a u64")
+    reqs = [
+        pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing(s))
+        for res, s in zip(reservations, sums, strict=True)
+    ]
+    base = timeout if timeout is not None else c.timeout
+    out: builtins.list[PutStatus | KVStoreError] = []
+    for i in range(0, len(reqs), MAX_RESERVE_BATCH):
+        batch = reqs[i : i + MAX_RESERVE_BATCH]
+        # The server hashes every payload of the batch: allow for it (1 GB/s at worst).
+        nbytes = sum(r.header.stored_size for r in reservations[i : i + MAX_RESERVE_BATCH])
+        try:
+            r = yield Call("CommitMany", pb.CommitManyRequest(commits=batch), base + nbytes / 1e9)
+        except BaseException:
+            for q in reqs[i + len(batch) :]:  # never sent: give back
+                yield from finish(q.reservation_id, False, None, timeout)
+            raise
+        if len(r.responses) != len(batch):
+            raise ServerError(f"CommitMany answered {len(r.responses)} of {len(batch)}")
+        out += [
+            error_from_code(one.error_code, one.error, "Commit", c.url)
+            if one.error_code
+            else status_from_pb(one.status)
+            for one in r.responses
         ]
-        base = timeout if timeout is not None else self.timeout
-        out: builtins.list[PutStatus | KVStoreError] = []
-        for i in range(0, len(reqs), MAX_RESERVE_BATCH):
-            batch = reqs[i : i + MAX_RESERVE_BATCH]
-            # The server hashes every payload of the batch: allow for it (1 GB/s at worst).
-            nbytes = sum(r.header.stored_size for r in reservations[i : i + MAX_RESERVE_BATCH])
-            try:
-                r = self._call(
-                    "CommitMany",
-                    self._stub.CommitMany,
-                    pb.CommitManyRequest(commits=batch),
-                    base + nbytes / 1e9,
-                )
-            except BaseException:
-                for rid in [q.reservation_id for q in reqs[i + len(batch) :]]:
-                    self._finish(rid, False, None, timeout=timeout)  # never sent: give back
-                raise
-            if len(r.responses) != len(batch):
-                raise ServerError(f"CommitMany answered {len(r.responses)} of {len(batch)}")
-            out += [
-                error_from_code(one.error_code, one.error, "Commit", self.url)
-                if one.error_code
-                else status_from_pb(one.status)
-                for one in r.responses
-            ]
-        return out
+    return out
 
-    def _finish(
-        self, reservation_id: int, commit: bool, checksum: int | None, *, timeout: float | None
-    ) -> PutStatus:
-        if commit:
-            c = self._call(
-                "Commit",
-                self._stub.Commit,
-                pb.CommitRequest(reservation_id=reservation_id, payload_checksum=checksum),
-                timeout,
-            )
-            return status_from_pb(c.status)
-        with contextlib.suppress(KVStoreError):  # else it expires on its own
-            self._call(
-                "Abort", self._stub.Abort, pb.AbortRequest(reservation_id=reservation_id), timeout
-            )
-        return PutStatus.EXISTS  # not stored by this reservation
+
+def finish(
+    reservation_id: int, commit: bool, checksum: int | None, timeout: float | None
+) -> Plan[PutStatus]:
+    """Commit one reservation (its status), or abort it (EXISTS: not stored by it)."""
+    if commit:
+        req = pb.CommitRequest(reservation_id=reservation_id, payload_checksum=checksum)
+        return status_from_pb((yield Call("Commit", req, timeout)).status)
+    try:
+        yield Call("Abort", pb.AbortRequest(reservation_id=reservation_id), timeout)
+    except KVStoreError:
+        pass  # it expires on its own
+    return PutStatus.EXISTS
+
+
+def abort(res: ReservationBase, timeout: float | None) -> Plan[None]:
+    if not res.done:
+        res.done = True
+        yield from finish(res.id, False, None, timeout)

@@ -1,9 +1,11 @@
 """What the blocking and the asyncio clients share: URLs, frames, requests, arena checks.
 
 ``kvstore.client.Client`` and ``kvstore.aio.AsyncClient`` differ only in how they
-wait; everything else (which URL means what, when shared memory can be used,
-how a Get stream is put back together, how requests are built) lives here; leases
-and reservations in the arena are ``kvstore.shm``.
+wait. Their state and settings (``ClientBase``), which URL means what, when shared
+memory can be used, how a Get stream is put back together and how requests are
+built live here; the operations themselves are written once in
+``kvstore.client_core`` and ``kvstore.client_writes``; leases and reservations in
+the arena are ``kvstore.shm``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import xxhash
 
 from kvstore.arena import ArenaView, as_u8
+from kvstore.clock import Clock, monotonic
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, KVStoreError, ServerError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
@@ -274,8 +277,26 @@ class ClientBase:
         self._shm_checked = False  # Info looked at and the arena opened (or refused)
         self._arena_id: tuple[str, int, int, str] | None = None
         self._session_refused = False  # the server has no room for our Session stream
+        # The Session stream keeping this client's holds alive: a thread or a task.
+        self._session: Any = None
         self._closed = False
         self._prefault_stop = threading.Event()
+        self._clock: Clock = monotonic  # when leases and reservations surely hold
+
+    def _session_alive(self) -> bool:
+        """Whether the Session stream is still running (each transport knows how)."""
+        raise NotImplementedError
+
+    def _plane_ready(self) -> bool:
+        """The data plane was chosen and nothing asks to look again: no Info needed.
+
+        Looked at again when the Session ended (the server may have restarted with a
+        new arena), and where an arena is mapped but its Session not started yet."""
+        if not self._shm_checked:
+            return False
+        if self._session is None:
+            return self._arena is None or self._session_refused
+        return self._session_alive()
 
     def _credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self._ca)

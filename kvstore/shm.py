@@ -1,15 +1,21 @@
 """The client side of the shared-memory data plane: read leases, write reservations,
 and prefaulting the arena mapping.
 
-A ``Lease`` (from ``Client.acquire``, or inside ``get``/``get_into``) reads a chunk in
-the server's arena; a ``Reservation`` (from ``Client.reserve``) is arena space a writer
-fills in place and commits. Both only hold extents of a mapping the client opened.
+A lease (from ``acquire``, or inside ``get``/``get_into``) reads a chunk in the
+server's arena; a reservation (from ``reserve``) is arena space a writer fills in
+place and commits. Both only hold extents of a mapping the client opened.
+
+What a lease or a reservation *is* (its extents, reading and writing them) is
+``LeaseBase`` / ``ReservationBase``, shared by both clients; only ending one
+differs: ``Lease.release()`` and ``Reservation.commit()`` return when done (the
+blocking ``Client``), ``AsyncLease`` / ``AsyncReservation`` are awaited (the
+``AsyncClient``). Each ending runs the same operation of the client core.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -19,11 +25,21 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.records import RecordHeader
 from kvstore.types import PutStatus
 
+__all__ = [
+    "AsyncLease",
+    "AsyncReservation",
+    "Lease",
+    "LeaseBase",
+    "Reservation",
+    "ReservationBase",
+    "prefault",
+]
 
-class Lease:
+
+class LeaseBase:
     """A read lease on a chunk in the server's arena: read in place, then release.
 
-    The views stay valid (the pages cannot move or be reused) until ``release``;
+    The views stay valid (the pages cannot move or be reused) until the release;
     after that they may show another chunk's bytes.
     """
 
@@ -34,7 +50,6 @@ class Lease:
         extents: list[tuple[int, int]],
         payload_offset: int,
         arena: ArenaView,
-        release: Callable[[int], bool],
         valid_until: float = 0.0,
     ) -> None:
         self.header = header
@@ -43,7 +58,6 @@ class Lease:
         # Acquire was sent, with a margin, so no answer from the server is needed.
         self.valid_until = valid_until
         self._extents, self._offset, self._arena = extents, payload_offset, arena
-        self._release = release
         self.released = False
 
     def views(self) -> list[memoryview]:
@@ -78,6 +92,23 @@ class Lease:
             raise InvalidArgument("lease already released")
         return self._arena.read(self._extents, self._offset, self.header.raw_size)
 
+
+class Lease(LeaseBase):
+    """A lease of the blocking ``Client`` (``Client.acquire``); ``release()`` ends it."""
+
+    def __init__(
+        self,
+        header: RecordHeader,
+        lease_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        release: Callable[[int], bool],
+        valid_until: float = 0.0,
+    ) -> None:
+        super().__init__(header, lease_id, extents, payload_offset, arena, valid_until)
+        self._release = release
+
     def release(self) -> bool:
         """End the lease; False if it had expired (then discard what was read)."""
         if self.released:
@@ -92,17 +123,46 @@ class Lease:
         self.release()
 
 
-class Reservation:
-    """Arena space reserved for one chunk (``Client.reserve``): write the payload in
-    place, then ``commit``, or ``abort``.
+class AsyncLease(LeaseBase):
+    """A lease of ``AsyncClient.acquire``: ``await lease.release()``, or ``async with``."""
+
+    def __init__(
+        self,
+        header: RecordHeader,
+        lease_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        release: Callable[[int], Awaitable[bool]],
+        valid_until: float = 0.0,
+    ) -> None:
+        super().__init__(header, lease_id, extents, payload_offset, arena, valid_until)
+        self._release = release
+
+    async def release(self) -> bool:
+        """End the lease; False if it had expired (then discard what was read)."""
+        if self.released:
+            return True
+        self.released = True
+        return await self._release(self.id)
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class ReservationBase:
+    """Arena space reserved for one chunk (``reserve``): write the payload in place,
+    then commit, or abort.
 
     ``views()`` are writable arrays over the payload's bytes in the server's arena, in
     order; ``contiguous()`` is the one array when the payload is not split across
     extents (the usual case), so a device-to-host copy or a gather can land there
-    directly. Nobody can read the chunk until ``commit``; the pages go back on
-    ``abort``, when the reservation expires (the server's ``lease_ms``), or when this
-    client goes away. Used as a context manager, a reservation not committed by the
-    end of the block is aborted.
+    directly. Nobody can read the chunk until the commit; the pages go back on
+    abort, when the reservation expires (the server's ``lease_ms``), or when this
+    client goes away.
     """
 
     def __init__(
@@ -112,7 +172,6 @@ class Reservation:
         extents: list[tuple[int, int]],
         payload_offset: int,
         arena: ArenaView,
-        finish: Callable[[int, bool, int | None], PutStatus],
         valid_until: float,
         checksum_at_commit: bool,
     ) -> None:
@@ -121,7 +180,6 @@ class Reservation:
         self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
         self.checksum_at_commit = checksum_at_commit
         self._extents, self._offset, self._arena = extents, payload_offset, arena
-        self._finish = finish  # (id, commit?, checksum) -> status
         self._written: int | None = None  # checksum of what ``write`` put there
         self.done = False
 
@@ -146,7 +204,7 @@ class Reservation:
         return views[0] if len(views) == 1 else None
 
     def write(self, data: Any) -> None:
-        """Copy the whole payload into place (hashing it as it goes, for ``commit``)."""
+        """Copy the whole payload into place (hashing it as it goes, for the commit)."""
         src = as_u8(data)
         if src.size != self.header.stored_size:
             raise InvalidArgument(
@@ -161,6 +219,41 @@ class Reservation:
         """The xxh3_64 of the payload as it is in the arena now (read in place)."""
         return self._arena.checksum(self._extents, self._offset, self.header.stored_size)
 
+    def closing(self, checksum: int | None = None) -> int | None:
+        """Mark this reservation used and return the checksum its commit carries (see
+        ``Reservation.commit``); for clients committing several at once (``commit``)."""
+        if self.done:
+            raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
+        if self.checksum_at_commit and checksum is None:
+            checksum = self._written if self._written is not None else self.checksum()
+        self.done = True
+        return checksum
+
+
+Finish = Callable[[int, bool, "int | None"], PutStatus]
+AsyncFinish = Callable[[int, bool, "int | None"], Awaitable[PutStatus]]
+
+
+class Reservation(ReservationBase):
+    """A reservation of the blocking ``Client`` (``Client.reserve``). Used as a context
+    manager, a reservation not committed by the end of the block is aborted."""
+
+    def __init__(
+        self,
+        header: RecordHeader,
+        reservation_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        finish: Finish,
+        valid_until: float,
+        checksum_at_commit: bool,
+    ) -> None:
+        super().__init__(
+            header, reservation_id, extents, payload_offset, arena, valid_until, checksum_at_commit
+        )
+        self._finish = finish  # (id, commit?, checksum) -> status
+
     def commit(self, checksum: int | None = None) -> PutStatus:
         """Publish the chunk: STORED, or EXISTS if another writer stored it first.
 
@@ -169,18 +262,7 @@ class Reservation:
         (after the last write into them has finished: wait for a device copy first). The
         server checks the pages against it. Raises ``CorruptRecord`` if they do not match
         and ``NotFound`` if the reservation expired."""
-        checksum = self.closing(checksum)
-        return self._finish(self.id, True, checksum)
-
-    def closing(self, checksum: int | None = None) -> int | None:
-        """Mark this reservation used and return the checksum its commit carries (see
-        ``commit``); for clients committing several at once (``Client.commit``)."""
-        if self.done:
-            raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
-        if self.checksum_at_commit and checksum is None:
-            checksum = self._written if self._written is not None else self.checksum()
-        self.done = True
-        return checksum
+        return self._finish(self.id, True, self.closing(checksum))
 
     def abort(self) -> None:
         if not self.done:
@@ -192,6 +274,43 @@ class Reservation:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
+
+
+class AsyncReservation(ReservationBase):
+    """A reservation of ``AsyncClient.reserve``: ``await res.commit()`` (as
+    ``Reservation.commit``) or ``await res.abort()``; ``async with`` aborts one
+    not committed by the end of the block."""
+
+    def __init__(
+        self,
+        header: RecordHeader,
+        reservation_id: int,
+        extents: list[tuple[int, int]],
+        payload_offset: int,
+        arena: ArenaView,
+        finish: AsyncFinish,
+        valid_until: float,
+        checksum_at_commit: bool,
+    ) -> None:
+        super().__init__(
+            header, reservation_id, extents, payload_offset, arena, valid_until, checksum_at_commit
+        )
+        self._finish = finish
+
+    async def commit(self, checksum: int | None = None) -> PutStatus:
+        """See ``Reservation.commit``."""
+        return await self._finish(self.id, True, self.closing(checksum))
+
+    async def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            await self._finish(self.id, False, None)
+
+    async def __aenter__(self) -> AsyncReservation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.abort()
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14

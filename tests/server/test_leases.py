@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 import kvstore
+from kvstore import client_core as core
 from kvstore.errors import NotFound
 from kvstore.keys import ROOT
 from kvstore.testing.server import KVServer, clean_env
@@ -102,11 +103,13 @@ def test_leases_are_per_session(server: KVServer) -> None:
         assert lease is not None
         release = pb.ReleaseRequest(lease_ids=[lease.id])
         with pytest.raises(NotFound, match="unknown lease"):
-            b._call("Release", b._stub.Release, release, None)  # another session's lease
+            b._run(core.rpc("Release", release, None))  # another session's lease
         assert lease.release() is True
         with pytest.raises(NotFound, match="unknown lease"):
-            a._call("Release", a._stub.Release, release, None)  # released twice
-        assert a._release(lease.id, None) is False, "a gone lease means: discard what was read"
+            a._run(core.rpc("Release", release, None))  # released twice
+        assert a._run(core.release(lease.id, None)) is False, (
+            "a gone lease means: discard what was read"
+        )
         stub = pb_grpc.KVStoreStub(a._channel)
         with pytest.raises(grpc.RpcError) as e:
             stub.Commit(pb.CommitRequest(reservation_id=987654321), metadata=a._metadata)

@@ -1,0 +1,338 @@
+"""The client core: each operation of the SDK written once, for both clients.
+
+An operation is a *plan*: a generator that yields the steps it needs and is sent
+their results, then returns the operation's result. A step is one of
+
+    Call(method, request, timeout)        -> the reply message of a unary (or Put) RPC
+    GetStream(request, timeout, sink)     -> None; each message of the Get stream went to sink
+    NEED_ARENA                            -> the mapped arena, or None: the data plane to use
+    ReleaseLater(lease_id)                -> None; a Release sent without waiting for it
+    HealthCheck(request, timeout)         -> the health reply, None if the check failed
+
+``kvstore.client.Client`` drives a plan with blocking calls (``run_blocking``),
+``kvstore.aio.AsyncClient`` with awaits, as redis-py writes its commands once for
+both of its clients. What a plan decides is then the same in both: the request,
+how the reply is read, shared memory or stream, the fallbacks (a lease that may
+have expired, a corrupt read, a chunk L1 cannot take) and the retries (a tenant's
+namespace not proved yet). A step that fails is thrown into the plan as the
+kvstore error of its status (``kvstore.wire.error_from_rpc``): plans see only
+kvstore errors. The writes (put, put_chunk, reserve, commit) are in
+``kvstore.client_writes``.
+
+A transport provides, besides the steps: ``_session_alive()`` and starting the
+Session stream once ``setup_plane`` has mapped an arena (a thread, or a task).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from kvstore.arena import ArenaView, as_u8
+from kvstore.errors import KVStoreError, NotFound
+from kvstore.protocol import SERVICE_NAME, chunk_from_pb, lookup_from_pb, stats_from_pb
+from kvstore.records import RecordHeader, parse_header
+from kvstore.sdk import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike, Tokens
+from kvstore.shm import LeaseBase
+from kvstore.types import ChunkView, LookupResult, StoreStats
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
+
+T = TypeVar("T")
+L = TypeVar("L", bound=LeaseBase)
+
+# The unary methods plans call by name (each transport maps them onto its stub), and Put.
+UNARY_METHODS: Final = (
+    "Info",
+    "Stats",
+    "Lookup",
+    "Exists",
+    "Delete",
+    "Clear",
+    "Pin",
+    "List",
+    "Namespaces",
+    "Acquire",
+    "Release",
+    "ReserveMany",
+    "Commit",
+    "CommitMany",
+    "Abort",
+)
+PUT: Final = "Put"  # stream-unary: the request is an iterator of raw frames
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One RPC: ``method`` (in ``UNARY_METHODS``, or ``PUT``) also names it in errors."""
+
+    method: str
+    request: Any
+    timeout: float | None  # None: the client's default
+
+
+@dataclass(frozen=True, slots=True)
+class GetStream:
+    request: pb.GetRequest
+    timeout: float | None
+    sink: GetAssembler
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseLater:
+    """Release a lease that surely still holds, not waiting for the answer: a get costs
+    one round trip, not two. Kept track of so ``close`` lets it land."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """The standard gRPC health check: no metadata, and a failure is an answer."""
+
+    request: Any
+    timeout: float | None
+
+
+class _NeedArena:
+    def __repr__(self) -> str:
+        return "NEED_ARENA"
+
+
+NEED_ARENA: Final = _NeedArena()
+Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena
+Plan = Generator[Step, Any, T]
+STREAM: Final = "stream"  # what read_lease says when the bytes must come by Get
+
+
+def run_blocking(plan: Plan[T], do: Callable[[Step], Any]) -> T:
+    """Drive ``plan`` to its end: each step done by ``do``, what it raises thrown in."""
+    try:
+        step = next(plan)
+        while True:
+            try:
+                result = do(step)
+            except BaseException as e:
+                step = plan.throw(e)
+            else:
+                step = plan.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+def rpc(method: str, request: Any, timeout: float | None) -> Plan[Any]:
+    """One call, its reply as is."""
+    return (yield Call(method, request, timeout))
+
+
+# -- server ----------------------------------------------------------------------------
+
+
+def info(c: ClientBase, timeout: float | None) -> Plan[ServerInfo]:
+    c._info = info_from_pb((yield Call("Info", pb.InfoRequest(), timeout)))
+    return c._info
+
+
+def health(timeout: float | None) -> Plan[bool]:
+    from grpc_health.v1 import health_pb2
+
+    req = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    resp = yield HealthCheck(req, timeout)
+    return resp is not None and resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def stats(timeout: float | None) -> Plan[StoreStats]:
+    return stats_from_pb((yield Call("Stats", pb.StatsRequest(), timeout)))
+
+
+def setup_plane(c: ClientBase) -> Plan[ArenaView | None]:
+    """Look at the server's Info and map its arena if this client may (on first use),
+    again when the Session stream ended: a restarted server has a new arena; the same
+    one (a broken stream) keeps its mapping and needs a new Session, which the
+    transport starts when ``_session`` is None (unless the server refused one)."""
+    if c._closed:
+        raise KVStoreError("the client is closed")
+    if c._shm_checked and c._session is not None and not c._session_alive():
+        now = yield from info(c, None)
+        if c._arena is not None and c._same_arena(now):
+            c._session = None
+            return c._arena
+        if c._arena is not None:
+            c._arena.close()
+        c._arena, c._session, c._shm_checked = None, None, False
+    if not c._shm_checked:
+        c._arena = c._open_arena((yield from info(c, None)))
+        c._shm_checked = True
+    return c._arena
+
+
+# -- reads -----------------------------------------------------------------------------
+
+
+def acquire(
+    c: ClientBase, key: bytes, timeout: float | None, make: Callable[..., L]
+) -> Plan[L | None]:
+    """A lease the caller reads in place (the server checked the pages before granting
+    it), built by ``make(header, lease_id, extents, payload_offset, arena)``."""
+    arena = yield NEED_ARENA
+    if arena is None:
+        raise KVStoreError("acquire needs the shared-memory data plane (same host)")
+    a = yield Call("Acquire", pb.AcquireRequest(key=key), timeout)
+    if not a.found:
+        return None
+    try:
+        header = parse_header(a.header, expect_key=key)
+        extents = c._check_extents(a.extents)
+    except KVStoreError:
+        yield from release(a.lease_id, timeout)
+        raise
+    return make(header, a.lease_id, extents, a.payload_offset, arena)
+
+
+def release(lease_id: int, timeout: float | None) -> Plan[bool]:
+    """False if the lease was gone (expired, or dropped with a broken Session)."""
+    try:
+        r = yield Call("Release", pb.ReleaseRequest(lease_ids=[lease_id]), timeout)
+    except NotFound:
+        return False
+    return bool(r.released == 1)
+
+
+def read_lease(c: ClientBase, key: bytes, timeout: float | None) -> Plan[LeaseBase | str | None]:
+    """A lease for get/get_into to copy out of, ``STREAM`` when the bytes must come by
+    Get (no shared memory here, or the server says so), None on a miss."""
+    arena = yield NEED_ARENA
+    if arena is None:
+        return STREAM
+    t0 = c._clock()
+    a = yield Call("Acquire", pb.AcquireRequest(key=key, client_verifies=c.verify), timeout)
+    if not a.found:
+        return STREAM if a.use_get else None
+    try:
+        header = parse_header(a.header, expect_key=key)
+        extents = c._check_extents(a.extents)
+    except KVStoreError:
+        yield from release(a.lease_id, timeout)
+        raise
+    until = t0 + a.expires_ms / 1000 * LEASE_MARGIN
+    return LeaseBase(header, a.lease_id, extents, a.payload_offset, arena, until)
+
+
+def done_with(c: ClientBase, lease: LeaseBase, timeout: float | None) -> Plan[bool]:
+    """Release a lease read by get/get_into; False if what was read may be wrong.
+
+    While the lease surely still holds, the Release is sent without waiting for its
+    answer; past that, the answer says whether the pages were still ours."""
+    lease.released = True
+    if c._clock() >= lease.valid_until:
+        return (yield from release(lease.id, timeout))
+    yield ReleaseLater(lease.id)
+    return True
+
+
+def get_stream(
+    key: bytes, out: Any | None, timeout: float | None
+) -> Plan[tuple[RecordHeader, bytes] | None]:
+    sink = GetAssembler(key, out)
+    yield GetStream(pb.GetRequest(key=key), timeout, sink)
+    return sink.finish()
+
+
+def get(
+    c: ClientBase, key: bytes, timeout: float | None
+) -> Plan[tuple[RecordHeader, bytes] | None]:
+    got = yield from read_lease(c, key, timeout)
+    if isinstance(got, LeaseBase):
+        try:
+            data = got.read()
+        finally:
+            ok = yield from done_with(c, got, timeout)
+        if ok and c._verified(got.header, data):
+            return got.header, data
+        got = STREAM  # expired while we read, or corrupt: the server decides
+    if got is None:
+        return None
+    return (yield from get_stream(key, None, timeout))
+
+
+def get_into(
+    c: ClientBase, key: bytes, out: Any, timeout: float | None
+) -> Plan[RecordHeader | None]:
+    dst = as_u8(out, writable=True)
+    got = yield from read_lease(c, key, timeout)
+    if isinstance(got, LeaseBase):
+        digest = None
+        try:
+            if c.verify:
+                digest = got.read_into_hashed(dst)  # hashed as it is copied
+            else:
+                got.read_into(dst)
+        finally:
+            ok = yield from done_with(c, got, timeout)
+        if ok and (not c.verify or digest == got.header.payload_checksum):
+            return got.header
+        got = STREAM  # expired while we read, or corrupt: the server decides
+    if got is None:
+        return None
+    found = yield from get_stream(key, dst, timeout)
+    return found[0] if found else None
+
+
+# -- lookup and management -------------------------------------------------------------
+
+
+def lookup(
+    c: ClientBase,
+    namespace: NamespaceLike,
+    tokens: Tokens,
+    min_tokens: int = 0,
+    granularity: int = 0,
+    explain: bool = False,
+    repeat: bool = False,
+    timeout: float | None = None,
+) -> Plan[LookupResult]:
+    req = c._lookup_request(namespace, tokens, min_tokens, granularity, explain, repeat)
+    return lookup_from_pb((yield Call("Lookup", req, timeout)))
+
+
+def exists(keys: Sequence[bytes], timeout: float | None) -> Plan[builtins.list[tuple[int, ...]]]:
+    r = yield Call("Exists", pb.ExistsRequest(keys=list(keys)), timeout)
+    return [tuple(t.tiers) for t in r.found]
+
+
+def delete(keys: Sequence[bytes], timeout: float | None) -> Plan[int]:
+    r = yield Call("Delete", pb.DeleteRequest(keys=list(keys)), timeout)
+    return int(r.deleted)
+
+
+def clear(
+    c: ClientBase, namespace: NamespaceLike | None, all: bool, timeout: float | None
+) -> Plan[int]:
+    r = yield Call("Clear", c._clear_request(namespace, all), timeout)
+    return int(r.removed)
+
+
+def pin(keys: Sequence[bytes], pinned: bool, timeout: float | None) -> Plan[int]:
+    r = yield Call("Pin", pb.PinRequest(keys=list(keys), pinned=pinned), timeout)
+    return int(r.changed)
+
+
+def list_page(
+    c: ClientBase,
+    namespace: NamespaceLike | None,
+    tier: int,
+    pinned_only: bool,
+    page_size: int,
+    token: str,
+    timeout: float | None,
+) -> Plan[tuple[builtins.list[ChunkView], str]]:
+    """One page of ``list``: its chunks and the next page's token ("" after the last)."""
+    req = c._list_request(namespace, tier, pinned_only, page_size, token)
+    r = yield Call("List", req, timeout)
+    return [chunk_from_pb(m) for m in r.chunks], r.next_page_token
+
+
+def namespaces(c: ClientBase, timeout: float | None) -> Plan[builtins.list[NamespaceInfo]]:
+    return c._namespaces((yield Call("Namespaces", pb.NamespacesRequest(), timeout)))
