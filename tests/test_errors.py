@@ -12,7 +12,6 @@ and retries by itself.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -255,30 +254,3 @@ def test_tenant_server_sends_the_reason_in_trailing_metadata(tenants_server: KVS
             PutStatus.STORED
         )
         assert header.key in {v.key for v in a.list(ns.fingerprint)}
-
-
-def test_async_client_put_chunk_proves_and_retries(tenants_server: KVServer) -> None:
-    ns = _ns("alpha", "errors-aio")
-    data = payload(16 * 64, 7)
-
-    async def run() -> None:
-        async with kvstore.AsyncClient(tenants_server.unix_url, token=ALPHA) as a:
-            header = chunk_header(ns, ROOT, tokens(16, 5), data, "bfloat16", (16, 32))
-            try:
-                await a.put(header, data)
-            except errors.KVStoreError as e:
-                assert type(e) is errors.NamespaceNotRegistered, f"{type(e).__name__}: {e}"
-            else:
-                raise AssertionError("a put into an unproved namespace was allowed")
-            try:
-                await a.lookup(_ns(""), tokens(16, 1))
-            except errors.KVStoreError as e:
-                assert type(e) is errors.PermissionDenied, f"{type(e).__name__}: {e}"
-            else:
-                raise AssertionError("a lookup without the tenant's salt was allowed")
-            key, status = await a.put_chunk(ns, ROOT, tokens(16, 5), data, "bfloat16", (16, 32))
-            assert status is PutStatus.STORED and key == header.key, status
-            got = await a.get(key)
-            assert got is not None and got[1] == data.tobytes()
-
-    asyncio.run(run())

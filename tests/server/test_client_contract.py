@@ -1,0 +1,831 @@
+"""One contract suite, run against both clients: ``kvstore.Client`` and ``kvstore.AsyncClient``.
+
+Both drive the same operations of the client core (``kvstore.client_core``), so they
+must answer alike: each test is one coroutine body, run by ``asyncio.run`` against
+an ``AsyncClient`` as it is and against a ``Client`` behind ``Awaited`` (its calls made
+awaitable, nothing else changed), the way tests/tiers/test_contract.py runs one suite
+over every tier. The servers are real kvstore-server processes: the shared one of
+tests/server/conftest.py, and servers of their own where a test needs flags (tenants,
+a tiny arena) or a restart. ``plane`` is how the bytes travel: ``shm`` (the Unix
+socket, shared memory) or ``grpc`` (TCP, streamed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+import kvstore
+from kvstore import client_core as core
+from kvstore import client_writes as writes
+from kvstore.arena import ArenaView
+from kvstore.client import chunk_header
+from kvstore.errors import (
+    CorruptRecord,
+    InvalidArgument,
+    KVStoreError,
+    NamespaceNotRegistered,
+    NotFound,
+    PermissionDenied,
+)
+from kvstore.keys import ROOT, Namespace
+from kvstore.shm import AsyncReservation, LeaseBase, ReservationBase
+from kvstore.testing.server import KVServer
+from kvstore.types import PutStatus
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.server.helpers import memory_detail, namespace, payload, shape_for, tokens
+
+MiB = 1 << 20
+Body = Callable[[Any], Awaitable[Any]]
+CLIENTS = ["Client", "AsyncClient"]
+PLANES = ["shm", "grpc"]
+
+
+# -- driving both clients with one body -------------------------------------------------
+
+
+class _AwaitedLease:
+    """A ``Lease`` with ``AsyncLease``'s face."""
+
+    def __init__(self, lease: Any) -> None:
+        self._lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lease, name)
+
+    async def release(self) -> bool:
+        return bool(self._lease.release())
+
+    async def __aenter__(self) -> _AwaitedLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lease.__exit__(*exc)
+
+
+class _AwaitedReservation:
+    """A ``Reservation`` with ``AsyncReservation``'s face (its own ``with`` exit aborts)."""
+
+    def __init__(self, res: Any) -> None:
+        self._res = res
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._res, name)
+
+    async def commit(self, checksum: int | None = None) -> PutStatus:
+        return self._res.commit(checksum)
+
+    async def abort(self) -> None:
+        self._res.abort()
+
+    async def __aenter__(self) -> _AwaitedReservation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._res.__exit__(*exc)
+
+
+def _wrap(value: Any) -> Any:
+    if isinstance(value, LeaseBase):
+        return _AwaitedLease(value)
+    if isinstance(value, ReservationBase):
+        return _AwaitedReservation(value)
+    if isinstance(value, list):
+        return [_wrap(v) for v in value]
+    return value
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, (_AwaitedLease, _AwaitedReservation)):
+        return value._lease if isinstance(value, _AwaitedLease) else value._res
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v) for v in value)
+    return value
+
+
+class Awaited:
+    """A blocking ``Client`` whose methods are awaited like ``AsyncClient``'s: each call
+    is made as is (blocking the test's loop, which has nothing else to do), its result
+    returned from a coroutine; ``list`` is an async iterator; leases and reservations
+    get awaitable ``release``/``commit``/``abort``. Attributes pass through."""
+
+    def __init__(self, client: kvstore.Client) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr) or inspect.isclass(attr):
+            return attr
+
+        @functools.wraps(attr)
+        async def call(*args: Any, **kw: Any) -> Any:
+            return _wrap(attr(*_unwrap(args), **{k: _unwrap(v) for k, v in kw.items()}))
+
+        return call
+
+    async def _aiter(self, it: Iterator[Any]) -> AsyncIterator[Any]:
+        for v in it:
+            yield v
+
+    def list(self, *args: Any, **kw: Any) -> AsyncIterator[Any]:
+        return self._aiter(self.client.list(*args, **kw))
+
+
+class Drive:
+    """Runs a test body against one kind of client (``kind``): ``drive(body, url=...)``."""
+
+    def __init__(self, kind: str, server: KVServer) -> None:
+        self.kind, self.server = kind, server
+
+    def url(self, plane: str, server: KVServer | None = None) -> str:
+        srv = server or self.server
+        return srv.unix_url if plane == "shm" else srv.tcp_url
+
+    def __call__(
+        self, body: Body, plane: str = "shm", *, server: KVServer | None = None, **kw: Any
+    ) -> Any:
+        url = kw.pop("url", None) or self.url(plane, server)
+        kw.setdefault("shm", plane == "shm")
+        kw.setdefault("timeout", 30)
+        return asyncio.run(self.run(body, url, **kw))
+
+    async def run(self, body: Body, url: str, **kw: Any) -> Any:
+        if self.kind == "Client":
+            with kvstore.Client(url, **kw) as c:
+                return await body(Awaited(c))
+        async with kvstore.AsyncClient(url, **kw) as a:
+            return await body(a)
+
+
+@pytest.fixture(params=CLIENTS)
+def drive(request: pytest.FixtureRequest, server: KVServer) -> Drive:
+    return Drive(request.param, server)
+
+
+async def _collect(it: AsyncIterator[Any]) -> list[Any]:
+    return [v async for v in it]
+
+
+def memory_detail_of(stats: Any) -> dict[str, Any]:
+    """The L1 tier's detail in the server's stats (active_leases, reservations, pages_used)."""
+    return stats.tiers[0].detail
+
+
+def _client(kv: Any) -> Any:
+    """The client under a test body's ``kv``, for the few tests that look inside."""
+    return kv.client if isinstance(kv, Awaited) else kv
+
+
+# -- server ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_info_health_and_stats(drive: Drive, plane: str) -> None:
+    async def body(kv: Any) -> None:
+        info = await kv.info()
+        assert info.chunk_tokens > 0 and info.max_chunk_bytes > 0, info
+        assert info.shm_path and info.shm_size >= 64 * MiB and info.lease_ms > 0, info
+        assert not info.auth_required, info
+        assert await kv.health() is True, "the server answers SERVING"
+        stats = await kv.stats()
+        assert [t.name for t in stats.tiers][:2] == ["memory", "disk"], stats.tiers
+        assert {"active_leases", "uptime_s"} <= set(stats.extra), stats.extra
+        assert stats.extra["uptime_s"] >= 0
+
+    drive(body, plane)
+
+
+def test_shm_active_means_the_same_in_both(drive: Drive) -> None:
+    """Set up on first use: asked before any call, it maps the arena if it may."""
+
+    async def body(kv: Any) -> bool:
+        first = kv.shm_active  # no call made before
+        assert kv.shm_active is first, "asking again changes nothing"
+        return bool(first)
+
+    assert drive(body, "shm", shm=None) is True, "same host, shm=None: shared memory"
+    assert drive(body, "grpc", shm=None) is True, "over TCP on the same host too"
+    assert drive(body, "shm", shm=False) is False, "shm=False never maps"
+
+    async def no_arena(kv: Any) -> None:
+        assert kv.shm_active is False
+        with pytest.raises(KVStoreError, match="shared-memory data plane"):
+            await kv.acquire(b"\x01" * 32)
+        with pytest.raises(KVStoreError, match="shared-memory data plane"):
+            await kv.reserve([])
+
+    drive(no_arena, "grpc")
+
+
+# -- put and get ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("nbytes", [512, MiB + 4096, 32 * MiB], ids=["512B", "1MiB+", "32MiB"])
+def test_put_get_byte_exact(drive: Drive, plane: str, nbytes: int) -> None:
+    n_tok = 256
+    bpt = nbytes // n_tok
+    ns = namespace(f"contract-rt-{drive.kind}-{plane}", bpt)
+    data = payload(n_tok * bpt, seed=nbytes)
+
+    async def body(kv: Any) -> None:
+        key, status = await kv.put_chunk(
+            ns, ROOT, tokens(n_tok), data, "bfloat16", shape_for(n_tok, bpt)
+        )
+        assert status == PutStatus.STORED, f"{plane}: put returned {status}"
+        assert kv.shm_active is (plane == "shm"), f"data plane is not {plane}"
+
+        got = await kv.get(key)
+        assert got is not None, f"{plane}: stored chunk not found"
+        header, blob = got
+        assert header.key == key and header.shape == shape_for(n_tok, bpt)
+        assert header.payload_checksum == xxhash.xxh3_64_intdigest(data.data), "sealed wrongly"
+        assert blob == data.tobytes(), f"{plane}: get returned different bytes"
+
+        out = np.zeros(data.size + 7, dtype=np.uint8)  # larger buffers are fine
+        h2 = await kv.get_into(key, out)
+        assert h2 is not None and h2.key == key
+        assert np.array_equal(out[: data.size], data), f"{plane}: get_into wrote other bytes"
+
+        again = await kv.put_chunk(ns, ROOT, tokens(n_tok), data, "bfloat16", shape_for(n_tok, bpt))
+        assert again == (key, PutStatus.EXISTS), f"second put of the same chunk: {again}"
+
+    drive(body, plane)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_put_of_a_sealed_header(drive: Drive, plane: str) -> None:
+    ns = namespace(f"contract-put-{drive.kind}-{plane}", 64)
+    data = payload(16 * 64, seed=41)
+    header = chunk_header(ns, ROOT, tokens(16, 41), data, "bfloat16", (16, 32))
+
+    async def body(kv: Any) -> None:
+        assert await kv.put(header, data) == PutStatus.STORED
+        assert await kv.put(header, data) == PutStatus.EXISTS
+        got = await kv.get(header.key)
+        assert got is not None and got == (header, data.tobytes()), got
+
+    drive(body, plane)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_miss_and_small_buffer(drive: Drive, plane: str) -> None:
+    ns = namespace(f"contract-small-{drive.kind}-{plane}", 64)
+
+    async def body(kv: Any) -> None:
+        assert await kv.get(b"\x01" * 32) is None, "unknown key must be a miss"
+        assert await kv.get_into(b"\x02" * 32, bytearray(16)) is None
+        key, _ = await kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 3), "bfloat16", (16, 32))
+        with pytest.raises(InvalidArgument, match="output buffer"):
+            await kv.get_into(key, bytearray(100))
+        with pytest.raises(InvalidArgument, match="read-only"):
+            await kv.get_into(key, b"\0" * 2048)
+
+    drive(body, plane)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_chunk_larger_than_l1_goes_through_disk(
+    drive: Drive, plane: str, make_server: Callable[..., KVServer]
+) -> None:
+    """L1 cannot take or lend it: puts stage it for L2 (the Reserve answers TOO_LARGE and
+    the put streams instead), gets stream it from there."""
+    srv = make_server("tiny", memory="4MiB").start()
+    ns = namespace(f"contract-big-{drive.kind}-{plane}", 24 * 1024)
+    data = payload(256 * 24 * 1024, 77)  # 6 MiB > the 4 MiB arena
+
+    async def body(kv: Any) -> None:
+        key, status = await kv.put_chunk(
+            ns, ROOT, tokens(256, 5000), data, "bfloat16", (256, 12 * 1024)
+        )
+        assert status == PutStatus.STORED, f"{plane}: {status}"
+        assert await kv.exists([key]) == [(2,)], "the chunk should live in L2 only"
+        got = await kv.get(key)
+        assert got is not None and got[1] == data.tobytes(), f"{plane}: wrong bytes"
+        out = np.empty_like(data)
+        assert await kv.get_into(key, out) is not None and np.array_equal(out, data)
+
+    drive(body, plane, server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
+def _spy(kv: Any, seen: list[tuple[str, Any]]) -> None:
+    """Record each RPC the client's core asks its transport for (nothing else changes)."""
+    client = _client(kv)
+    step = client._step
+
+    def spied(s: core.Step) -> Any:
+        if isinstance(s, core.Call):
+            seen.append((s.method, s.request))
+        elif isinstance(s, core.GetStream):
+            seen.append(("Get", s.request))
+        return step(s)
+
+    client._step = spied
+
+
+def test_both_clients_send_the_same_rpcs(drive: Drive) -> None:
+    """Through shared memory a put_chunk is ReserveMany + Commit carrying the checksum the
+    copy computed (the client does not hash it first), a get_into one Acquire (its
+    Release is not waited for); streamed, a put is one Put and a get one Get."""
+    bpt = 1024
+    ns = namespace(f"contract-rpcs-{drive.kind}", bpt)
+    data = payload(64 * bpt, seed=5)
+    out = np.empty_like(data)
+
+    async def body(kv: Any) -> list[str]:
+        shm = kv.shm_active  # the plane is set up (its Info made) before the spy
+        seen: list[tuple[str, Any]] = []
+        _spy(kv, seen)
+        key, status = await kv.put_chunk(ns, ROOT, tokens(64, 3), data, "bfloat16", (64, 512))
+        assert status == PutStatus.STORED
+        assert await kv.get_into(key, out) is not None and np.array_equal(out, data)
+        await kv.lookup(ns, tokens(64, 3))
+        if shm:
+            (reserve,) = [r for m, r in seen if m == "ReserveMany"]
+            assert reserve.requests[0].checksum_at_commit, "the put leaves the checksum to Commit"
+            (commit,) = [r for m, r in seen if m == "Commit"]
+            assert commit.payload_checksum == xxhash.xxh3_64_intdigest(data.data), commit
+        return [m for m, _ in seen]
+
+    # Session pings and Releases not waited for are no steps of a plan.
+    assert drive(body, "shm") == ["ReserveMany", "Commit", "Acquire", "Lookup"]
+    ns = namespace(f"contract-rpcs-{drive.kind}-grpc", bpt)
+    assert drive(body, "grpc") == ["Put", "Get", "Lookup"]
+
+
+# -- lookup and management ----------------------------------------------------------------
+
+
+def test_lookup(drive: Drive) -> None:
+    async def body(kv: Any) -> None:
+        ct = (await kv.info()).chunk_tokens
+        ns = namespace(f"contract-lookup-{drive.kind}", 64)
+        prompt = tokens(4 * ct, start=10_000)
+        parent = ROOT
+        for i in range(4):  # the chain of the prompt's chunks, each keyed on its parent
+            part = prompt[i * ct : (i + 1) * ct]
+            data = payload(ct * 64, i)
+            parent, status = await kv.put_chunk(ns, parent, part, data, "bfloat16", (ct, 32))
+            assert status.ok, status
+
+        full = await kv.lookup(ns, prompt)
+        assert full.matched_tokens == 4 * ct and full.stop == "complete", full
+        assert len(full.chunks) == 4 and full.by_tier.get(1) == 4 * ct, full
+
+        # Diverges 40 tokens into the third chunk: 2 chunks + 32 tokens (granularity 16).
+        other = prompt.copy()
+        other[2 * ct + 40 :] += 1
+        part = await kv.lookup(ns, other)
+        assert part.matched_tokens == 2 * ct + 32, part
+        assert part.stop == "diverged" and part.chunks[-1].partial, part
+
+        cut = await kv.lookup(ns, other, granularity=64)
+        assert cut.matched_tokens == 2 * ct, "granularity cut"
+        assert (await kv.lookup(ns, prompt[:100], min_tokens=200)).matched_tokens == 0
+        nothing = namespace(f"contract-lookup-nothing-{drive.kind}", 64)
+        assert (await kv.lookup(nothing, prompt)).matched_tokens == 0
+        assert (await kv.lookup(ns.fingerprint, prompt)).matched_tokens == 4 * ct, "by fingerprint"
+
+        # explain: the same tokens are stored under another namespace.
+        res = await kv.lookup(nothing, prompt, explain=True)
+        assert res.matched_tokens == 0
+        fps = {m.fingerprint: m for m in res.other_namespaces}
+        assert ns.fingerprint in fps and fps[ns.fingerprint].matched_tokens == 4 * ct, res
+        assert fps[ns.fingerprint].namespace == ns, "server should name namespaces it was told"
+
+        # repeat: answered alike, not counted again.
+        before = (await kv.stats()).lookups
+        again = await kv.lookup(ns, prompt, repeat=True)
+        assert again.matched_tokens == full.matched_tokens, again
+        assert (await kv.stats()).lookups == before, "a repeated lookup must not be counted"
+        await kv.lookup(ns, prompt)
+        assert (await kv.stats()).lookups == before + 1, "a lookup is counted once"
+
+    drive(body, "shm")
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_management(drive: Drive, plane: str) -> None:
+    async def body(kv: Any) -> None:
+        ns = namespace(f"contract-mgmt-{drive.kind}-{plane}", 32)
+        keys = [ROOT]
+        for i in range(3):
+            part, data = tokens(256, 50_000 + 256 * i), payload(256 * 32, i)
+            key, status = await kv.put_chunk(ns, keys[-1], part, data, "bfloat16", (256, 16))
+            assert status.ok, status
+            keys.append(key)
+        keys = keys[1:]
+        found = await kv.exists([*keys, b"\x07" * 32])
+        assert all(1 in f for f in found[:3]) and found[3] == (), found
+
+        assert await kv.pin(keys[:2]) == 2
+        pinned = await _collect(kv.list(ns, pinned_only=True))
+        assert {v.key for v in pinned} == set(keys[:2]), pinned
+        listed = await _collect(kv.list(ns, page_size=2))  # paginates: 3 chunks, pages of 2
+        assert [v.key for v in listed] == sorted(keys), "list must return every chunk once"
+        assert all(v.n_tokens == 256 and v.dtype == "bfloat16" for v in listed)
+        assert [v.key async for v in kv.list(ns.fingerprint, tier=1)] == sorted(keys)
+        assert await kv.pin(keys[:2], pinned=False) == 2
+        assert await _collect(kv.list(ns, pinned_only=True)) == []
+
+        spaces = {n.fingerprint: n for n in await kv.namespaces()}
+        assert spaces[ns.fingerprint].chunks == 3
+        assert spaces[ns.fingerprint].bytes == 3 * 256 * 32
+        assert spaces[ns.fingerprint].namespace is None, "no lookup described it"
+
+        assert await kv.delete([keys[2], b"\x08" * 32]) == 1
+        assert await kv.get(keys[2]) is None, "deleted chunk still served"
+        assert await kv.clear(ns) == 2
+        assert await kv.exists(keys[:2]) == [(), ()], "clear left chunks behind"
+        assert await kv.clear(ns) == 0
+
+    drive(body, plane)
+
+
+def test_clear_all(drive: Drive, make_server: Callable[..., KVServer]) -> None:
+    srv = make_server("clear-all", args=["--no-disk"]).start()
+
+    async def body(kv: Any) -> None:
+        for tag in ("a", "b"):
+            ns = namespace(f"contract-all-{tag}", 64)
+            await kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 9), "bfloat16", (16, 32))
+        assert await kv.clear(all=True) == 2
+        assert (await kv.stats()).chunks == 0
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
+# -- writing in place: reserve, write the views, commit -----------------------------------
+
+
+def test_reserve_writes_in_place_and_the_server_seals(drive: Drive) -> None:
+    """One round trip reserves a batch; what is written into the views is what a get
+    returns, and the checksum the server computed at Commit is the payload's."""
+    bpt = 4096
+    ns = namespace(f"contract-reserve-{drive.kind}", bpt)
+    datas = [payload(256 * bpt, seed=100 + i) for i in range(3)]
+    headers, parent = [], ROOT
+    for i in range(3):
+        h = chunk_header(ns, parent, tokens(256, 256 * i), None, "bfloat16", shape_for(256, bpt))
+        headers.append(h)
+        parent = h.key
+
+    async def body(kv: Any) -> None:
+        first = await kv.put_chunk(ns, ROOT, tokens(256), datas[0], "bfloat16", shape_for(256, bpt))
+        assert first[1] == PutStatus.STORED
+        got = await kv.reserve(headers)
+        assert got[0] == PutStatus.EXISTS, "a stored chunk needs no reservation"
+        for res, data in zip(got[1:], datas[1:], strict=True):
+            assert isinstance(res, AsyncReservation | _AwaitedReservation), res
+            assert await kv.get(res.header.key) is None, "nothing is visible before commit"
+            view = res.contiguous()
+            assert view is not None, "a fresh arena hands out one extent per record"
+            view[:] = data
+            assert await res.commit() == PutStatus.STORED
+        for h, data in zip(headers, datas, strict=True):
+            found = await kv.get(h.key)
+            assert found is not None and found[1] == data.tobytes(), "other bytes came back"
+            assert found[0].payload_checksum == xxhash.xxh3_64_intdigest(data.data), (
+                "the server must seal the record with the checksum of what was written"
+            )
+        assert memory_detail_of(await kv.stats())["reservations"] == 0
+
+    drive(body, "shm")
+
+
+def test_a_reservation_left_unwritten_is_given_back(drive: Drive) -> None:
+    ns = namespace(f"contract-abort-{drive.kind}", 512)
+    h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))
+    h2 = chunk_header(ns, ROOT, tokens(64, 64), None, "bfloat16", shape_for(64, 512))
+
+    async def body(kv: Any) -> None:
+        before = memory_detail_of(await kv.stats())["pages_used"]
+        (res,) = await kv.reserve([h])
+        assert memory_detail_of(await kv.stats())["pages_used"] > before
+        with pytest.raises(RuntimeError):
+            async with res:
+                raise RuntimeError("the device copy failed")
+        detail = memory_detail_of(await kv.stats())
+        assert (detail["reservations"], detail["pages_used"]) == (0, before), (
+            "leaving the with-block without commit must abort the reservation"
+        )
+        assert await kv.get(h.key) is None
+        (res,) = await kv.reserve([h2])
+        await res.abort()
+        assert res.done and memory_detail_of(await kv.stats())["reservations"] == 0
+        with pytest.raises(InvalidArgument, match="already committed or aborted"):
+            await res.commit()
+
+    drive(body, "shm")
+
+
+def test_commit_refuses_bytes_that_do_not_match_their_checksum(drive: Drive) -> None:
+    """Given up front (a sealed header), or computed by the writer before a stray write:
+    either way the server refuses the pages, and nothing is served."""
+    ns = namespace(f"contract-bad-{drive.kind}", 512)
+    data = payload(64 * 512, seed=5)
+    sealed = chunk_header(ns, ROOT, tokens(64), data, "bfloat16", shape_for(64, 512))
+    placeholder = chunk_header(ns, ROOT, tokens(64, 64), None, "bfloat16", shape_for(64, 512))
+
+    async def body(kv: Any) -> None:
+        (res,) = await kv.reserve([sealed], checksum_at_commit=False)
+        bad = data.copy()
+        bad[-1] ^= 1
+        res.write(bad)
+        with pytest.raises(CorruptRecord):
+            await res.commit()
+        assert await kv.get(sealed.key) is None, "bytes failing their checksum were served"
+
+        (res,) = await kv.reserve([placeholder])
+        view = res.contiguous()
+        assert view is not None
+        view[:] = data
+        view[100] ^= 0xFF  # the stray write
+        with pytest.raises(CorruptRecord):
+            await res.commit(xxhash.xxh3_64_intdigest(data.data))
+        assert await kv.get(placeholder.key) is None, "bytes failing the writer's sum were served"
+
+    drive(body, "shm")
+
+
+def test_commit_many_stores_each_chunk_on_its_own(drive: Drive) -> None:
+    """One CommitMany for a batch: the good chunks are stored, the one whose bytes do not
+    match its checksum is refused alone, with the error a single commit would raise."""
+    ns = namespace(f"contract-commit-many-{drive.kind}", 512)
+    datas = [payload(64 * 512, seed=200 + i) for i in range(3)]
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", shape_for(64, 512))
+        for i in range(3)
+    ]
+
+    async def body(kv: Any) -> None:
+        held = await kv.reserve(headers)
+        sums = []
+        for res, data in zip(held, datas, strict=True):
+            view = res.contiguous()
+            assert view is not None
+            view[:] = data
+            sums.append(xxhash.xxh3_64_intdigest(data.data))
+        held[1].contiguous()[7] ^= 1  # changed after its writer hashed it
+        got = await kv.commit(held, sums)
+        assert got[0] == got[2] == PutStatus.STORED, got
+        assert isinstance(got[1], CorruptRecord), f"the damaged chunk must fail alone: {got}"
+        assert await kv.get(headers[0].key) is not None
+        assert await kv.get(headers[2].key) is not None
+        assert await kv.get(headers[1].key) is None
+        assert memory_detail_of(await kv.stats())["reservations"] == 0
+        with pytest.raises(InvalidArgument, match="already committed"):
+            await kv.commit([held[0]])
+        (again,) = await kv.reserve(
+            [chunk_header(ns, ROOT, tokens(64, 999), None, "bfloat16", shape_for(64, 512))]
+        )
+        with pytest.raises(InvalidArgument, match="twice"):
+            await kv.commit([again, again])
+        with pytest.raises(InvalidArgument, match="checksums for"):
+            await kv.commit([again], [1, 2])
+        with pytest.raises(InvalidArgument, match="not a u64"):
+            await kv.commit([again], [1 << 64])
+        assert not again.done, "a refused batch must not use up its reservations"
+        again.write(payload(64 * 512, seed=999))
+        assert await kv.commit([again]) == [PutStatus.STORED], "hashed while written"
+
+    drive(body, "shm")
+
+
+def test_a_reservation_of_another_client_is_refused(drive: Drive) -> None:
+    ns = namespace(f"contract-foreign-{drive.kind}", 512)
+    h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))
+    with kvstore.Client(drive.server.unix_url, shm=True) as other:
+        (foreign,) = other.reserve([h])
+        assert isinstance(foreign, kvstore.client.Reservation)
+
+        async def body(kv: Any) -> None:
+            with pytest.raises(InvalidArgument, match="another client"):
+                await kv.commit([foreign])
+
+        drive(body, "shm")
+        assert not foreign.done
+        foreign.abort()
+
+
+# -- reading in place: acquire, read the views, release ------------------------------------
+
+
+def test_acquire_and_release(drive: Drive) -> None:
+    ns = namespace(f"contract-lease-{drive.kind}", 4096)
+    data = payload(64 * 4096, 11)
+
+    async def body(kv: Any) -> None:
+        key, _ = await kv.put_chunk(ns, ROOT, tokens(64, 7), data, "bfloat16", (64, 2048))
+        base = (await kv.stats()).extra["active_leases"]
+        lease = await kv.acquire(key)
+        assert lease is not None and lease.header.key == key
+        async with lease:
+            joined = b"".join(bytes(v) for v in lease.views())
+            assert joined == data.tobytes(), "lease views show other bytes"
+            out = np.empty_like(data)
+            lease.read_into(out)
+            assert np.array_equal(out, data)
+            assert lease.read_into_hashed(out) == xxhash.xxh3_64_intdigest(data.data)
+            assert (await kv.stats()).extra["active_leases"] == base + 1
+        assert lease.released
+        assert (await kv.stats()).extra["active_leases"] == base
+        assert await lease.release() is True, "releasing twice is a no-op"
+        with pytest.raises(InvalidArgument, match="released"):
+            lease.read()
+        assert await kv.acquire(b"\x09" * 32) is None
+
+    drive(body, "shm")
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["client-verifies", "server-verifies"])
+def test_a_payload_changed_in_the_arena_is_never_served(drive: Drive, verify: bool) -> None:
+    """A rogue writer on the host flips a byte of a committed chunk: whichever side checks,
+    the reader gets a miss or a good copy from a lower tier, and the L1 copy is dropped."""
+    data = payload(256 * 4096, seed=77)
+
+    async def body(kv: Any) -> None:
+        corrupt = (await kv.stats()).tiers[0].corrupt
+        ns = namespace(f"contract-rogue-{drive.kind}-{verify}", 4096)
+        key, status = await kv.put_chunk(ns, ROOT, tokens(256), data, "bfloat16", (256, 2048))
+        assert status == PutStatus.STORED
+        lease = await kv.acquire(key)
+        assert lease is not None
+        extents, start = lease._extents, lease._offset
+        await lease.release()
+        at = 12345
+        with ArenaView.open((await kv.info()).shm_path) as rogue:
+            rogue.write(extents, start + at, b"\x5a" if data[at] != 0x5A else b"\xa5")
+        out = np.zeros(data.size, dtype=np.uint8)
+        got = await kv.get_into(key, out)
+        assert got is None or np.array_equal(out, data), "changed bytes were served"
+        assert (await kv.stats()).tiers[0].corrupt == corrupt + 1, "the bad L1 copy is counted"
+
+    drive(body, "shm", verify=verify)
+
+
+# -- tenants --------------------------------------------------------------------------------
+
+ADMIN, ALPHA, BETA = "admin-contract", "alpha-contract", "beta-contract"
+
+
+@pytest.fixture
+def tenants_server(make_server: Callable[..., KVServer], tmp_path: Path) -> Iterator[KVServer]:
+    (tmp_path / "tenants").write_text(f"alpha:{ALPHA}\nbeta:{BETA}\n")
+    srv = make_server(
+        "tenants", args=["--token", ADMIN, "--tenant-tokens", str(tmp_path / "tenants")]
+    ).start()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_put_chunk_proves_a_tenants_namespace_and_retries(
+    drive: Drive, plane: str, tenants_server: KVServer
+) -> None:
+    ns = Namespace(model="contract-tenants", dtype="bfloat16", layout="t", salt="alpha")
+    data = payload(16 * 64, 7)
+    header = chunk_header(ns, ROOT, tokens(16, 5), data, "bfloat16", (16, 32))
+
+    async def body(kv: Any) -> None:
+        with pytest.raises(NamespaceNotRegistered):
+            await kv.put(header, data)
+        with pytest.raises(NamespaceNotRegistered):  # a fingerprint alone proves nothing
+            await kv.put_chunk(ns.fingerprint, ROOT, tokens(16, 5), data, "bfloat16", (16, 32))
+        unsalted = Namespace(model="contract-tenants", dtype="bfloat16", layout="t")
+        with pytest.raises(PermissionDenied):
+            await kv.lookup(unsalted, tokens(16, 1))
+        key, status = await kv.put_chunk(ns, ROOT, tokens(16, 5), data, "bfloat16", (16, 32))
+        assert status is PutStatus.STORED and key == header.key, status
+        got = await kv.get(key)
+        assert got is not None and got[1] == data.tobytes()
+
+    # A server with tenants offers no shared memory: the Unix socket streams too.
+    drive(body, plane, server=tenants_server, token=ALPHA, shm=None)
+
+    async def stranger(kv: Any) -> None:  # beta cannot prove alpha's namespace
+        with pytest.raises(PermissionDenied):
+            await kv.put_chunk(ns, ROOT, tokens(16, 6), data, "bfloat16", (16, 32))
+
+    drive(stranger, plane, server=tenants_server, token=BETA, shm=None)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_errors_of_bad_arguments(drive: Drive) -> None:
+    ns = namespace(f"contract-args-{drive.kind}", 64)
+    data = payload(16 * 64, 1)
+    header = chunk_header(ns, ROOT, tokens(16), data, "bfloat16", (16, 32))
+
+    async def body(kv: Any) -> None:
+        with pytest.raises(InvalidArgument, match="namespace or all"):
+            await kv.clear()
+        with pytest.raises(InvalidArgument, match="namespace or all"):
+            await kv.clear(ns, all=True)
+        with pytest.raises(InvalidArgument, match="fingerprint"):
+            await kv.lookup("not a namespace", tokens(16))
+        with pytest.raises(InvalidArgument, match="payload is"):
+            await kv.put(header, data[:-1])
+        with pytest.raises(InvalidArgument, match="payload is"):
+            await kv.put_chunk(ns, ROOT, tokens(16), data[:-2], "bfloat16", (16, 32))
+        with pytest.raises(InvalidArgument):  # the server refuses a key that is no key
+            await kv.exists([b"short"])
+
+    drive(body, "shm")
+
+
+def test_errors_of_unknown_leases_and_reservations(drive: Drive) -> None:
+    """A lease or reservation the server does not know (expired, another session's,
+    used already) is NotFound on the wire; a Release of one answers False."""
+
+    async def body(kv: Any) -> None:
+        assert kv.shm_active
+        assert await kv._run(core.release(987654321, None)) is False
+        with pytest.raises(NotFound, match="unknown lease"):
+            await kv._run(core.rpc("Release", pb.ReleaseRequest(lease_ids=[987654321]), None))
+        with pytest.raises(NotFound, match="unknown reservation"):
+            await kv._run(writes.finish(987654321, True, 0, None))
+        assert await kv._run(writes.finish(987654321, False, None, None)) == PutStatus.EXISTS
+
+    drive(body, "shm")
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_close(drive: Drive, plane: str) -> None:
+    """Closing ends the Session (the server drops the client's leases); every call
+    afterwards raises, and closing again does nothing."""
+    ns = namespace(f"contract-close-{drive.kind}-{plane}", 64)
+
+    async def body(kv: Any) -> Any:
+        key, _ = await kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 2), "bfloat16", (16, 32))
+        if plane == "shm":
+            assert await kv.acquire(key) is not None  # held until the client goes
+        return kv, key
+
+    with kvstore.Client(drive.server.unix_url) as watcher:
+        base = memory_detail(watcher)["active_leases"]
+        kv, key = drive(body, plane)  # closed at the end of the drive
+        deadline = time.monotonic() + 5
+        while memory_detail(watcher)["active_leases"] != base and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server drops them when it sees the Session end
+        assert memory_detail(watcher)["active_leases"] == base, "the closed client's lease stayed"
+
+    async def after(kv: Any) -> None:
+        for call in (
+            lambda: kv.info(),
+            lambda: kv.health(),
+            lambda: kv.get(key),
+            lambda: kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 2), "bfloat16", (16, 32)),
+            lambda: kv.lookup(ns, tokens(16)),
+        ):
+            with pytest.raises(KVStoreError, match="closed"):
+                await call()
+        await kv.close()  # again: nothing happens
+
+    asyncio.run(after(kv))
+
+
+def test_a_client_lives_through_a_server_restart(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """The Session ends with the server; the next call finds the new server's arena."""
+    srv = make_server("restart").start()
+    ns = namespace(f"contract-restart-{drive.kind}", 64)
+
+    async def body(kv: Any) -> None:
+        nonlocal srv
+        key, _ = await kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 4), "bfloat16", (16, 32))
+        old = (await kv.info()).shm_path
+        assert kv.shm_active
+        assert srv.stop() == 0, srv.log()
+        srv = make_server("restart", data_dir=srv.data_dir).start()  # same socket path
+        for _ in range(100):  # until the client has seen its Session end
+            if not _client(kv)._session_alive():
+                break
+            await asyncio.sleep(0.05)
+        again, status = await kv.put_chunk(
+            ns, key, tokens(16, 16), payload(1024, 5), "bfloat16", (16, 32)
+        )
+        assert status.ok and kv.shm_active, status
+        assert (await kv.info()).shm_path != old, "the client still maps the old arena"
+        got = await kv.get(again)
+        assert got is not None and got[1] == payload(1024, 5).tobytes()
+        assert await kv.get(key) is not None, "the chunk written before the restart is in L2"
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
