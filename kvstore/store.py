@@ -23,6 +23,7 @@ from kvstore.arena import ArenaView
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
+from kvstore.fallback import Fallbacks
 from kvstore.index import Entry, Index, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.lookup import RemoteView, lookup
@@ -75,6 +76,7 @@ class TieredStore:
         self.tiers: list[Tier] = [t for t in (self.memory, disk, remote) if t is not None]
         self._by_level = {t.level: t for t in self.tiers}
         self.index = Index(cfg.granularity)
+        self._fallbacks = Fallbacks(clock)  # what L1 just refused, decided once per chunk
         self._layouts: dict[Fingerprint, tuple[str, int, int]] = {}  # fp -> dtype, raw, tokens
         self._reservations: dict[int, RecordHeader] = {}
         self._inflight: dict[ChunkKey, int] = {}  # keys between tier put and index update
@@ -146,6 +148,10 @@ class TieredStore:
             return PutStatus.EXISTS
         # Built before the copy: a 1 MiB copy flushes this core's L2, and what runs after
         # it runs from L3 (measured: every step after the copy ~2x slower).
+        if self._fallbacks.refused(key):  # L1 refused it a moment ago (a Reserve, say)
+            status = self._put_below(header, payload, PutStatus.FULL)
+            self._count("puts" if status.ok else "rejected_puts")
+            return status
         prepared = self.index.prepare(header, self.memory.level)
         self._begin(key)
         try:
@@ -163,6 +169,7 @@ class TieredStore:
             return status
         self._end(key)
         if status in (PutStatus.FULL, PutStatus.TOO_LARGE):
+            self._fallbacks.refuse(key)
             status = self._put_below(header, payload, status)
         self._count("puts" if status.ok else "rejected_puts")
         return status
@@ -231,12 +238,16 @@ class TieredStore:
         self._validate(header)
         if header.key in self.index:
             return PutStatus.EXISTS
+        if self._fallbacks.refused(header.key):
+            return PutStatus.FULL  # L1 just refused it: the put that follows goes below
         res = self.memory.reserve(
             header, owner=owner, checksum_at_commit=checksum_at_commit, lasting=lasting
         )
         if isinstance(res, Reservation):
             with self._lock:
                 self._reservations[res.id] = header
+        elif res in (PutStatus.FULL, PutStatus.TOO_LARGE):
+            self._fallbacks.refuse(header.key)
         return res
 
     def commit(self, reservation_id: int, checksum: int | None = None) -> PutStatus:
@@ -273,7 +284,9 @@ class TieredStore:
         self._check_open()
         self._count("gets")
         lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
-        if lease is None and self.get(key, count=False) is not None:
+        if lease is None and self._fallbacks.refused(key):
+            return None  # L1 could not take it a moment ago: its record is kept for read()
+        if lease is None and self._read_below(key)[1]:
             # Promoted: L1 counted the miss, the tier below the hit.
             lease = self.memory.acquire(
                 key, owner=owner, payload=payload, lasting=lasting, internal=True
@@ -281,6 +294,32 @@ class TieredStore:
         if lease is not None:
             self._count("hits")
             self._touch(key)
+        return lease
+
+    def read(
+        self, key: ChunkKey, owner: str = "", *, lasting: bool = False
+    ) -> ReadLease | bytes | None:
+        """A lease on the chunk in L1 or, when L1 cannot take it now, its raw record; None
+        on a miss. One decision: the tier below is read at most once, L1 offered it at
+        most once, and a record an ``acquire`` just read for nothing is served from memory
+        (the Get stream a client falls back to after an Acquire answered ``use_get``)."""
+        self._check_open()
+        self._count("gets")
+        lease = self.memory.acquire(key, owner=owner, lasting=lasting)
+        if lease is None:
+            blob = self._fallbacks.take(key)
+            if blob is None:
+                blob, promoted = self._read_below(key)
+                if blob is None:
+                    return None
+                if promoted:
+                    lease = self.memory.acquire(key, owner=owner, lasting=lasting, internal=True)
+            if lease is None:
+                self._count("hits")
+                self._touch(key)
+                return blob
+        self._count("hits")
+        self._touch(key)
         return lease
 
     def release(self, lease_id: int) -> bool:
@@ -292,8 +331,22 @@ class TieredStore:
         self._check_open()
         if count:
             self._count("gets")
+        in_l1 = self._may_hold(self.memory, self.index.get(key))
+        blob = self.memory.get(key) if in_l1 else None
+        if blob is None:
+            blob = self._fallbacks.take(key) or self._read_below(key)[0]
+        if blob is not None:
+            if count:
+                self._count("hits")
+            self._touch(key)
+        return blob
+
+    def _read_below(self, key: ChunkKey) -> tuple[bytes | None, bool]:
+        """The raw record from the first tier below L1 that has it, offered to L1 once
+        (kept for the next read if L1 cannot take it), or a pending move's bytes; and
+        whether L1 now holds it."""
         entry = self.index.get(key)
-        for tier in self.tiers:
+        for tier in self._lower(self.memory.level):
             if not self._may_hold(tier, entry):
                 continue
             blob = tier.get(key)
@@ -307,16 +360,14 @@ class TieredStore:
                 with self._lock:  # learned from the shared tier: index it
                     entry = self.index.add(header, tier.level)
                     self._layouts.setdefault(header.fingerprint, _layout(header))
-            if tier is not self.memory:
-                self._promote(header, memoryview(blob)[header.header_size :])
-            if count:
-                self._count("hits")
-            self._touch(key)
-            return blob
+            promoted = self._promote(header, memoryview(blob)[header.header_size :])
+            if not promoted:
+                self._fallbacks.keep(key, blob)
+            return blob, promoted
         pending = self._writer.pending_move(key)
         if pending is not None:
-            return self._raw(*pending)
-        return None
+            return self._raw(*pending), False
+        return None, False
 
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
         """Copy the chunk's raw payload into ``out``; its header, or None on a miss."""
@@ -332,7 +383,7 @@ class TieredStore:
                 self._counters["hits"] += 1
         else:
             self._count("gets")
-            blob = self.get(key, count=False)
+            blob = self._fallbacks.take(key) or self._read_below(key)[0]
             if blob is None:
                 return None
             header = parse_header(blob)
@@ -352,14 +403,21 @@ class TieredStore:
         # The local index is authoritative for local tiers; the remote is shared.
         return tier is self.remote
 
-    def _promote(self, header: RecordHeader, payload: memoryview) -> None:
+    def _promote(self, header: RecordHeader, payload: memoryview) -> bool:
+        """Offer a record read from below to L1; False if L1 refused it (remembered)."""
+        if self._fallbacks.refused(header.key):
+            return False
         self._begin(header.key)
         status = self.memory.put(header, payload)
         evicted = self._end(header.key)
+        if status in (PutStatus.FULL, PutStatus.TOO_LARGE):
+            self._fallbacks.refuse(header.key)
+            return False
         if status == PutStatus.STORED and not evicted:
             with self._lock:
                 if header.key in self.index:  # not deleted meanwhile
                     self.index.add(header, self.memory.level)
+        return True
 
     # A chunk can be evicted from L1 between the tier accepting it and the index
     # learning of it (another thread's put needed the room). The eviction
@@ -443,6 +501,7 @@ class TieredStore:
         with self._lock:
             entry = self.index.remove(key, "deleted")
         self._writer.forget(key)
+        self._fallbacks.forget(key)
         found = entry is not None
         for tier in self.tiers:
             try:
@@ -462,6 +521,7 @@ class TieredStore:
                 self._layouts.clear()
             else:
                 self._layouts.pop(fingerprint, None)
+        self._fallbacks.clear()  # a moment's memory: dropping all of it costs nothing
         for key in keys:
             self._writer.forget(key)
         removed = len(keys)
@@ -519,6 +579,7 @@ class TieredStore:
         if self.remote is not None:  # copies waiting for it to come back, and those given up
             backlog = self._remote_backlog
             tiers[-1].detail.update(backlog=len(backlog), backlog_dropped=backlog.dropped)
+        tiers[0].detail.update(self._fallbacks.detail())  # L1's refusals, decided once
         return StoreStats(
             chunks=chunks,
             namespaces=spaces,

@@ -138,8 +138,11 @@ def send_get(
     watchdog lets its stream live. Each frame is built from the arena (a copy) before
     it is yielded, while the lease still holds.
     """
-    lease = store.acquire(key, owner=SERVER_OWNER, lasting=True)
-    if lease is not None:
+    got = store.read(key, owner=SERVER_OWNER, lasting=True)
+    if got is None:
+        return  # a miss (every tier was asked)
+    if not isinstance(got, bytes):
+        lease = got
         arena, extents, hs = store.arena.array, lease.extents, lease.payload_offset
         try:
             size = lease.header.stored_size
@@ -152,12 +155,7 @@ def send_get(
             with contextlib.suppress(KVStoreError):
                 store.release(lease.id)
         return
-    if key not in store:
-        return  # a miss (acquire already looked in every tier)
-    blob = store.get(key, count=False)  # stored below, and L1 could not take it now
-    if blob is None:
-        return
-    view = memoryview(blob)
+    view = memoryview(got)  # stored below, and L1 could not take it now: read once
     hs = parse_header(view).header_size
     watch.expect(len(view) - hs)
     yield frame(1, view[:hs])

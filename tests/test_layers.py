@@ -10,7 +10,14 @@ import json
 import subprocess
 import sys
 
-ENGINE = ("kvstore.store", "kvstore.index", "kvstore.lookup", "kvstore.writer", "kvstore.tiers")
+ENGINE = (
+    "kvstore.store",
+    "kvstore.index",
+    "kvstore.lookup",
+    "kvstore.writer",
+    "kvstore.fallback",
+    "kvstore.tiers",
+)
 
 
 def _loaded(code: str) -> list[str]:
