@@ -14,8 +14,8 @@ from pathlib import Path
 import kvstore
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
 from kvstore.store import TieredStore
+from kvstore.testing.server import KVServer
 from tests.helpers import FP, make_chain
-from tests.server.conftest import KVServer
 from tests.server.helpers import namespace, put_chain, tokens
 
 KiB, MiB = 1 << 10, 1 << 20

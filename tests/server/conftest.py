@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.testing.server import KVServer, clean_env  # moved; re-exported for test files
+from kvstore.testing.server import KVServer
 
-__all__ = ["KVServer", "clean_env", "make_server", "server"]
+__all__ = ["make_server", "server"]
 
 
 @pytest.fixture(scope="session")
