@@ -522,6 +522,8 @@ class DiskTier(Tier):
                         result = copy_out(key, view, out)
                     except CorruptRecord as e:
                         damaged = str(e)
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
+            damaged = f"LMDB cannot read it: {e}"  # its own pages are zeroed or overwritten
         except BaseException as e:
             self._count(hits=-1, bytes_out=-entry.size)
             if isinstance(e, lmdb.Error):
@@ -540,8 +542,14 @@ class DiskTier(Tier):
         log.warning("disk tier %s: deleting damaged record %s: %s", self.path, key.hex(), why)
         with self._wlock:
             self._check_open()
-            with self._backend("delete damaged record"):
-                self._write(deletes=[key])
+            try:
+                with self._backend("delete damaged record"):
+                    self._write(deletes=[key])
+            except TierError as e:
+                # LMDB cannot free a value whose overflow pages are zeroed or overwritten
+                # (MDB_CORRUPTED). Forgotten here all the same, so the record is a miss
+                # (and lower tiers are asked), not an error at every read of it.
+                log.warning("disk tier %s: %s; the record is dropped from the index", self.path, e)
             with self._lock:
                 self._drop_from_index([key])
                 self._n["corrupt"] += 1

@@ -104,27 +104,105 @@ def damaged(path: str, why: object) -> TierError:
 
 
 def check_data_file(env: lmdb.Environment, path: str) -> None:
-    """Raise ``damaged`` if data.mdb ends before LMDB's last used page (``mm_last_pg``
-    of the newest meta page): a copy, a restore or a full disk cut it short.
+    """Raise ``damaged`` unless data.mdb holds LMDB's trees intact enough to be read.
 
-    Call it before anything reads a page: LMDB maps the file and trusts its meta
-    pages, so a read past the end of the file is SIGBUS, not an error, and would
-    kill the server at every start. A meta page that is itself damaged (zeroed, or
-    not LMDB's) is refused by ``lmdb.open`` already.
+    Call it before anything reads a page. LMDB maps the file and trusts what it
+    finds: a page past the end of the file is SIGBUS, and a B-tree page that is
+    zeroed (a crash on a filesystem that had not written it yet) or overwritten
+    fails an assertion inside LMDB, which aborts the process. Either would kill the
+    server at every start. So: the file must reach LMDB's last used page
+    (``mm_last_pg`` of the newest meta page), and every branch and leaf page of the
+    free list, the main tree and the sub-databases must carry its own page number
+    and a sane header (``_walk``). Values are not read (records are verified on
+    every read). A meta page that is itself damaged is refused by ``lmdb.open``.
     """
     data = os.path.join(path, DATA_FILE)
-    last = env.info()["last_pgno"]
-    need = (last + 1) * env.stat()["psize"]
+    info, psize = env.info(), env.stat()["psize"]
+    last = info["last_pgno"]
+    need = (last + 1) * psize
     try:
-        size = os.path.getsize(data)
+        fd = os.open(data, os.O_RDONLY)
     except OSError as e:
         raise damaged(path, e) from e
-    if size < need:
-        raise damaged(
-            path,
-            f"{data} is truncated: it is {size} bytes, and LMDB's last used page "
-            f"(page {last}) ends at byte {need}",
-        )
+    try:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise damaged(
+                path,
+                f"{data} is truncated: it is {size} bytes, and LMDB's last used page "
+                f"(page {last}) ends at byte {need}",
+            )
+        why = _walk(fd, psize, last, info["last_txnid"])
+    finally:
+        os.close(fd)
+    if why:
+        raise damaged(path, f"{data}: {why}")
+
+
+# LMDB 0.9's layout on 64-bit hosts (mdb.c): a page header, a meta page's MDB_meta,
+# an MDB_db (a tree's root and counts), a node header. Little-endian, as written.
+_PAGE_HDR = struct.Struct("<QHHHH")  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upper
+_MDB_DB = struct.Struct("<IHHQQQQQ")  # md_pad, flags, depth, 3 page counts, entries, md_root
+_NODE_HDR = struct.Struct("<HHHH")  # mn_lo, mn_hi, mn_flags, mn_ksize
+_META_AT, _META_MAGIC = _PAGE_HDR.size, 0xBEEFC0DE  # MDB_meta follows the page header
+_DBS_AT = _META_AT + 24  # after mm_magic, mm_version, mm_address, mm_mapsize
+_TXNID_AT = _DBS_AT + 2 * _MDB_DB.size + 8  # after mm_dbs[2], mm_last_pg
+_P_BRANCH, _P_LEAF, _P_LEAF2 = 0x01, 0x02, 0x20
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_NO_PAGE = 2**64 - 1  # P_INVALID: the root of an empty tree
+_MAX_DEPTH = 64
+
+
+def _walk(fd: int, psize: int, last: int, txnid: int) -> str | None:
+    """Why LMDB's trees in ``fd`` are not safe to read, or None. Reads each branch and
+    leaf page once (the meta tree's leaves are read again by the index rebuild)."""
+    for meta_pgno in (0, 1):  # the meta page LMDB chose is the one with the newest txn
+        meta = os.pread(fd, psize, meta_pgno * psize)
+        if len(meta) < _TXNID_AT + 8:
+            return f"meta page {meta_pgno} is short"
+        magic = int.from_bytes(meta[_META_AT : _META_AT + 4], "little")
+        if (
+            magic == _META_MAGIC
+            and int.from_bytes(meta[_TXNID_AT : _TXNID_AT + 8], "little") == txnid
+        ):
+            break
+    else:
+        return f"no meta page holds transaction {txnid}, the one LMDB opened"
+    roots = [_MDB_DB.unpack_from(meta, _DBS_AT + i * _MDB_DB.size)[7] for i in (0, 1)]
+    seen: set[int] = set()
+    # (page, depth, is a leaf of the main tree: its F_SUBDATA nodes are sub-databases)
+    todo = [(root, 1, i == 1) for i, root in enumerate(roots) if root != _NO_PAGE]
+    while todo:
+        pgno, depth, main = todo.pop()
+        if not 2 <= pgno <= last or pgno in seen or depth > _MAX_DEPTH:
+            return f"a tree points at page {pgno} (pages 2..{last} exist; a cycle or worse)"
+        seen.add(pgno)
+        page = os.pread(fd, psize, pgno * psize)
+        own, _, flags, lower, upper = _PAGE_HDR.unpack_from(page)
+        kind = flags & (_P_BRANCH | _P_LEAF)
+        if own != pgno or kind not in (_P_BRANCH, _P_LEAF):
+            return f"page {pgno} is zeroed or overwritten (it says page {own}, flags {flags:#x})"
+        if not _PAGE_HDR.size <= lower <= upper <= psize or (lower - _PAGE_HDR.size) % 2:
+            return f"page {pgno} has a damaged header (lower {lower}, upper {upper})"
+        if flags & _P_LEAF2:
+            continue  # fixed-size keys, no nodes (kvstore's trees have none)
+        for i in range((lower - _PAGE_HDR.size) // 2):
+            at = int.from_bytes(page[_PAGE_HDR.size + 2 * i : _PAGE_HDR.size + 2 * i + 2], "little")
+            if not upper <= at <= psize - _NODE_HDR.size:
+                return f"page {pgno} has a node outside the page"
+            lo, hi, nflags, ksize = _NODE_HDR.unpack_from(page, at)
+            body = at + _NODE_HDR.size + ksize
+            if kind == _P_BRANCH:
+                todo.append((lo | hi << 16 | nflags << 32, depth + 1, main))
+            elif nflags & _F_SUBDATA and main:
+                if body + _MDB_DB.size > psize:
+                    return f"page {pgno} has a damaged sub-database entry"
+                root = _MDB_DB.unpack_from(page, body)[7]
+                if root != _NO_PAGE:
+                    todo.append((root, 1, False))
+            elif body + (8 if nflags & _F_BIGDATA else lo | hi << 16) > psize:
+                return f"page {pgno} has a node running past the page"
+    return None
 
 
 # -- meta entries and records -------------------------------------------------------
