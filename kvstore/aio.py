@@ -37,13 +37,13 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import GET_METHOD, PUT_METHOD, ClientBase, NamespaceLike, Tokens
-from kvstore.shm import AsyncLease, AsyncReservation
+from kvstore.shm import USE_GET, AsyncLease, AsyncReservation, UseGet
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import NamespaceInfo, ServerInfo
 
-__all__ = ["AsyncClient", "AsyncLease", "AsyncReservation"]
+__all__ = ["USE_GET", "AsyncClient", "AsyncLease", "AsyncReservation", "UseGet"]
 
 log = logging.getLogger("kvstore.client")
 
@@ -129,7 +129,7 @@ class AsyncClient(ClientBase):
                 raise self._error(e, "Get") from e
             return None
         if type(step) is core.ReleaseLater:
-            request = pb.ReleaseRequest(lease_ids=[step.lease_id])
+            request = pb.ReleaseRequest(lease_ids=list(step.lease_ids))
             task = asyncio.get_running_loop().create_task(self._release_quietly(request))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -307,6 +307,25 @@ class AsyncClient(ClientBase):
         """A read lease on a chunk in shared memory (zero copy), or None on a miss; only
         on the server's host (see ``Client.acquire``)."""
         return await self._run(core.acquire(self, key, timeout, self._lease(timeout)))
+
+    async def acquire_many(
+        self, keys: Sequence[bytes], *, verify: bool | None = None, timeout: float | None = None
+    ) -> builtins.list[AsyncLease | UseGet | None]:
+        """Leases on many chunks, one round trip per 1024 keys: for each a lease,
+        ``USE_GET`` (stream it with get/get_into) or None (a miss); see
+        ``Client.acquire_many``."""
+        return await self._run(core.acquire_many(self, keys, verify, timeout, self._lease(timeout)))
+
+    async def release_many(
+        self, leases: Sequence[AsyncLease], *, timeout: float | None = None
+    ) -> int:
+        """End many leases with one Release; how many the server still held (see
+        ``Client.release_many``)."""
+        return await self._run(core.release_many(leases, timeout))
+
+    async def release_later(self, leases: Sequence[AsyncLease]) -> None:
+        """``release_many`` not waiting for the answer: a task of this loop sends it."""
+        await self._run(core.release_later(leases))
 
     async def get(
         self, key: bytes, *, timeout: float | None = None

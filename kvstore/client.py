@@ -59,17 +59,19 @@ from kvstore.sdk import (
     namespace_fingerprint,
     parse_url,
 )
-from kvstore.shm import Lease, Reservation, prefault
+from kvstore.shm import USE_GET, Lease, Reservation, UseGet, prefault
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import NamespaceInfo, ServerInfo
 
 __all__ = [
+    "USE_GET",
     "Client",
     "Endpoint",
     "Lease",
     "Reservation",
+    "UseGet",
     "chunk_header",
     "namespace_fingerprint",
     "parse_url",
@@ -157,7 +159,7 @@ class Client(ClientBase):
         if type(step) is core.ReleaseLater:
             try:
                 fut = self._stub.Release.future(
-                    pb.ReleaseRequest(lease_ids=[step.lease_id]),
+                    pb.ReleaseRequest(lease_ids=list(step.lease_ids)),
                     timeout=self.timeout,
                     metadata=self._metadata,
                 )
@@ -322,6 +324,37 @@ class Client(ClientBase):
         Only on the server's host; raises KVStoreError when shared memory is not in use.
         """
         return self._run(core.acquire(self, key, timeout, self._lease(timeout)))
+
+    def acquire_many(
+        self, keys: Sequence[bytes], *, verify: bool | None = None, timeout: float | None = None
+    ) -> builtins.list[Lease | UseGet | None]:
+        """Read leases on many chunks in shared memory: one AcquireMany round trip per
+        1024 keys (``MAX_RESERVE_BATCH``), however many chunks.
+
+        For each key, in order: a ``Lease``; ``USE_GET`` when the chunk is stored but L1
+        cannot lend it now (it is below L1 and every page is pinned or leased: read it
+        with ``get``/``get_into``, which stream it from there); or None, a miss. Copy
+        each lease's payload out verified in one pass (``Lease.read_verified`` into one
+        buffer, ``Lease.read_scattered`` into the blocks of one buffer; False: read that
+        chunk with ``get_into``), then end them all with ``release_many`` or, off the
+        critical path, ``release_later``. ``verify`` (default: the client's ``verify``):
+        True, the caller checks each payload as it copies it and the server checks only
+        the headers; False, the server checks every payload before lending it.
+        Only on the server's host; raises KVStoreError when shared memory is not in use.
+        """
+        return self._run(core.acquire_many(self, keys, verify, timeout, self._lease(timeout)))
+
+    def release_many(self, leases: Sequence[Lease], *, timeout: float | None = None) -> int:
+        """End many leases with one Release; how many the server still held (fewer: some
+        had expired, so bytes read through them unverified may be wrong). Leases
+        released already are skipped."""
+        return self._run(core.release_many(leases, timeout))
+
+    def release_later(self, leases: Sequence[Lease]) -> None:
+        """``release_many`` without waiting for the answer (a Release sent in the
+        background; ``close`` lets it land). For leases whose bytes were verified as
+        they were copied, or read before their ``valid_until``."""
+        self._run(core.release_later(leases))
 
     def get(self, key: bytes, *, timeout: float | None = None) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""

@@ -6,7 +6,7 @@ their results, then returns the operation's result. A step is one of
     Call(method, request, timeout)        -> the reply message of a unary (or Put) RPC
     GetStream(request, timeout, sink)     -> None; each message of the Get stream went to sink
     NEED_ARENA                            -> the mapped arena, or None: the data plane to use
-    ReleaseLater(lease_id)                -> None; a Release sent without waiting for it
+    ReleaseLater(lease_ids)               -> None; a Release sent without waiting for it
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
 
 ``kvstore.client.Client`` drives a plan with blocking calls (``run_blocking``),
@@ -31,11 +31,17 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kvstore.arena import ArenaView, as_u8
-from kvstore.errors import KVStoreError, NotFound
-from kvstore.protocol import SERVICE_NAME, chunk_from_pb, lookup_from_pb, stats_from_pb
+from kvstore.errors import KVStoreError, NotFound, ServerError
+from kvstore.protocol import (
+    MAX_RESERVE_BATCH,
+    SERVICE_NAME,
+    chunk_from_pb,
+    lookup_from_pb,
+    stats_from_pb,
+)
 from kvstore.records import RecordHeader, parse_header
 from kvstore.sdk import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike, Tokens
-from kvstore.shm import LeaseBase
+from kvstore.shm import USE_GET, LeaseBase, UseGet
 from kvstore.types import ChunkView, LookupResult, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
@@ -55,6 +61,7 @@ UNARY_METHODS: Final = (
     "List",
     "Namespaces",
     "Acquire",
+    "AcquireMany",
     "Release",
     "ReserveMany",
     "Commit",
@@ -82,10 +89,11 @@ class GetStream:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseLater:
-    """Release a lease that surely still holds, not waiting for the answer: a get costs
-    one round trip, not two. Kept track of so ``close`` lets it land."""
+    """Release leases that surely still hold (or whose bytes were verified), not waiting
+    for the answer: a get costs one round trip, not two. Kept track of so ``close`` lets
+    it land."""
 
-    lease_id: int
+    lease_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +112,7 @@ class _NeedArena:
 NEED_ARENA: Final = _NeedArena()
 Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena
 Plan = Generator[Step, Any, T]
-STREAM: Final = "stream"  # what read_lease says when the bytes must come by Get
+STREAM: Final = USE_GET  # what read_lease says when the bytes must come by Get
 
 
 def run_blocking(plan: Plan[T], do: Callable[[Step], Any]) -> T:
@@ -179,6 +187,7 @@ def acquire(
     arena = yield NEED_ARENA
     if arena is None:
         raise KVStoreError("acquire needs the shared-memory data plane (same host)")
+    t0 = c._clock()
     a = yield Call("Acquire", pb.AcquireRequest(key=key), timeout)
     if not a.found:
         return None
@@ -188,7 +197,83 @@ def acquire(
     except KVStoreError:
         yield from release(a.lease_id, timeout)
         raise
-    return make(header, a.lease_id, extents, a.payload_offset, arena)
+    until = t0 + a.expires_ms / 1000 * LEASE_MARGIN
+    return make(header, a.lease_id, extents, a.payload_offset, arena, valid_until=until)
+
+
+def acquire_many(
+    c: ClientBase,
+    keys: Sequence[bytes],
+    verify: bool | None,
+    timeout: float | None,
+    make: Callable[..., L],
+) -> Plan[builtins.list[L | UseGet | None]]:
+    """Leases on many chunks, one AcquireMany per ``MAX_RESERVE_BATCH`` keys: for each
+    key a lease, ``USE_GET`` (stored, but L1 cannot lend it now: get/get_into streams it)
+    or None (a miss). ``verify`` (default: the client's): the caller checks the payload
+    as it copies it (``read_verified``/``read_scattered``), so the server checks only
+    the headers; False: the server checks every payload before lending it."""
+    arena = yield NEED_ARENA
+    if arena is None:
+        raise KVStoreError("acquire_many needs the shared-memory data plane (same host)")
+    client_verifies = c.verify if verify is None else verify
+    out: builtins.list[L | UseGet | None] = []
+    granted: builtins.list[int] = []  # every lease the server handed out, until returned
+    try:
+        for i in range(0, len(keys), MAX_RESERVE_BATCH):
+            batch = [bytes(k) for k in keys[i : i + MAX_RESERVE_BATCH]]
+            t0 = c._clock()
+            req = pb.AcquireManyRequest(keys=batch, client_verifies=client_verifies)
+            r = yield Call("AcquireMany", req, timeout)
+            granted += [a.lease_id for a in r.responses if a.found]
+            if len(r.responses) != len(batch):
+                raise ServerError(f"AcquireMany answered {len(r.responses)} of {len(batch)}")
+            for key, a in zip(batch, r.responses, strict=True):
+                if not a.found:
+                    out.append(USE_GET if a.use_get else None)
+                    continue
+                header = parse_header(a.header, expect_key=key)
+                extents = c._check_extents(a.extents)
+                until = t0 + a.expires_ms / 1000 * LEASE_MARGIN
+                out.append(
+                    make(header, a.lease_id, extents, a.payload_offset, arena, valid_until=until)
+                )
+    except BaseException:
+        if granted:  # a bad answer or a later batch failed: no lease outlives the call
+            yield ReleaseLater(tuple(granted))
+        raise
+    return out
+
+
+def release_many(leases: Sequence[LeaseBase], timeout: float | None) -> Plan[int]:
+    """End many leases in one Release; how many the server still held (fewer: some had
+    expired or were dropped, so what was read through them may be wrong unless verified).
+    Leases already released are skipped."""
+    ids = _ending(leases)
+    if not ids:
+        return 0
+    try:
+        r = yield Call("Release", pb.ReleaseRequest(lease_ids=ids), timeout)
+    except NotFound:
+        return 0
+    return int(r.released)
+
+
+def release_later(leases: Sequence[LeaseBase]) -> Plan[None]:
+    """End many leases with one Release not waited for (off the caller's critical path)."""
+    ids = _ending(leases)
+    if ids:
+        yield ReleaseLater(tuple(ids))
+
+
+def _ending(leases: Sequence[LeaseBase]) -> builtins.list[int]:
+    """The ids of the leases not released yet, each marked released (once)."""
+    ids: dict[int, None] = {}
+    for lease in leases:
+        if not lease.released:
+            lease.released = True
+            ids[lease.id] = None
+    return builtins.list(ids)
 
 
 def release(lease_id: int, timeout: float | None) -> Plan[bool]:
@@ -200,7 +285,7 @@ def release(lease_id: int, timeout: float | None) -> Plan[bool]:
     return bool(r.released == 1)
 
 
-def read_lease(c: ClientBase, key: bytes, timeout: float | None) -> Plan[LeaseBase | str | None]:
+def read_lease(c: ClientBase, key: bytes, timeout: float | None) -> Plan[LeaseBase | UseGet | None]:
     """A lease for get/get_into to copy out of, ``STREAM`` when the bytes must come by
     Get (no shared memory here, or the server says so), None on a miss."""
     arena = yield NEED_ARENA
@@ -228,7 +313,7 @@ def done_with(c: ClientBase, lease: LeaseBase, timeout: float | None) -> Plan[bo
     lease.released = True
     if c._clock() >= lease.valid_until:
         return (yield from release(lease.id, timeout))
-    yield ReleaseLater(lease.id)
+    yield ReleaseLater((lease.id,))
     return True
 
 

@@ -36,7 +36,7 @@ SESSION_HEADER = "x-kvstore-session"  # metadata: the client's session id (lease
 AUTH_HEADER = "authorization"  # metadata: "Bearer <token>"
 ERROR_REASON_HEADER = "x-kvstore-error-reason"  # trailing metadata: KVStoreError.reason
 SERVICE_NAME = "kvstore.v1.KVStore"
-MAX_RESERVE_BATCH = 1024  # items in one ReserveMany or CommitMany (as the .proto says)
+MAX_RESERVE_BATCH = 1024  # items in one ReserveMany, CommitMany or AcquireMany (the .proto's)
 
 
 def default_socket_path() -> str:
@@ -197,7 +197,13 @@ def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:
 # -- stats and listings ----------------------------------------------------------------
 
 
-def stats_to_pb(stats: StoreStats, *, active_leases: int, uptime_s: int) -> pb.StatsResponse:
+def stats_to_pb(
+    stats: StoreStats,
+    *,
+    active_leases: int,
+    uptime_s: int,
+    requests: dict[str, int] | None = None,
+) -> pb.StatsResponse:
     return pb.StatsResponse(
         chunks=stats.chunks,
         namespaces=stats.namespaces,
@@ -234,11 +240,13 @@ def stats_to_pb(stats: StoreStats, *, active_leases: int, uptime_s: int) -> pb.S
         rejected_puts=stats.rejected_puts,
         active_leases=active_leases,
         uptime_s=uptime_s,
+        requests=requests or {},
     )
 
 
 def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
-    """The server's StoreStats; ``extra`` holds active_leases and uptime_s."""
+    """The server's StoreStats; ``extra`` holds active_leases, uptime_s and requests (the
+    server's finished calls by method, as ``KVStoreService.request_counts``)."""
     tiers = []
     for t in msg.tiers:
         try:
@@ -279,7 +287,11 @@ def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
         hits=msg.hits,
         puts=msg.puts,
         rejected_puts=msg.rejected_puts,
-        extra={"active_leases": msg.active_leases, "uptime_s": msg.uptime_s},
+        extra={
+            "active_leases": msg.active_leases,
+            "uptime_s": msg.uptime_s,
+            "requests": dict(msg.requests),
+        },
     )
 
 

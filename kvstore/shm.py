@@ -14,26 +14,44 @@ blocking ``Client``), ``AsyncLease`` / ``AsyncReservation`` are awaited (the
 
 from __future__ import annotations
 
+import enum
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvstore import accel
 from kvstore.arena import ArenaView, as_u8, spans
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.records import RecordHeader
 from kvstore.types import PutStatus
 
 __all__ = [
+    "USE_GET",
     "AsyncLease",
     "AsyncReservation",
     "Lease",
     "LeaseBase",
     "Reservation",
     "ReservationBase",
+    "UseGet",
     "prefault",
 ]
+
+
+class UseGet(enum.Enum):
+    """What ``acquire_many`` answers for a chunk that is stored but that L1 cannot lend
+    now (below L1, and every page is pinned or leased): read it with ``get``/``get_into``,
+    which stream it from the lower tier. ``None`` in the same list is a miss."""
+
+    USE_GET = "use_get"
+
+    def __repr__(self) -> str:
+        return "USE_GET"
+
+
+USE_GET = UseGet.USE_GET
 
 
 class LeaseBase:
@@ -75,6 +93,50 @@ class LeaseBase:
         """``read_into``, returning the xxh3_64 of what was copied (to compare with
         ``header.payload_checksum``); cheaper than copying, then hashing."""
         return self._arena.read_into_hashed(self._extents, self._offset, self._destination(out))
+
+    def read_verified(self, out: Any) -> bool:
+        """Copy the payload into the first ``raw_size`` bytes of ``out`` (any writable
+        C-contiguous buffer: a numpy view of a tensor's memory, say), hashing it as it is
+        copied (one pass); True when what landed is the chunk (its xxh3_64 is the
+        header's). False: the arena held other bytes (a rogue writer, or pages reused
+        after the lease ran out); discard what was copied and read the chunk with
+        ``get_into``, where the server verifies it and drops a bad copy."""
+        return self.read_into_hashed(out) == self.header.payload_checksum
+
+    def read_scattered(self, out: Any, pieces: Sequence[tuple[int, int]]) -> bool:
+        """``read_verified`` into several places of one buffer, in one pass: ``pieces``
+        are (offset in ``out``, length) in payload order, covering the payload exactly
+        once (their lengths sum to ``raw_size``): the payload's first bytes go to the
+        first piece, the next to the second, and so on. For a destination such as a
+        paged KV cache, whose blocks of one chunk are not adjacent: the bytes go from
+        the arena straight into the blocks, hashed as they land. True when they are
+        the chunk (as ``read_verified``)."""
+        if self.released:
+            raise InvalidArgument("lease already released")
+        dst = as_u8(out, writable=True)
+        if sum(n for _, n in pieces) != self.header.raw_size or any(
+            p < 0 or n < 0 for p, n in pieces
+        ):
+            raise InvalidArgument(
+                f"pieces must cover the {self.header.raw_size}-byte payload exactly, "
+                f"with offsets and lengths >= 0 (they hold {sum(n for _, n in pieces)} bytes)"
+            )
+        trips: list[tuple[int, int, int]] = []
+        pos = self._offset
+        if len(self._extents) == 1:  # the usual case: no extent boundary to cross
+            base = self._extents[0][0] + pos
+            for at, n in pieces:
+                trips.append((base, at, n))
+                base += n
+        else:
+            for at, n in pieces:
+                trips += [(off, at + p, m) for off, p, m in spans(self._extents, pos, n)]
+                pos += n
+        try:
+            digest = accel.scatter_xxh3(self._arena.array, dst, trips, False)
+        except ValueError as e:  # a piece outside ``out``
+            raise InvalidArgument(f"read_scattered: {e}") from e
+        return bool(digest == self.header.payload_checksum)
 
     def _destination(self, out: Any) -> np.ndarray:
         """The first ``raw_size`` bytes of ``out``, checked to hold the payload."""

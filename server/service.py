@@ -32,6 +32,7 @@ from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
     KVStoreError,
+    NotFound,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
 from kvstore.protocol import (
@@ -511,8 +512,32 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.AcquireResponse:
         self._shm_enabled(context)
         key = self._key(request.key)
-        owner = self._owner(context)
-        lease = self.store.acquire(key, owner=owner, payload=not request.client_verifies)
+        return self._acquire(key, self._owner(context), request.client_verifies)
+
+    @_rpc
+    def AcquireMany(
+        self, request: pb.AcquireManyRequest, context: grpc.ServicerContext
+    ) -> pb.AcquireManyResponse:
+        self._shm_enabled(context)
+        if len(request.keys) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(
+                f"{len(request.keys)} keys in one AcquireMany; at most {MAX_RESERVE_BATCH}"
+            )
+        keys, owner = self._keys(request.keys), self._owner(context)
+        out = pb.AcquireManyResponse()
+        try:
+            for key in keys:
+                out.responses.append(self._acquire(key, owner, request.client_verifies))
+        except BaseException:
+            # All or nothing, as ReserveMany: a failed call leaves no pages leased.
+            for done in out.responses:
+                if done.found:
+                    self.store.release(done.lease_id)
+            raise
+        return out
+
+    def _acquire(self, key: ChunkKey, owner: str, client_verifies: bool) -> pb.AcquireResponse:
+        lease = self.store.acquire(key, owner=owner, payload=not client_verifies)
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
             return pb.AcquireResponse(found=False, use_get=key in self.store)
@@ -532,9 +557,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.ReleaseResponse:
         owner = self._owner(context)
         ids = list(dict.fromkeys(request.lease_ids))
-        self.holds.claim_leases(ids, owner)
-        # False from the tier: the lease expired, so what the client read may be garbage.
-        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in ids))
+        mine = [i for i in ids if self._holds_lease(i, owner)]
+        if ids and not mine:
+            self.holds.claim_leases(ids, owner)  # raises NotFound naming them
+        # A batch (release_many) releases what is still the caller's; the ones that are
+        # not (expired, another session's) are left out of ``released``, as is a lease
+        # the tier found expired: what the client read through it may be garbage.
+        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in mine))
+
+    def _holds_lease(self, lease_id: int, owner: str) -> bool:
+        try:
+            self.holds.claim(lease_id, owner, "lease")
+        except NotFound:
+            return False
+        return True
 
     @_rpc
     def Session(
@@ -614,6 +650,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             stats,
             active_leases=leases if isinstance(leases, int) else 0,
             uptime_s=int(time.monotonic() - self._started),
+            requests=self.request_counts(),
         )
 
     @_rpc

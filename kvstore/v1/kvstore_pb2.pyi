@@ -307,6 +307,20 @@ class AcquireResponse(_message.Message):
     use_get: bool
     def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ..., use_get: _Optional[bool] = ...) -> None: ...
 
+class AcquireManyRequest(_message.Message):
+    __slots__ = ("keys", "client_verifies")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    client_verifies: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
+
+class AcquireManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -430,7 +444,14 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., level: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., healthy: _Optional[bool] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "namespaces", "tiers", "pending_writes", "pending_bytes", "write_failures", "lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts", "active_leases", "uptime_s")
+    __slots__ = ("chunks", "namespaces", "tiers", "pending_writes", "pending_bytes", "write_failures", "lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts", "active_leases", "uptime_s", "requests")
+    class RequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +467,7 @@ class StatsResponse(_message.Message):
     REJECTED_PUTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     namespaces: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -461,7 +483,8 @@ class StatsResponse(_message.Message):
     rejected_puts: int
     active_leases: int
     uptime_s: int
-    def __init__(self, chunks: _Optional[int] = ..., namespaces: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[int] = ...) -> None: ...
+    requests: _containers.ScalarMap[str, int]
+    def __init__(self, chunks: _Optional[int] = ..., namespaces: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ChunkInfo(_message.Message):
     __slots__ = ("key", "fingerprint", "parent", "n_tokens", "raw_size", "dtype", "tiers", "pinned", "created_ms", "last_access_ms", "hits")

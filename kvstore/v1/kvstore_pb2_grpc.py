@@ -87,6 +87,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.AcquireMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/AcquireMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvstore.v1.KVStore/Release',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
@@ -205,6 +210,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AcquireMany(self, request, context):
+        """Several Acquires in one round trip (an engine loading one step's chunks); each
+        answered as Acquire would be. Release takes all their lease ids in one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -314,6 +327,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.SerializeToString,
+            ),
+            'AcquireMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquireMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AcquireManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -631,6 +649,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Acquire',
             kvstore_dot_v1_dot_kvstore__pb2.AcquireRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquireMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/AcquireMany',
+            kvstore_dot_v1_dot_kvstore__pb2.AcquireManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AcquireManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

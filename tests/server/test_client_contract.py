@@ -675,6 +675,174 @@ def test_a_payload_changed_in_the_arena_is_never_served(drive: Drive, verify: bo
     drive(body, "shm", verify=verify)
 
 
+# -- reading a batch: acquire_many, copy out verified, release_many ------------------------
+
+
+def _requests(stats: Any) -> dict[str, int]:
+    """The server's finished calls by method (StatsResponse.requests)."""
+    return dict(stats.extra["requests"])
+
+
+def _delta(after: dict[str, int], before: dict[str, int], *methods: str) -> dict[str, int]:
+    return {m: after.get(m, 0) - before.get(m, 0) for m in methods}
+
+
+async def _put_batch(kv: Any, ns: Namespace, n: int, bpt: int, seed: int) -> list[Any]:
+    """``n`` chained chunks of 64 tokens stored with one ReserveMany + CommitMany; their
+    (key, payload) pairs, in order."""
+    parent, headers, datas = ROOT, [], []
+    for i in range(n):
+        h = chunk_header(ns, parent, tokens(64, seed + 64 * i), None, "bfloat16", (64, bpt // 2))
+        headers.append(h)
+        datas.append(payload(64 * bpt, seed + i))
+        parent = h.key
+    reservations = await kv.reserve(headers)
+    for res, data in zip(reservations, datas, strict=True):
+        res.write(data)
+    assert await kv.commit(reservations) == [PutStatus.STORED] * n
+    return [(h.key, d) for h, d in zip(headers, datas, strict=True)]
+
+
+def test_acquire_many_costs_one_call_for_64_chunks(drive: Drive) -> None:
+    """64 chunks: one AcquireMany and one Release in the server's request counts, no
+    Acquire; each lease copies its payload out verified in one pass, into one buffer
+    or scattered over the blocks of one; a miss is None, in its place."""
+    bpt = 1024
+    ns = namespace(f"contract-many-{drive.kind}", bpt)
+
+    async def body(kv: Any) -> None:
+        chunks = await _put_batch(kv, ns, 64, bpt, seed=70_000)
+        keys = [k for k, _ in chunks]
+        missing = b"\x0c" * 32
+        before = await kv.stats()
+        got = await kv.acquire_many([*keys[:32], missing, *keys[32:]])
+        assert len(got) == 65 and got[32] is None, "the miss is None, in its place"
+        leases = got[:32] + got[33:]
+        assert [lease.header.key for lease in leases] == keys, "leases out of order"
+        mid = await kv.stats()
+        assert mid.extra["active_leases"] == before.extra["active_leases"] + 64
+
+        size = 64 * bpt
+        out = np.zeros(size, dtype=np.uint8)
+        blocks = np.zeros(8 * size, dtype=np.uint8)  # a "paged cache": 16 blocks of 4 KiB
+        for i, (lease, (_, data)) in enumerate(zip(leases, chunks, strict=True)):
+            assert lease.read_verified(out) is True, f"chunk {i}: a good copy fails to verify"
+            assert np.array_equal(out, data), f"chunk {i}: read_verified copied other bytes"
+            if i % 16 == 0:  # the chunk's 16 pieces land in blocks 15, 13, 11, ... reversed
+                pieces = [((31 - 2 * j) * 4096, 4096) for j in range(16)]
+                assert lease.read_scattered(blocks, pieces) is True, f"chunk {i}"
+                for j, (at, n) in enumerate(pieces):
+                    part = data[j * 4096 : (j + 1) * 4096]
+                    assert np.array_equal(blocks[at : at + n], part), f"chunk {i} piece {j}"
+
+        assert await kv.release_many(leases) == 64, "every lease was still held"
+        assert all(lease.released for lease in leases)
+        assert await kv.release_many(leases) == 0, "released leases are skipped"
+        after = await kv.stats()
+        assert after.extra["active_leases"] == before.extra["active_leases"]
+        counts = _delta(_requests(after), _requests(before), "AcquireMany", "Acquire", "Release")
+        assert counts == {"AcquireMany": 1, "Acquire": 0, "Release": 1}, (
+            f"64 chunks must cost exactly one AcquireMany and one Release: {counts}"
+        )
+        assert await kv.clear(ns) == 64  # the shared server's arena is for the next tests
+
+    drive(body, "shm")
+
+
+def test_acquire_many_batches_and_release_later(drive: Drive) -> None:
+    """Past 1024 keys the client splits the call (one AcquireMany per 1024); a release
+    not waited for still ends every lease."""
+    bpt = 512
+    ns = namespace(f"contract-many-later-{drive.kind}", bpt)
+
+    async def body(kv: Any) -> None:
+        chunks = await _put_batch(kv, ns, 4, bpt, seed=80_000)
+        keys = [k for k, _ in chunks]
+        base = (await kv.stats()).extra["active_leases"]
+        before = _requests(await kv.stats())
+        misses = [i.to_bytes(4, "little") * 8 for i in range(1, 1100)]
+        got = await kv.acquire_many([*misses, *keys])
+        counts = _delta(_requests(await kv.stats()), before, "AcquireMany")
+        assert counts == {"AcquireMany": 2}, f"1103 keys are two calls: {counts}"
+        assert got[: len(misses)] == [None] * len(misses)
+        leases = got[len(misses) :]
+        assert all(isinstance(_unwrap(x), LeaseBase) for x in leases), leases
+        assert (await kv.stats()).extra["active_leases"] == base + 4
+        assert await kv.release_later(leases) is None
+        assert all(lease.released for lease in leases)
+        deadline = time.monotonic() + 10
+        while (await kv.stats()).extra["active_leases"] != base:
+            assert time.monotonic() < deadline, "release_later did not end the leases"
+            await asyncio.sleep(0.02)
+        with pytest.raises(InvalidArgument, match="released"):
+            leases[0].read_verified(np.zeros(4 * bpt * 64, np.uint8))
+        assert await kv.clear(ns) == 4
+
+    drive(body, "shm")
+
+
+def test_acquire_many_says_which_chunks_to_stream(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """A chunk stored only below L1 that L1 cannot lend (larger than the arena) is
+    ``USE_GET``, told apart from a miss (None); get_into streams it."""
+    srv = make_server("many-big", memory="4MiB").start()
+    ns = namespace(f"contract-many-big-{drive.kind}", 24 * 1024)
+    data = payload(256 * 24 * 1024, 78)  # 6 MiB > the 4 MiB arena
+
+    async def body(kv: Any) -> None:
+        big, status = await kv.put_chunk(
+            ns, ROOT, tokens(256, 6000), data, "bfloat16", (256, 12 * 1024)
+        )
+        assert status == PutStatus.STORED and await kv.exists([big]) == [(2,)]
+        small, _ = await kv.put_chunk(
+            ns, big, tokens(16, 7000), payload(16 * 24 * 1024, 3), "bfloat16", (16, 12 * 1024)
+        )
+        got = await kv.acquire_many([big, b"\x0d" * 32, small])
+        assert got[0] is kvstore.client.USE_GET, f"a chunk L1 cannot lend: {got[0]!r}"
+        assert got[1] is None, "a miss"
+        assert isinstance(_unwrap(got[2]), LeaseBase) and got[2].header.key == small
+        assert await kv.release_many([got[2]]) == 1
+        out = np.empty_like(data)
+        assert await kv.get_into(big, out) is not None and np.array_equal(out, data)
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
+def test_acquire_many_copies_changed_bytes_as_unverified(drive: Drive) -> None:
+    """A byte changed in the arena under a lease: read_verified and read_scattered say
+    False (the caller then reads the chunk with get_into); a bad key fails the whole
+    call and leaves no lease behind."""
+    bpt = 1024
+    ns = namespace(f"contract-many-rogue-{drive.kind}", bpt)
+
+    async def body(kv: Any) -> None:
+        ((key, data),) = await _put_batch(kv, ns, 1, bpt, seed=90_000)
+        base = (await kv.stats()).extra["active_leases"]
+        with pytest.raises(InvalidArgument, match="chunk keys are 32"):
+            await kv.acquire_many([key, b"short"])
+        assert (await kv.stats()).extra["active_leases"] == base, "a lease outlived the error"
+        (lease,) = await kv.acquire_many([key])
+        at = 777
+        with ArenaView.open((await kv.info()).shm_path) as rogue:
+            rogue.write(lease._extents, lease._offset + at, bytes([data[at] ^ 0xFF]))
+        out = np.zeros(data.size, dtype=np.uint8)
+        assert lease.read_verified(out) is False, "changed bytes verified"
+        assert lease.read_scattered(out, [(0, data.size)]) is False
+        with pytest.raises(InvalidArgument, match="cover"):
+            lease.read_scattered(out, [(0, 10)])
+        with pytest.raises(InvalidArgument, match="outside"):
+            lease.read_scattered(out, [(data.size, data.size)])
+        assert await kv.release_many([lease]) == 1
+        again = np.zeros(data.size, dtype=np.uint8)
+        got = await kv.get_into(key, again)
+        assert got is None or np.array_equal(again, data), "changed bytes were served"
+        await kv.clear(ns)
+
+    drive(body, "shm")
+
+
 # -- tenants --------------------------------------------------------------------------------
 
 ADMIN, ALPHA, BETA = "admin-contract", "alpha-contract", "beta-contract"
