@@ -26,6 +26,8 @@ GROUPS = [
     "Remote tier",
     "Capacity",
     "Clients",
+    "Streams",
+    "Operators",
     "Corruption",
     "Bad input",
     "Security",
