@@ -29,7 +29,9 @@ class ConnectorConfig:
     auth_token: str = ""  # bearer token, when the server requires one
     salt: str = ""  # tenant / cache salt folded into every key (requests' cache_salt adds to it)
     shm: str = "auto"  # shared-memory data plane: auto (when on the same host), on, off
-    retry_after_ms: int = 5000  # after a failed call, skip the server this long before trying again
+    # after a call that could not reach the server (unavailable, past its deadline), skip
+    # the server this long before trying again; other errors do not count
+    retry_after_ms: int = 5000
     save: bool = True  # store prefill KV (kv_producer / kv_both)
     load: bool = True  # load hits (kv_consumer / kv_both)
     # sync: a step's saves are stored before the step ends; async: they are queued and

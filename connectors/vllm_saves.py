@@ -30,7 +30,9 @@ from typing import Any
 import torch
 import xxhash
 from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
-from kvstore.connectors.vllm_runtime import Backend, EngineNamespace
+from kvstore.connectors.vllm_client import BreakerClient
+from kvstore.connectors.vllm_meta import SaveSpec
+from kvstore.connectors.vllm_namespace import EngineNamespace
 from vllm.logger import init_logger
 
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_bytes
@@ -40,15 +42,6 @@ from kvstore.shm import Reservation
 from kvstore.types import PutStatus
 
 log = init_logger("vllm.kvstore.connector")
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    tokens: list[int]  # the prompt up to the end of the last chunk to save
-    salt: str
-    start: int  # first chunk start to save (chunk aligned)
-    block_ids: list[int]  # the request's blocks for tokens [0, len(tokens))
 
 
 @dataclass
@@ -81,7 +74,7 @@ class Saves:
     def __init__(
         self,
         layout: BlockLayout,
-        backend: Backend,
+        backend: BreakerClient,
         ns: EngineNamespace,
         block_size: int,
         chunk_tokens: int,
@@ -99,7 +92,7 @@ class Saves:
             # engine thread is reading leases with.
             self.writer = backend.sibling("saver")
             writer = self.writer
-            self.saver = BackgroundSaver(lambda job: self.store(job, writer), save_buffer_bytes)
+            self.saver = BackgroundSaver(lambda job: self._store_on(job, writer), save_buffer_bytes)
         self._pins = PinnedArenas()
         self._lock = threading.Lock()
         self._copying: dict[int, SaveJob] = {}  # copies into reservations that may still run
@@ -224,7 +217,7 @@ class Saves:
         return torch.from_numpy(view)
 
     # -- storing, in the step (sync) or on the saver thread (async) ----------------------
-    def store(self, job: SaveJob, backend: Backend) -> int:
+    def store(self, job: SaveJob, backend: BreakerClient) -> int:
         """Store one chunk once its bytes are in place; the tokens stored (0: not)."""
         tokens = len(job.token_bytes) // 4
         if job.reservation is not None:
@@ -243,7 +236,15 @@ class Saves:
         )
         return tokens if backend.put(header, payload) else 0
 
-    def store_all(self, jobs: list[SaveJob], backend: Backend) -> list[int]:
+    def _store_on(self, job: SaveJob, backend: BreakerClient) -> int:
+        """``store`` on the saver thread: what it raises is reported like any failure."""
+        try:
+            return self.store(job, backend)
+        except Exception as e:  # a failed save only costs a future hit
+            backend.failed("save", e)
+            return 0
+
+    def store_all(self, jobs: list[SaveJob], backend: BreakerClient) -> list[int]:
         """Store a step's jobs (sync mode), the ones written in place with one CommitMany;
         the tokens each stored (0: not). Failures are counted, never raised."""
         out = [0] * len(jobs)

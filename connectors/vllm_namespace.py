@@ -1,0 +1,87 @@
+"""The engine's namespace, derived the same way in the scheduler and in every worker."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.keys import Fingerprint, Namespace
+
+
+@dataclass(frozen=True)
+class EngineNamespace:
+    """The engine's namespace; requests add their cache salt and LoRA to it."""
+
+    base: Namespace
+
+    def for_request(self, salt: str) -> Namespace:
+        if not salt:
+            return self.base
+        return replace(self.base, salt=f"{self.base.salt}|{salt}" if self.base.salt else salt)
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.base.fingerprint
+
+    def describe(self) -> str:
+        b = self.base
+        return (
+            f"{b.model} {b.dtype} {b.layout} {b.device} "
+            f"tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}"
+        )
+
+
+def _ranks(worker: bool) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size); the scheduler looks up as rank 0."""
+    if not worker:
+        return 0, 0, 0, 0
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+        return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+    except Exception:  # not initialised (single process tests): rank 0 of 1
+        return 0, 0, 0, 0
+
+
+def engine_namespace(
+    vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
+) -> EngineNamespace:
+    """Everything that changes the KV bytes, derived identically in both processes.
+
+    The layout comes from ``kv_cache_config`` (both halves get the same one) and
+    the platform, never from tensors only the worker sees, so the scheduler's
+    lookups use the worker's keys.
+    """
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ConfigError("kvstore supports one KV-cache group (no hybrid attention models yet)")
+    layout = [f"block{cc.block_size}"]
+    if groups:
+        spec = groups[0].kv_cache_spec
+        layout += [type(spec).__name__, f"layers{len(groups[0].layer_names)}"]
+        for attr in ("num_kv_heads", "head_size", "head_size_v", "page_size_bytes"):
+            if hasattr(spec, attr):
+                layout.append(f"{attr}={getattr(spec, attr)}")
+    layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)
+    return EngineNamespace(
+        Namespace(
+            model=str(mc.model),
+            revision=str(getattr(mc, "revision", None) or ""),
+            dtype=dtype,
+            layout="/".join(layout),
+            device=str(current_platform.device_type),
+            tp_rank=tp_rank,
+            tp_size=tp_size or pc.tensor_parallel_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size or pc.pipeline_parallel_size,
+            salt=salt,
+        )
+    )
