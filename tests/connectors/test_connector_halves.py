@@ -1,0 +1,264 @@
+"""The connector's two halves driven without an engine, against a real kvstore-server.
+
+``KVStoreScheduler`` and ``KVStoreWorker`` are built as ``KVStoreConnector`` builds them
+(each with its own ``BreakerClient``, as in vLLM's two processes) over a paged CPU cache
+shaped like vLLM's, and driven step by step the way vLLM's scheduler and model runner
+call them. The breakers run on a fake clock, so their cooldown is passed by moving it.
+
+What is checked: a programming error inside a load or a lookup costs that request only
+(logged with its traceback, counted in ``errors``, the breaker stays closed, the next
+request hits), while a server that cannot be reached (killed, or stalled past the
+deadlines) opens the breaker, which closes again after ``retry_after_ms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from kvstore.connectors.vllm_blocks import BlockLayout
+from kvstore.connectors.vllm_client import BreakerClient
+from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.connectors.vllm_meta import KVStoreStats, Setup
+from kvstore.connectors.vllm_namespace import EngineNamespace
+from kvstore.connectors.vllm_scheduler import KVStoreScheduler
+from kvstore.connectors.vllm_worker import KVStoreWorker
+
+from kvstore.client import Client
+from kvstore.clock import FakeClock
+from kvstore.keys import Namespace
+from kvstore.retry import BreakerState
+from kvstore.testing.server import KVServer
+from tests.connectors.test_blocks import make_cache
+
+BS = 16  # tokens per block
+RETRY_S = 5.0  # retry_after_ms / 1000
+PROMPT = list(range(100, 700))  # 600 tokens: 37 whole blocks are stored, 592 tokens
+STORED = 592
+SRC = list(range(38))  # the storing request's blocks
+DST = list(range(40, 78))  # where later requests load (zeroed before each of them)
+
+
+class Engine:
+    """One scheduler half and one worker half over one paged cache, as one engine."""
+
+    def __init__(self, url: str, clock: FakeClock) -> None:
+        cfg = ConnectorConfig(
+            url=url,
+            retry_after_ms=int(RETRY_S * 1000),
+            timeout_ms=2000,
+            lookup_timeout_ms=1000,
+            save_mode="sync",
+        )
+        ns = EngineNamespace(Namespace(model="test/halves", dtype="bfloat16", layout="test"))
+        sched = BreakerClient(cfg, url, role="scheduler", clock=clock)
+        work = BreakerClient(cfg, url, role="worker", clock=clock)
+        setup = Setup(cfg, ns, BS, sched.chunk_tokens(BS), producer=True, consumer=True)
+        self.scheduler = KVStoreScheduler(setup, sched, clock=clock)
+        self.worker = KVStoreWorker(setup, work, clock=clock)
+        self.cache = make_cache("cpu", "LBHNC", blocks=96, block_size=BS)
+        self.worker.register_kv_caches(self.cache)
+        self.failed: set[int] = set()
+        self._n = 0
+
+    def request(self, block_ids: list[int]) -> int:
+        """One new request for PROMPT, scheduled whole in one step: lookup, allocation,
+        the step's plan, the worker's load and save. The tokens vLLM was told to load.
+
+        SRC's blocks stand for KV the engine computed; DST's are zeroed first, so that
+        what ``loaded_right`` finds there was loaded by this request."""
+        self._n += 1
+        rid = f"req-{self._n}"
+        if block_ids is DST:
+            for view in self.cache.values():
+                view[DST] = 0
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT, num_tokens=len(PROMPT))
+        n, load_async = self.scheduler.get_num_new_matched_tokens(req, 0)
+        assert load_async is False, "loads are synchronous"
+        n = n or 0
+        self.scheduler.update_state_after_alloc(req, None, n)
+        out = SimpleNamespace(
+            scheduled_new_reqs=[
+                SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=n)
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+            ),
+            num_scheduled_tokens={rid: len(PROMPT) - n},
+            preempted_req_ids=set(),
+        )
+        meta = self.scheduler.build_connector_meta(out)
+        self.worker.start_load_kv(meta)
+        self.worker.wait_for_save(meta)
+        self.failed = self.worker.get_block_ids_with_load_errors()
+        self.scheduler.request_finished(req)
+        return n
+
+    def loaded_right(self) -> bool:
+        """DST holds the blocks the first request stored from SRC, byte for byte."""
+        k = STORED // BS
+        return all(torch.equal(v[DST[:k]], v[SRC[:k]]) for v in self.cache.values())
+
+    def stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(scheduler, worker) counters since the last call."""
+        s, w = self.scheduler.get_stats(), self.worker.get_stats()
+        return (s or KVStoreStats()).data, (w or KVStoreStats()).data
+
+    def states(self) -> tuple[BreakerState, BreakerState]:
+        return self.scheduler.client.breaker.state, self.worker.client.breaker.state
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[KVServer]:
+    s = KVServer(tmp_path / "srv", memory="128MiB").start()
+    yield s
+    if s.proc is not None and s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGCONT)
+    s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def engine(server: KVServer, clock: FakeClock) -> Iterator[Engine]:
+    e = Engine(server.unix_url, clock)
+    assert e.request(SRC) == 0, "an empty server has nothing to load"
+    assert e.request(DST) == STORED, "the first request's whole blocks must be stored"
+    assert not e.failed and e.loaded_right(), "a plain hit must load the stored blocks"
+    e.stats()
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def connector_log() -> Iterator[list[logging.LogRecord]]:
+    """The connector's log records (vLLM's loggers do not propagate to the root)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.DEBUG)
+    logger = logging.getLogger("vllm.kvstore.connector")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def raise_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """Make ``cls.name`` raise a TypeError (a bug) on its next call only; the calls made."""
+    real: Callable[..., Any] = getattr(cls, name)
+    calls: list[int] = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TypeError(f"injected bug in {cls.__name__}.{name}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, broken)
+    return calls
+
+
+# (class, method, which half counts the error, tokens vLLM is told to load, blocks reported
+# failed: the request's whole load when the connector's own code raised, the one chunk
+# whose read raised when the SDK did)
+BUGS = {
+    "scatter into the cache": (BlockLayout, "scatter", "worker", STORED, DST[: STORED // BS]),
+    "client get_into": (Client, "get_into", "worker", STORED, DST[:16]),
+    "client lookup": (Client, "lookup", "scheduler", 0, []),
+}
+
+
+@pytest.mark.parametrize("where", list(BUGS))
+def test_bug_in_a_load_costs_that_request_only(
+    where: str,
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    connector_log: list[logging.LogRecord],
+) -> None:
+    cls, name, half, told, failed = BUGS[where]
+    calls = raise_once(monkeypatch, cls, name)
+    assert engine.request(DST) == told, f"a bug in {where} changed what the lookup found"
+    assert calls, f"the injected fault in {where} was never reached"
+    assert engine.failed == set(failed), (
+        "the blocks of a load that raised must be reported, so vLLM recomputes them"
+    )
+    sched, work = engine.stats()
+    counted = {"scheduler": sched, "worker": work}
+    assert counted[half].get("errors") == 1, f"the {half}'s stats must count the bug: {counted}"
+    other = "worker" if half == "scheduler" else "scheduler"
+    assert "errors" not in counted[other], f"only the {half} saw a bug: {counted}"
+    assert engine.states() == (BreakerState.CLOSED, BreakerState.CLOSED), (
+        "a programming error must not turn the cache off"
+    )
+    loud = [r for r in connector_log if r.levelno >= logging.ERROR and r.exc_info]
+    assert loud and "injected bug" in str(loud[0].exc_info[1]), (  # type: ignore[index]
+        "a bug must be logged with its traceback"
+    )
+    # No time passes: a breaker that had opened would refuse the next request.
+    assert engine.request(DST) == STORED, "the next request must hit"
+    assert not engine.failed and engine.loaded_right(), "the next request must load its blocks"
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_unreachable_server_opens_the_breaker_until_the_cooldown(
+    how: str,
+    engine: Engine,
+    server: KVServer,
+    clock: FakeClock,
+    connector_log: list[logging.LogRecord],
+) -> None:
+    assert server.proc is not None
+    if how == "killed":
+        server.stop(signal.SIGKILL)  # refused: ServerUnavailable
+    else:
+        server.proc.send_signal(signal.SIGSTOP)  # accepts, never answers: DeadlineExceeded
+    assert engine.request(DST) == 0, "nothing can be found on an unreachable server"
+    assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN), (
+        f"a {how} server must open both halves' breakers"
+    )
+    sched, work = engine.stats()
+    assert "errors" not in sched and "errors" not in work, (
+        f"a connection failure is not a bug: {sched} {work}"
+    )
+    expected = "ServerUnavailable" if how == "killed" else "DeadlineExceeded"
+    warned = [r.getMessage() for r in connector_log if r.levelno == logging.WARNING]
+    assert any(expected in m and "retrying in 5000 ms" in m for m in warned), warned
+
+    if how == "killed":
+        server.start()
+    else:
+        server.proc.send_signal(signal.SIGCONT)
+    clock.advance(RETRY_S / 2)
+    assert engine.request(DST) == 0, "within the cooldown the breaker must refuse the call"
+    assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN)
+
+    clock.advance(RETRY_S / 2 + 0.01)
+    assert engine.states() == (BreakerState.HALF_OPEN, BreakerState.HALF_OPEN), (
+        "after retry_after_ms the breakers must let a trial call through"
+    )
+    if how == "killed":  # its memory tier is gone (what reached the disk tier may hit)
+        assert engine.request(SRC) in (0, STORED), "a hit must be the whole stored prompt"
+    assert engine.request(DST) == STORED, "after the cooldown requests hit again"
+    assert not engine.failed and engine.loaded_right(), "and load their blocks"
+    assert engine.states() == (BreakerState.CLOSED, BreakerState.CLOSED), (
+        "a trial call that reached the server must close the breakers"
+    )
