@@ -166,9 +166,16 @@ class RecordSeal:
         return TRAILER_TAG + mac.digest()
 
     def check(self, record: memoryview, trailer: memoryview | None) -> bool:
-        if trailer is None:
+        return self.check_parts((record,), trailer)
+
+    def check_parts(
+        self, parts: Sequence[bytes | memoryview], mac: bytes | memoryview | None
+    ) -> bool:
+        """Whether ``mac`` (a trailer without its tag) is the MAC of the record made of
+        ``parts`` in order (a record read in pieces: header, then payload)."""
+        if mac is None:
             return False
-        return hmac.compare_digest(self.trailer((record,))[len(TRAILER_TAG) :], trailer)
+        return hmac.compare_digest(self.trailer(parts)[len(TRAILER_TAG) :], mac)
 
 
 def open_value(
