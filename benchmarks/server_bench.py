@@ -18,8 +18,10 @@ for the CPU with what is measured), the clients in this process.
    and that raw grpcio streaming against plain Python sockets moving the same
    bytes over loopback TCP (``server.grpc_raw.*``: what gRPC itself costs).
 3. Lookup: p50/p99 of one Lookup RPC for a 128k-token prompt whose 512 chunks
-   are stored among thousands of others, against a raw grpcio unary call
-   carrying the same 512 KiB of token ids.
+   are stored among thousands of others, sent by its chunk keys and sub-hashes (the
+   SDK's default, 80 KiB) and by its token ids (512 KiB), each against a raw grpcio
+   unary call carrying the same request bytes; and the parts of the keys lookup
+   that run in the client, against an empty raw unary call.
 
 Cases and their limits take turns (``harness.interleaved``), so noise from other
 tenants of this shared machine hits both alike; compare ratios, not values.
@@ -385,15 +387,25 @@ def bench_stream(
 def bench_lookup(
     s: Servers, n_tokens: int, others: int, reps: int, progress: Progress
 ) -> list[Record]:
+    """Lookup of a 128k-token prompt sent both ways: by its chunk keys and sub-hashes (the
+    SDK's default: ``server.lookup_keys.*``) and by its token ids (``server.lookup.*``,
+    what older clients send), each against a raw grpcio unary call carrying the same
+    request bytes; and where the keys lookup spends its time (``server.lookup_keys.parts``:
+    the client's hashing, the request's and the answer's protobuf work, the server's walk
+    over an index like the server's)."""
     import kvstore
     from kvstore.client import chunk_header
-    from kvstore.keys import ROOT, Namespace
+    from kvstore.keys import ROOT, Namespace, chunk_keys, token_view
+    from kvstore.protocol import lookup_from_pb
+    from kvstore.sdk import lookup_hashes
+    from kvstore.v1 import kvstore_pb2 as pb
 
     ns = Namespace(model="bench", dtype="bfloat16", layout="lookup")
     prompt = np.random.default_rng(1).integers(0, 150_000, n_tokens).astype(np.uint32)
     data = np.zeros(256 * 16, dtype=np.uint8)  # 16 bytes per token: lookup never reads bytes
     with kvstore.Client(s.unix, timeout=60) as c:
-        ct = c.info().chunk_tokens
+        info = c.info()
+        ct, g = info.chunk_tokens, info.granularity
         other = Namespace(model="bench", dtype="bfloat16", layout="lookup-other")
         for i in progress(range(others), desc="lookup: filling the store", total=others):
             c.put(
@@ -406,43 +418,92 @@ def bench_lookup(
             assert c.put(h, data[: len(part) * 16]).ok
             parent = h.key
         chunks = c.stats().chunks
+        tv = token_view(prompt)
+        key_request = c._lookup_request(ns, tv, 0, 0, False)  # what the SDK sends
 
     token_bytes = prompt.astype("<u4").tobytes()
+    key_bytes = key_request.SerializeToString()
+    id_bytes = pb.LookupRequest(
+        fingerprint=ns.fingerprint, token_ids=token_bytes
+    ).SerializeToString()
     channel = s.raw_channel()
     echo = channel.unary_unary(f"/{RAW}/Echo")
     clients = {"unix": kvstore.Client(s.unix), "tcp": kvstore.Client(s.tcp)}
+    by_ids = {"unix": kvstore.Client(s.unix), "tcp": kvstore.Client(s.tcp)}
+    for client in by_ids.values():
+        client.lookup_by_keys = False
     matched: list[int] = []
+    answer = None
     try:
-
-        def raw() -> None:
-            echo(token_bytes, timeout=10)
 
         def look(c: kvstore.Client) -> None:
             matched.append(c.lookup(ns, prompt).matched_tokens)
 
-        cases: dict[str, Case] = {"raw": raw}
-        for plane, client in clients.items():
-            cases[plane] = functools.partial(look, client)
+        def keep_answer() -> None:
+            nonlocal answer
+            answer = clients["unix"]._stub.Lookup(key_request, metadata=clients["unix"]._metadata)
+
+        keep_answer()
+        assert answer is not None
+        answer_bytes = answer.SerializeToString()
+        cases: dict[str, Case] = {
+            "raw.ids": lambda: echo(id_bytes, timeout=10),
+            "raw.keys": lambda: echo(key_bytes, timeout=10),
+            "raw.empty": lambda: echo(b"", timeout=10),
+            # The parts of a lookup by keys, each alone in this process.
+            "part.keys": lambda: chunk_keys(ns.fingerprint, prompt, ct),
+            "part.sub_hashes": lambda: lookup_hashes(ns.fingerprint, tv, ct, g),
+            "part.request": lambda: (
+                clients["unix"]._lookup_request(ns, tv, 0, 0, False).SerializeToString()
+            ),
+            "part.answer": lambda: lookup_from_pb(pb.LookupResponse.FromString(answer_bytes)),
+        }
+        for plane in clients:
+            cases[f"keys.{plane}"] = functools.partial(look, clients[plane])
+            cases[f"ids.{plane}"] = functools.partial(look, by_ids[plane])
         t = interleaved(cases, reps, progress, "lookup 128k", warmup=3)
     finally:
-        for c in clients.values():
+        for c in (*clients.values(), *by_ids.values()):
             c.close()
         channel.close()
     if set(matched) != {n_tokens}:
         raise RuntimeError(f"lookup matched {set(matched)} tokens, expected {n_tokens}")
     out = []
     label = f"{n_tokens // 1024}k"
+    notes = f"{n_tokens // ct} chunks matched of {chunks} stored"
     for q in (50, 99):
-        limit = percentile(t["raw"], q) * 1e3
         for plane in clients:
+            for feed, name, size in (
+                ("ids", "lookup", len(id_bytes)),
+                ("keys", "lookup_keys", len(key_bytes)),
+            ):
+                limit = percentile(t[f"raw.{feed}"], q) * 1e3
+                out.append(
+                    Record(
+                        f"server.{name}.{label}.p{q}.{plane}",
+                        percentile(t[f"{feed}.{plane}"], q) * 1e3,
+                        "ms",
+                        limit,
+                        limit_name=f"{RAW_UNARY} ({size // KiB} KiB)",
+                        target="p99 < 2 ms" if feed == "keys" else "",
+                        notes=notes,
+                    )
+                )
+        floor = percentile(t["raw.empty"], q) * 1e3
+        for step, what in (
+            ("keys", "client: the prompt's chunk keys (keys.chunk_keys)"),
+            ("sub_hashes", "client: the keys and every chunk's sub-hashes (not sent for 128k)"),
+            ("request", "client: the request the SDK sends built and serialized (keys)"),
+            ("answer", "client: the 512-chunk answer parsed into a LookupResult"),
+        ):
             out.append(
                 Record(
-                    f"server.lookup.{label}.p{q}.{plane}",
-                    percentile(t[plane], q) * 1e3,
+                    f"server.lookup_keys.{label}.parts.{step}.p{q}",
+                    percentile(t[f"part.{step}"], q) * 1e3,
                     "ms",
-                    limit,
-                    limit_name=RAW_UNARY,
-                    notes=f"{n_tokens // ct} chunks matched of {chunks} stored",
+                    floor,
+                    limit_name="raw grpcio unary call, empty request",
+                    notes=what,
                 )
             )
     return out

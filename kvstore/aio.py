@@ -349,15 +349,25 @@ class AsyncClient(ClientBase):
         granularity: int = 0,
         explain: bool = False,
         repeat: bool = False,
+        prefetch: bool = False,
         timeout: float | None = None,
     ) -> LookupResult:
         """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC.
 
+        The prompt travels as its chunk keys and sub-hashes, hashed here as puts key
+        chunks (16 KiB + 64 KiB for 128k tokens, not 512 KiB of token ids), where the
+        server takes them; the server alone decides what matches, as with the ids.
+        ``explain`` sends the ids (other namespaces key them otherwise).
         ``repeat``: this prompt was looked up already (by the engine's scheduler, say);
         the server answers alike but does not count the lookup again in its stats.
+        ``prefetch``: the server starts promoting the matched chunks that are only below
+        L1 into L1 in the background (``by_tier`` says where they are now), so that an
+        ``acquire_many`` soon after finds them there; the answer does not wait for it.
         """
         return await self._run(
-            core.lookup(self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout)
+            core.lookup(
+                self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout, prefetch
+            )
         )
 
     async def exists(

@@ -32,6 +32,7 @@ from typing import Any, Final, TypeVar
 
 from kvstore.arena import ArenaView, as_u8
 from kvstore.errors import KVStoreError, NotFound, ServerError
+from kvstore.keys import token_view
 from kvstore.protocol import (
     MAX_RESERVE_BATCH,
     SERVICE_NAME,
@@ -377,9 +378,26 @@ def lookup(
     explain: bool = False,
     repeat: bool = False,
     timeout: float | None = None,
+    prefetch: bool = False,
 ) -> Plan[LookupResult]:
-    req = c._lookup_request(namespace, tokens, min_tokens, granularity, explain, repeat)
-    return lookup_from_pb((yield Call("Lookup", req, timeout)))
+    """By chunk keys where the server takes them (``ClientBase._lookup_request``); where
+    the answer says the partial match needs one chunk's sub-hashes, asked again with
+    them, and by token ids if the store changed in between (a third ask, seldom)."""
+    if c._info is None and c.lookup_by_keys and not explain:
+        yield from info(c, timeout)  # its chunking, to key the prompt as the server does
+    tb = token_view(tokens)
+    args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch)
+    req = c._lookup_request(*args)
+    r = yield Call("Lookup", req, timeout)
+    if r.HasField("needs_sub_hashes") and req.chunk_keys:
+        again = pb.LookupRequest()
+        again.CopyFrom(req)
+        again.sub_hashes = c._sub_hashes_of(tb, r.needs_sub_hashes)
+        again.sub_hashes_of = r.needs_sub_hashes
+        r = yield Call("Lookup", again, timeout)
+        if r.HasField("needs_sub_hashes"):  # it stopped elsewhere this time
+            r = yield Call("Lookup", c._lookup_request(*args, by_keys=False), timeout)
+    return lookup_from_pb(r)
 
 
 def exists(keys: Sequence[bytes], timeout: float | None) -> Plan[builtins.list[tuple[int, ...]]]:

@@ -12,8 +12,9 @@
 3. The total is rounded down to the caller's granularity (the engine's block
    size); below ``min_tokens`` it is reported as 0.
 
-Cost: one hash per chunk of the prompt, one dict probe per chunk, and one
-comparison per sibling at the stopping point. Nothing scales with store size.
+Cost: one hash per chunk of the prompt (none when the caller sent the keys: a
+``KeyChain``), one dict probe per chunk, and one comparison per sibling at the
+stopping point. Nothing scales with store size.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from kvstore import accel
 from kvstore.errors import InvalidArgument
 from kvstore.index import FASTEST, Index
 from kvstore.keys import (
+    KEY_BYTES,
     ROOT,
+    SUBHASH_BYTES,
     ChunkKey,
     Fingerprint,
     chunk_prefix,
@@ -57,37 +60,176 @@ _FASTEST_BY_MASK = bytes(FASTEST[m & 15] for m in range(256))  # FASTEST for byt
 _LEVELS = sorted(set(FASTEST))  # every value a tier column can hold
 
 
+class Chain(Protocol):
+    """One prompt as lookup walks it: the two ways to feed the one lookup below.
+
+    ``TokenChain`` hashes the prompt's token ids here (the chain of keys, and the
+    sub-hashes of the chunk where matching stops); ``KeyChain`` takes both from the
+    caller, who hashed them the same way (a client sending 32 bytes a chunk instead of
+    1 KiB of token ids). Either way the index walk, the partial-match rule and the
+    rounding are the same code.
+    """
+
+    n_tokens: int
+
+    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+        """Keys of the leading chunks the index holds, their tier masks, and the first
+        key it lacks (None when every chunk is held)."""
+        ...
+
+    def after(self, k: int, key: bytes) -> list[bytes]:
+        """Keys of chunks k+1, k+2, ... (after a stop at chunk k, whose key is ``key``)."""
+        ...
+
+    def sub_hashes(self, k: int, granularity: int) -> bytes | None:
+        """``keys.sub_hashes`` of chunk k's tokens at ``granularity`` (the index's); None
+        when they are not known here (a ``KeyChain`` the caller sent without them)."""
+        ...
+
+    def missing(self, k: int) -> None:
+        """Matching stopped at chunk k, whose sub-hashes are not known, where a stored
+        sibling might share its first tokens: the answer counts whole chunks only."""
+        ...
+
+
+class TokenChain:
+    """A prompt given as token ids (u32): keys and sub-hashes computed here."""
+
+    def __init__(
+        self, fingerprint: Fingerprint, tokens: Sequence[int] | np.ndarray, chunk_tokens: int
+    ) -> None:
+        self._tb = token_view(tokens)
+        self.n_tokens = len(self._tb) // 4
+        self._step = chunk_tokens * 4
+        self._prefix = chunk_prefix(fingerprint)
+
+    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+        # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep, in one C
+        # call (accel).
+        return accel.chain_probe(self._prefix, ROOT, self._tb, self._step, index.entries, "tiers")
+
+    def after(self, k: int, key: bytes) -> list[bytes]:
+        return accel.chain_keys(self._prefix, key, self._tb[(k + 1) * self._step :], self._step)
+
+    def sub_hashes(self, k: int, granularity: int) -> bytes | None:
+        s = k * self._step
+        return sub_hashes(self._tb[s : s + self._step], granularity)
+
+    def missing(self, k: int) -> None:  # never called: every chunk's sub-hashes are known
+        raise AssertionError(f"sub-hashes of chunk {k} of a token prompt are always known")
+
+
+class KeyChain:
+    """A prompt given as its chunk keys and sub-hashes, hashed by the caller.
+
+    ``keys``: 32 bytes per chunk of an ``n_tokens`` prompt (the last chunk may be
+    short), as ``keys.chunk_keys``. ``subs``: each chunk's ``keys.sub_hashes`` at the
+    store's granularity, concatenated (a whole chunk has chunk_tokens / granularity
+    entries of 8 bytes, the short last one fewer), or only chunk ``subs_of``'s; empty:
+    none sent. Where matching stops at a chunk whose sub-hashes were not sent and a
+    stored sibling might share its first tokens, the lookup counts whole chunks and
+    ``needs`` names that chunk (the caller asks again with its sub-hashes). A key the
+    caller did not hash from its tokens names nothing, or a chunk of the namespace
+    asked about; the sub-hashes are its word for its tokens, as token ids would be.
+    """
+
+    def __init__(
+        self,
+        keys: bytes,
+        n_tokens: int,
+        subs: bytes,
+        chunk_tokens: int,
+        granularity: int,
+        subs_of: int | None = None,
+    ) -> None:
+        n_chunks = -(-n_tokens // chunk_tokens) if n_tokens > 0 else 0
+        if n_tokens < 0 or len(keys) != KEY_BYTES * n_chunks:
+            raise InvalidArgument(
+                f"chunk_keys is {len(keys)} bytes; a {n_tokens}-token prompt in chunks of "
+                f"{chunk_tokens} tokens has {n_chunks} keys of {KEY_BYTES} bytes"
+            )
+        per = chunk_tokens // granularity * SUBHASH_BYTES
+        tail = (n_tokens % chunk_tokens) // granularity * SUBHASH_BYTES
+        if subs_of is not None:
+            if not 0 <= subs_of < n_chunks:
+                raise InvalidArgument(
+                    f"sub_hashes_of={subs_of}: the prompt has chunks 0..{n_chunks - 1}"
+                )
+            whole = subs_of < n_tokens // chunk_tokens
+            want, what = (per if whole else tail), f"chunk {subs_of} of a {n_tokens}-token prompt"
+        else:
+            want, what = (n_tokens // chunk_tokens) * per + tail, f"a {n_tokens}-token prompt"
+        if subs and len(subs) != want:
+            raise InvalidArgument(
+                f"sub_hashes is {len(subs)} bytes; {what} has {want} ({SUBHASH_BYTES} per "
+                f"{granularity} tokens, the server's granularity), or leave it empty"
+            )
+        self.n_tokens = n_tokens
+        self._keys = [keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+        self._subs, self._per, self._subs_of = subs, per, subs_of
+        self._tail = tail if n_tokens % chunk_tokens else per  # sub-hash bytes of the last
+        self.needs: int | None = None  # set by lookup: the chunk whose sub-hashes it lacked
+
+    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+        get = cast(Callable[[bytes], Any], index.entries.get)  # no ChunkKey() call per key
+        masks: list[int] = []
+        for key in self._keys:
+            entry = get(key)
+            if entry is None:
+                return self._keys[: len(masks)], masks, key
+            masks.append(entry.tiers)
+        return self._keys, masks, None
+
+    def after(self, k: int, key: bytes) -> list[bytes]:
+        return self._keys[k + 1 :]
+
+    def sub_hashes(self, k: int, granularity: int) -> bytes | None:
+        # Hashed by the caller at the granularity the store gave it (its Info), the
+        # index's; None: not sent for chunk k.
+        if k == len(self._keys) - 1 and self._tail == 0:
+            return b""  # a last chunk shorter than one unit: nothing to compare
+        if not self._subs:
+            return None
+        if self._subs_of is not None:
+            return self._subs if k == self._subs_of else None
+        return self._subs[k * self._per : (k + 1) * self._per]
+
+    def missing(self, k: int) -> None:
+        self.needs = k
+
+
 def lookup(
     index: Index,
     fingerprint: Fingerprint,
-    tokens: Sequence[int] | np.ndarray,
+    tokens: Sequence[int] | np.ndarray | Chain,
     *,
     chunk_tokens: int,
     granularity: int | None = None,
     min_tokens: int = 0,
     remote: RemoteView | None = None,
 ) -> LookupResult:
+    """The longest stored prefix of a prompt: token ids, or a ``Chain`` (``KeyChain``)."""
     g = granularity or index.granularity
     if g <= 0 or min_tokens < 0:
         raise InvalidArgument("granularity must be > 0 and min_tokens >= 0")
     if chunk_tokens <= 0:
         raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
-    tb = token_view(tokens)
-    n, ct = len(tb) // 4, chunk_tokens
-    step = ct * 4
+    chain: Chain = (
+        tokens
+        if isinstance(tokens, (TokenChain, KeyChain))
+        else TokenChain(fingerprint, cast(Sequence[int], tokens), chunk_tokens)
+    )
+    n, ct = chain.n_tokens, chunk_tokens
     n_chunks = -(-n // ct)
-    prefix = chunk_prefix(fingerprint)
-    # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep, in one C
-    # call (accel); the ChunkMatch rows are built below, in C too.
-    keys, masks, stop_key = accel.chain_probe(prefix, ROOT, tb, step, index.entries, "tiers")
+    keys, masks, stop_key = chain.walk(index)
     tiers = bytearray(masks).translate(_FASTEST_BY_MASK)  # the fastest tier of each chunk
     parent: bytes = keys[-1] if keys else ROOT
 
     if remote is not None and stop_key is not None:
-        rest = [stop_key]
-        rest += accel.chain_keys(prefix, stop_key, tb[(len(keys) + 1) * step :], step)
+        rest = [stop_key, *chain.after(len(keys), stop_key)]
         present = remote.contains(cast(list[ChunkKey], rest))
         stop_key = None
+        keys = list(keys)
         for key, here in zip(rest, present, strict=True):
             if not here:
                 stop_key = key
@@ -116,12 +258,16 @@ def lookup(
     if k < n_chunks:
         stop = index.gone.get(ChunkKey(stop_key), "not_stored") if stop_key else "not_stored"
         stop_chunk = k
-        s = k * ct
-        best = _best_sibling(index, ChunkKey(parent), fingerprint, tb[s * 4 : s * 4 + step], remote)
+        qsub = chain.sub_hashes(k, index.granularity)
+        best = None
+        if qsub is not None:
+            best = _best_sibling(index, ChunkKey(parent), fingerprint, qsub, remote)
+        elif _has_siblings(index, ChunkKey(parent), fingerprint, remote):
+            chain.missing(k)
         if best is not None:
             key, units, n_stored, tier = best
             got = units * index.granularity
-            matches.append(ChunkMatch(key, s, got, n_stored, tier, True))
+            matches.append(ChunkMatch(key, k * ct, got, n_stored, tier, True))
             by_tier[tier] = by_tier.get(tier, 0) + got
             matched += got
             stop = "diverged"
@@ -142,11 +288,11 @@ def _best_sibling(
     index: Index,
     parent: ChunkKey,
     fingerprint: Fingerprint,
-    query: memoryview,
+    qsub: bytes,
     remote: RemoteView | None,
 ) -> tuple[ChunkKey, int, int, int] | None:
-    """The stored child of ``parent`` sharing the most whole units with ``query``."""
-    qsub = sub_hashes(query, index.granularity)
+    """The stored child of ``parent`` sharing the most whole units with the query's
+    chunk, given as its sub-hashes ``qsub``."""
     if not qsub:
         return None
     best: tuple[ChunkKey, int, int, int] | None = None
@@ -165,6 +311,15 @@ def _best_sibling(
             if units and (best is None or units > best[1]):
                 best = (child, units, len(token_bytes) // 4, 3)
     return best
+
+
+def _has_siblings(
+    index: Index, parent: ChunkKey, fingerprint: Fingerprint, remote: RemoteView | None
+) -> bool:
+    """Whether some stored child of ``parent`` could share a prefix with the query's chunk."""
+    if index.children.get(family(parent, fingerprint)):
+        return True
+    return remote is not None and bool(remote.children(parent, fingerprint))
 
 
 def _trim(matches: list[ChunkMatch], by_tier: dict[int, int], excess: int) -> None:

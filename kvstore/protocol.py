@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, cast
 
 import grpc
 
@@ -173,18 +175,25 @@ def _chunks_from_pb(c: pb.ChunkMatches) -> tuple[ChunkMatch, ...]:
         raise errors.KVStoreError("malformed lookup response: chunk columns differ in length")
     keys = c.keys
     # Column by column into plain lists first: a 128k-token prompt has 512 rows, and
-    # indexing the message's repeated fields row by row costs more than the RPC.
+    # indexing the message's repeated fields row by row costs more than the RPC. The rows
+    # are built by tuple.__new__ (C), not the NamedTuple's constructor (Python code).
     return tuple(
         map(
-            ChunkMatch,
-            [ChunkKey(keys[i : i + 32]) for i in range(0, 32 * n, 32)],
-            list(c.start),
-            list(c.tokens),
-            list(c.stored_tokens),
-            list(c.tier),
-            list(c.partial),
+            _match_row,
+            zip(
+                [keys[i : i + 32] for i in range(0, 32 * n, 32)],
+                list(c.start),
+                list(c.tokens),
+                list(c.stored_tokens),
+                list(c.tier),
+                list(c.partial),
+                strict=True,
+            ),
         )
     )
+
+
+_match_row = cast(Callable[[tuple[Any, ...]], ChunkMatch], partial(tuple.__new__, ChunkMatch))
 
 
 def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:

@@ -24,10 +24,20 @@ import grpc
 import numpy as np
 import xxhash
 
+from kvstore import accel
 from kvstore.arena import ArenaView, as_u8
 from kvstore.clock import Clock, monotonic
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, KVStoreError, ServerError
-from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace, chunk_key
+from kvstore.keys import (
+    FINGERPRINT_BYTES,
+    ROOT,
+    ChunkKey,
+    Fingerprint,
+    Namespace,
+    chunk_key,
+    chunk_prefix,
+    sub_hashes,
+)
 from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
 from kvstore.protocol import (
     AUTH_HEADER,
@@ -189,6 +199,21 @@ def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
         raise InvalidArgument(f"tls_ca={tls_ca!r}: cannot read it: {e}") from e
 
 
+def lookup_hashes(
+    fingerprint: Fingerprint, token_bytes: memoryview, chunk_tokens: int, granularity: int
+) -> tuple[bytes, bytes]:
+    """What a Lookup by keys carries for a prompt (u32le token ids) with every chunk's
+    sub-hashes: its chunk keys, 32 bytes each, as puts key the chunks
+    (``keys.chunk_keys``), and each chunk's ``keys.sub_hashes`` at the server's
+    granularity, concatenated (the proto's LookupRequest.chunk_keys and sub_hashes)."""
+    step = chunk_tokens * 4
+    keys = accel.chain_keys(chunk_prefix(fingerprint), ROOT, token_bytes, step)
+    subs = [
+        sub_hashes(token_bytes[s : s + step], granularity) for s in range(0, len(token_bytes), step)
+    ]
+    return b"".join(keys), b"".join(subs)
+
+
 LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side
 # In the PERMISSION_DENIED message of a server with tenants when a put names a namespace
 # the caller has not proved its own yet (server/tenants.py): put_chunk proves it and retries.
@@ -282,6 +307,16 @@ class ClientBase:
         self._closed = False
         self._prefault_stop = threading.Event()
         self._clock: Clock = monotonic  # when leases and reservations surely hold
+        # Lookups send the prompt's chunk keys and sub-hashes (48 bytes a chunk at the
+        # default sizes) instead of its token ids (1 KiB a chunk) where the server takes
+        # them; False always sends the ids (the way servers before it were asked).
+        self.lookup_by_keys = True
+        # Up to this many chunks a lookup by keys also carries every chunk's sub-hashes
+        # (the partial match of the chunk where matching stops), one round trip whatever
+        # the answer. A longer prompt sends its keys alone: hashing 16 sub-hashes a chunk
+        # costs the client ~3x the keys (~1 ms for 128k tokens), so the server asks for
+        # the one chunk's it needs, a second round trip only where a partial match may be.
+        self.inline_sub_hashes = 64
 
     def _session_alive(self) -> bool:
         """Whether the Session stream is still running (each transport knows how)."""
@@ -389,25 +424,51 @@ class ClientBase:
         for off in range(0, len(mv), piece):
             yield frame(2, mv[off : off + piece])
 
-    @staticmethod
     def _lookup_request(
+        self,
         ns: NamespaceLike,
-        tokens: Tokens,
+        token_bytes: memoryview,
         min_tokens: int,
         granularity: int,
         explain: bool,
         repeat: bool = False,
+        prefetch: bool = False,
+        by_keys: bool = True,
     ) -> pb.LookupRequest:
+        """The prompt (u32le ``token_bytes``) by its chunk keys where the server takes
+        them (its Info says so), ``lookup_by_keys`` and ``by_keys`` are on, with every
+        chunk's sub-hashes up to ``inline_sub_hashes`` chunks; else by its token ids
+        (explain needs those: other namespaces key the same tokens otherwise)."""
         fp, named = namespace_fingerprint(ns)
-        return pb.LookupRequest(
+        req = pb.LookupRequest(
             fingerprint=fp,
-            token_ids=_tokens_to_bytes(tokens),
             min_tokens=min_tokens,
             granularity=granularity,
             explain=explain,
             repeat=repeat,
+            prefetch=prefetch,
             namespace=namespace_to_pb(named) if named is not None else None,
         )
+        info = self._info
+        keyed = by_keys and self.lookup_by_keys and not explain
+        if keyed and info is not None and info.lookup_by_keys:
+            step = info.chunk_tokens * 4
+            req.chunk_keys = b"".join(accel.chain_keys(chunk_prefix(fp), ROOT, token_bytes, step))
+            req.n_tokens = len(token_bytes) // 4
+            if -(-len(token_bytes) // step) <= self.inline_sub_hashes:
+                req.sub_hashes = b"".join(
+                    sub_hashes(token_bytes[s : s + step], info.granularity)
+                    for s in range(0, len(token_bytes), step)
+                )
+        else:
+            req.token_ids = token_bytes.tobytes()
+        return req
+
+    def _sub_hashes_of(self, token_bytes: memoryview, chunk: int) -> bytes:
+        """The sub-hashes of one chunk of the prompt, at the server's granularity."""
+        assert self._info is not None
+        step = self._info.chunk_tokens * 4
+        return sub_hashes(token_bytes[chunk * step : (chunk + 1) * step], self._info.granularity)
 
     @staticmethod
     def _clear_request(namespace: NamespaceLike | None, all: bool) -> pb.ClearRequest:

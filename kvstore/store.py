@@ -26,7 +26,7 @@ from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.fallback import Fallbacks
 from kvstore.index import Entry, Index, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
-from kvstore.lookup import RemoteView, lookup
+from kvstore.lookup import KeyChain, RemoteView, lookup
 from kvstore.records import (
     Codec,
     RecordHeader,
@@ -488,12 +488,52 @@ class TieredStore:
             min_tokens=min_tokens,
             remote=remote,
         )
+        self._count_lookup(result, count)
+        return result
+
+    def lookup_keys(
+        self,
+        fingerprint: Fingerprint,
+        keys: bytes,
+        n_tokens: int,
+        sub_hashes: bytes = b"",
+        *,
+        sub_hashes_of: int | None = None,
+        min_tokens: int = 0,
+        granularity: int | None = None,
+        count: bool = True,
+    ) -> tuple[LookupResult, int | None]:
+        """``lookup`` of a prompt given as its chunk keys (``keys.chunk_keys``, 32 bytes
+        each, of an ``n_tokens`` prompt) and each chunk's ``keys.sub_hashes`` at this
+        store's granularity, concatenated, or only chunk ``sub_hashes_of``'s (empty: none),
+        as a client hashes them instead of sending the token ids: the same walk and rules
+        (``kvstore.lookup.KeyChain``). Also the chunk whose sub-hashes the partial match
+        needed and did not get (the answer then counts whole chunks, and is not counted
+        in the stats: the caller asks again), or None."""
+        self._check_open()
+        cfg = self.config
+        chain = KeyChain(
+            keys, n_tokens, sub_hashes, cfg.chunk_tokens, cfg.granularity, sub_hashes_of
+        )
+        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
+        result = lookup(
+            self.index,
+            fingerprint,
+            chain,
+            chunk_tokens=cfg.chunk_tokens,
+            granularity=granularity,
+            min_tokens=min_tokens,
+            remote=remote,
+        )
+        self._count_lookup(result, count and chain.needs is None)
+        return result, chain.needs
+
+    def _count_lookup(self, result: LookupResult, count: bool) -> None:
         if count:
             with self._lock:
                 self._counters["lookups"] += 1
                 self._counters["lookup_tokens"] += result.total_tokens
                 self._counters["matched_tokens"] += result.matched_tokens
-        return result
 
     # -- management -----------------------------------------------------------
     def delete(self, key: ChunkKey) -> bool:

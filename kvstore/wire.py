@@ -37,6 +37,7 @@ class ServerInfo:
     tiers: tuple[str, ...]
     auth_required: bool
     native: str = ""  # the server's kvstore.accel.IMPL ("" from servers before it was sent)
+    lookup_by_keys: bool = False  # Lookup takes chunk keys and sub-hashes (False: token ids only)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
         tiers=tuple(m.tiers),
         auth_required=m.auth_required,
         native=m.native,
+        lookup_by_keys=m.lookup_by_keys,
     )
 
 

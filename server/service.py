@@ -190,6 +190,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             tiers=[t.name for t in self.store.tiers],
             auth_required=auth_required,
             native=accel.IMPL,
+            lookup_by_keys=True,
         )
 
     # -- bookkeeping of calls ----------------------------------------------------------------------
@@ -354,6 +355,29 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.tenants.prove(tenant, ns)
         if ns is not None:
             self.names.remember(fp, ns, request.namespace.ByteSize())
+        if request.chunk_keys or request.n_tokens:
+            if request.token_ids:
+                raise InvalidArgument("give token_ids or chunk_keys, not both")
+            if request.explain:
+                raise InvalidArgument(
+                    "explain needs token_ids: other namespaces key the same tokens otherwise"
+                )
+            result, needs = self.store.lookup_keys(
+                fp,
+                request.chunk_keys,
+                request.n_tokens,
+                request.sub_hashes,
+                sub_hashes_of=(
+                    request.sub_hashes_of if request.HasField("sub_hashes_of") else None
+                ),
+                min_tokens=request.min_tokens,
+                granularity=request.granularity or None,
+                count=not request.repeat,
+            )
+            msg = lookup_to_pb(result)
+            if needs is not None:
+                msg.needs_sub_hashes = needs
+            return msg
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
             fp,

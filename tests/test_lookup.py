@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.errors import InvalidArgument
 from kvstore.index import Index
-from kvstore.keys import Namespace
-from kvstore.lookup import lookup
+from kvstore.keys import ChunkKey, Fingerprint, Namespace, token_view
+from kvstore.lookup import KeyChain, lookup
+from kvstore.sdk import lookup_hashes
 from tests.helpers import FP, make_chain
 
 C, G = 8, 2  # chunk tokens and granularity for the small cases
@@ -24,6 +29,33 @@ def index_with(prompts: list[list[int]], *, level: int = 1, fp=FP, granularity: 
 def run(idx: Index, q: list[int], **kw):  # type: ignore[no-untyped-def]
     kw.setdefault("chunk_tokens", C)
     return lookup(idx, kw.pop("fp", FP), q, **kw)
+
+
+def by_keys(idx: Index, q: list[int], **kw):  # type: ignore[no-untyped-def]
+    """``run``, fed the way a client sends the prompt: its keys and every chunk's
+    sub-hashes, hashed by the SDK (``kvstore.sdk.lookup_hashes``), no token ids."""
+    fp = kw.pop("fp", FP)
+    keys, sub = lookup_hashes(fp, token_view(q), C, idx.granularity)
+    chain = KeyChain(keys, len(q), sub, C, idx.granularity)
+    result = lookup(idx, fp, chain, chunk_tokens=C, **kw)
+    assert chain.needs is None, "with every chunk's sub-hashes it never asks for more"
+    return result
+
+
+class Remote:
+    """A shared tier as lookup sees one (``RemoteView``): what it holds, in memory."""
+
+    def __init__(self, prompts: list[list[int]], fp: Fingerprint = FP) -> None:
+        self.held: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (parent, token bytes)
+        for p in prompts:
+            for header, _ in make_chain(p, C, fp=fp):
+                self.held[header.key] = (header.parent, header.token_bytes)
+
+    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [k in self.held for k in keys]
+
+    def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
+        return {ChunkKey(k): tb for k, (par, tb) in self.held.items() if par == parent}
 
 
 def test_exact_chain_and_complete() -> None:
@@ -137,6 +169,88 @@ def reference(prompts: list[list[int]], q: list[int], g_req: int) -> int:
 def test_matches_reference_model(prompts: list[list[int]], q: list[int], g_req: int) -> None:
     # Stored chunks are whole units of the granularity, as an engine stores whole blocks.
     prompts = [p[: len(p) // G * G] for p in prompts if len(p) >= G]
-    r = run(index_with(prompts), q, granularity=g_req)
+    idx = index_with(prompts)
+    r = run(idx, q, granularity=g_req)
     assert r.matched_tokens == reference(prompts, q, g_req), (prompts, q, r)
     assert sum(c.tokens for c in r.chunks) == r.matched_tokens
+    assert by_keys(idx, q, granularity=g_req) == r, "fed by keys, the same lookup answers alike"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    local=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=30), max_size=4),
+    shared=st.lists(st.lists(st.integers(0, 2), min_size=2, max_size=30), max_size=4),
+    q=st.lists(st.integers(0, 2), min_size=0, max_size=34),
+    min_tokens=st.sampled_from([0, 6]),
+)
+def test_keys_and_token_ids_answer_alike_across_tiers(
+    local: list[list[int]], shared: list[list[int]], q: list[int], min_tokens: int
+) -> None:
+    """With a shared tier (L3) holding chains the index does not know, both feeds give
+    the same result, field by field: walk, stop reason, partial match, rounding."""
+    local = [p[: len(p) // G * G] for p in local]
+    shared = [p[: len(p) // G * G] for p in shared]
+    idx, remote = index_with(local), Remote(shared)
+    want = run(idx, q, remote=remote, min_tokens=min_tokens)
+    got = by_keys(idx, q, remote=remote, min_tokens=min_tokens)
+    assert got == want, (local, shared, q)
+    # The SDK's way for a long prompt: keys alone, then the one chunk's sub-hashes if asked.
+    keys, subs = lookup_hashes(FP, token_view(q), C, G)
+    bare = KeyChain(keys, len(q), b"", C, G)
+    first = lookup(idx, FP, bare, chunk_tokens=C, remote=remote, min_tokens=min_tokens)
+    if bare.needs is None:
+        assert first == want, "not asked for sub-hashes: the answer is final"
+    else:
+        k = bare.needs
+        one = KeyChain(keys, len(q), subs[k * 32 : (k + 1) * 32], C, G, subs_of=k)
+        assert lookup(idx, FP, one, chunk_tokens=C, remote=remote, min_tokens=min_tokens) == want
+
+
+def test_keys_without_sub_hashes_match_whole_chunks_and_say_which_chunk_needs_them() -> None:
+    """Sent without sub-hashes, a lookup counts whole chunks and names the chunk where a
+    stored sibling might share a prefix; asked again with that chunk's sub-hashes
+    alone (``subs_of``), it answers as with every chunk's, or with the token ids."""
+    p = list(range(100, 124))
+    idx = index_with([p])
+    q = p[:13] + [1] + p[14:]  # diverges inside chunk 1: 12 tokens with the partial rule
+    want = run(idx, q)
+    assert want.matched_tokens == 12 and by_keys(idx, q) == want
+    keys, subs = lookup_hashes(FP, token_view(q), C, G)
+    bare = KeyChain(keys, len(q), b"", C, G)
+    r = lookup(idx, FP, bare, chunk_tokens=C)
+    assert r.matched_tokens == 8 and r.stop == "not_stored" and bare.needs == 1, (r, bare.needs)
+    one = KeyChain(keys, len(q), subs[4 * 8 : 8 * 8], C, G, subs_of=1)
+    assert lookup(idx, FP, one, chunk_tokens=C) == want and one.needs is None
+    # Where no stored chunk shares the parent there is nothing to compare: no second ask.
+    longer = [*p, *range(8)]
+    bare = KeyChain(lookup_hashes(FP, token_view(longer), C, G)[0], len(longer), b"", C, G)
+    assert lookup(idx, FP, bare, chunk_tokens=C).matched_tokens == 24 and bare.needs is None
+    full = KeyChain(lookup_hashes(FP, token_view(p), C, G)[0], len(p), b"", C, G)
+    assert lookup(idx, FP, full, chunk_tokens=C).matched_tokens == 24 and full.needs is None
+
+
+def test_key_chains_that_do_not_fit_the_prompt_are_refused() -> None:
+    p = list(range(100, 120))  # 3 chunks: 8 + 8 + 4 tokens
+    keys, subs = lookup_hashes(FP, token_view(p), C, G)
+    assert len(keys) == 3 * 32 and len(subs) == (4 + 4 + 2) * 8
+    KeyChain(keys, 20, subs, C, G)
+    KeyChain(b"", 0, b"", C, G)
+    with pytest.raises(InvalidArgument, match="chunk_keys is 64 bytes; a 20-token prompt"):
+        KeyChain(keys[:64], 20, subs, C, G)
+    with pytest.raises(InvalidArgument, match="chunk_keys is 96 bytes; a 25-token"):
+        KeyChain(keys, 25, subs, C, G)
+    with pytest.raises(InvalidArgument, match="sub_hashes is 72 bytes; a 20-token prompt has 80"):
+        KeyChain(keys, 20, subs[:72], C, G)
+    with pytest.raises(InvalidArgument, match="sub_hashes is 32 bytes; chunk 2 of a 20-token"):
+        KeyChain(keys, 20, subs[:32], C, G, subs_of=2)
+    with pytest.raises(InvalidArgument, match=r"sub_hashes_of=3: the prompt has chunks 0\.\.2"):
+        KeyChain(keys, 20, subs[:32], C, G, subs_of=3)
+    # Keys of another namespace name nothing here: the walk stops at once. (The sub-hashes
+    # say which tokens the prompt starts with, as token ids would: they still count.)
+    other = Namespace(model="another-model").fingerprint
+    okeys, osubs = lookup_hashes(other, token_view(p), C, G)
+    idx = index_with([p])
+    r = lookup(idx, FP, KeyChain(okeys, 20, b"", C, G), chunk_tokens=C)
+    assert r.matched_tokens == 0 and r.stop == "not_stored", r  # (and it needs sub-hashes)
+    r = lookup(idx, FP, KeyChain(okeys, 20, osubs, C, G), chunk_tokens=C)
+    assert r.matched_tokens == 8 and r.chunks[0].partial, "chunk 0's first 8 tokens agree"

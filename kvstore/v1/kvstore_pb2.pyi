@@ -73,7 +73,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native")
+    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEY_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class InfoResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BY_KEYS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     record_format: int
     key_scheme: str
@@ -106,10 +107,11 @@ class InfoResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[str]
     auth_required: bool
     native: str
-    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ...) -> None: ...
+    lookup_by_keys: bool
+    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat")
+    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +119,11 @@ class LookupRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUB_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    SUB_HASHES_OF_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     token_ids: bytes
     min_tokens: int
@@ -124,7 +131,12 @@ class LookupRequest(_message.Message):
     namespace: Namespace
     explain: bool
     repeat: bool
-    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ...) -> None: ...
+    chunk_keys: bytes
+    n_tokens: int
+    sub_hashes: bytes
+    prefetch: bool
+    sub_hashes_of: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ...) -> None: ...
 
 class NamespaceMatch(_message.Message):
     __slots__ = ("fingerprint", "matched_tokens", "namespace")
@@ -153,7 +165,7 @@ class ChunkMatches(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., start: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[int]] = ..., partial: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks")
+    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks", "needs_sub_hashes")
     class TokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +180,7 @@ class LookupResponse(_message.Message):
     TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     OTHER_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_SUB_HASHES_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     total_tokens: int
     stop: str
@@ -175,7 +188,8 @@ class LookupResponse(_message.Message):
     tokens_by_tier: _containers.ScalarMap[int, int]
     other_namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceMatch]
     chunks: ChunkMatches
-    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ...) -> None: ...
+    needs_sub_hashes: int
+    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ..., needs_sub_hashes: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")

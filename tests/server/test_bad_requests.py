@@ -211,6 +211,47 @@ def _cases(stub: pb_grpc.KVStoreStub) -> list[tuple[str, Callable[[], Any], grpc
             "multiple of 4",
         ),
         (
+            "lookup by keys and ids",
+            lambda: stub.Lookup(
+                pb.LookupRequest(
+                    fingerprint=NS.fingerprint,
+                    token_ids=b"\0" * 4,
+                    chunk_keys=b"\0" * 32,
+                    n_tokens=1,
+                )
+            ),
+            C.INVALID_ARGUMENT,
+            "token_ids or chunk_keys, not both",
+        ),
+        (
+            "lookup by keys too few",
+            lambda: stub.Lookup(
+                pb.LookupRequest(fingerprint=NS.fingerprint, chunk_keys=b"\0" * 32, n_tokens=300)
+            ),
+            C.INVALID_ARGUMENT,
+            "a 300-token prompt in chunks of 256 tokens has 2 keys",
+        ),
+        (
+            "lookup by keys odd sub-hashes",
+            lambda: stub.Lookup(
+                pb.LookupRequest(
+                    fingerprint=NS.fingerprint, chunk_keys=b"\0" * 32, n_tokens=20, sub_hashes=b"x"
+                )
+            ),
+            C.INVALID_ARGUMENT,
+            "sub_hashes is 1 bytes; a 20-token prompt has 8",
+        ),
+        (
+            "lookup by keys with explain",
+            lambda: stub.Lookup(
+                pb.LookupRequest(
+                    fingerprint=NS.fingerprint, chunk_keys=b"\0" * 32, n_tokens=16, explain=True
+                )
+            ),
+            C.INVALID_ARGUMENT,
+            "explain needs token_ids",
+        ),
+        (
             "lookup namespace mismatch",
             lambda: stub.Lookup(
                 pb.LookupRequest(fingerprint=NS.fingerprint, namespace=pb.Namespace(model="other"))

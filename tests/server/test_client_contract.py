@@ -378,23 +378,40 @@ def test_lookup(drive: Drive) -> None:
             parent, status = await kv.put_chunk(ns, parent, part, data, "bfloat16", (ct, 32))
             assert status.ok, status
 
-        full = await kv.lookup(ns, prompt)
+        async def both(*args: Any, **kw: Any) -> Any:
+            """The lookup sent by chunk keys (the default) and by token ids: alike."""
+            client = _client(kv)
+            client.lookup_by_keys = False
+            by_ids = await kv.lookup(*args, **kw)
+            client.lookup_by_keys = True
+            seen: list[tuple[str, Any]] = []
+            _spy(kv, seen)
+            by_keys = await kv.lookup(*args, **kw)
+            del client._step  # the spy goes
+            (req,) = [r for m, r in seen if m == "Lookup"]
+            assert req.chunk_keys and not req.token_ids, "the SDK sends keys by default"
+            assert by_keys == by_ids, f"by keys {by_keys} != by token ids {by_ids}"
+            return by_keys
+
+        full = await both(ns, prompt)
         assert full.matched_tokens == 4 * ct and full.stop == "complete", full
         assert len(full.chunks) == 4 and full.by_tier.get(1) == 4 * ct, full
 
         # Diverges 40 tokens into the third chunk: 2 chunks + 32 tokens (granularity 16).
         other = prompt.copy()
         other[2 * ct + 40 :] += 1
-        part = await kv.lookup(ns, other)
+        part = await both(ns, other)
         assert part.matched_tokens == 2 * ct + 32, part
         assert part.stop == "diverged" and part.chunks[-1].partial, part
 
-        cut = await kv.lookup(ns, other, granularity=64)
+        cut = await both(ns, other, granularity=64)
         assert cut.matched_tokens == 2 * ct, "granularity cut"
-        assert (await kv.lookup(ns, prompt[:100], min_tokens=200)).matched_tokens == 0
+        assert (await both(ns, prompt[:100], min_tokens=200)).matched_tokens == 0
+        short = await both(ns, prompt[: 3 * ct + 100])
+        assert short.matched_tokens == 3 * ct + 96 and short.chunks[-1].partial, short
         nothing = namespace(f"contract-lookup-nothing-{drive.kind}", 64)
-        assert (await kv.lookup(nothing, prompt)).matched_tokens == 0
-        assert (await kv.lookup(ns.fingerprint, prompt)).matched_tokens == 4 * ct, "by fingerprint"
+        assert (await both(nothing, prompt)).matched_tokens == 0
+        assert (await both(ns.fingerprint, prompt)).matched_tokens == 4 * ct, "by fingerprint"
 
         # explain: the same tokens are stored under another namespace.
         res = await kv.lookup(nothing, prompt, explain=True)
@@ -410,6 +427,94 @@ def test_lookup(drive: Drive) -> None:
         assert (await kv.stats()).lookups == before, "a repeated lookup must not be counted"
         await kv.lookup(ns, prompt)
         assert (await kv.stats()).lookups == before + 1, "a lookup is counted once"
+
+    drive(body, "shm")
+
+
+def test_a_long_prompt_is_looked_up_by_keys_then_one_chunks_sub_hashes(drive: Drive) -> None:
+    """Past ``inline_sub_hashes`` chunks the keys go alone: a full match or a clean miss is
+    one Lookup, a stop where a stored chunk shares the parent two (the second with that
+    chunk's sub-hashes), and every answer equals the one by token ids."""
+
+    async def body(kv: Any) -> None:
+        ct = (await kv.info()).chunk_tokens
+        ns = namespace(f"contract-lookup-long-{drive.kind}", 64)
+        prompt = tokens(3 * ct, start=20_000)
+        parent = ROOT
+        for i in range(3):
+            part = prompt[i * ct : (i + 1) * ct]
+            parent, _ = await kv.put_chunk(
+                ns, parent, part, payload(ct * 64, i), "bfloat16", (ct, 32)
+            )
+        client = _client(kv)
+        client.inline_sub_hashes = 0
+        diverged = prompt.copy()
+        diverged[ct + 70 :] += 7
+        for query, calls, matched in (
+            (prompt, 1, 3 * ct),
+            (np.concatenate([prompt, tokens(ct, 1)]), 1, 3 * ct),  # nothing under chunk 2
+            (diverged, 2, ct + 64),
+            (prompt[: ct + 40], 2, ct + 32),  # shorter than the stored chunk 1
+        ):
+            client.lookup_by_keys = False
+            want = await kv.lookup(ns, query)
+            client.lookup_by_keys = True
+            seen: list[tuple[str, Any]] = []
+            _spy(kv, seen)
+            got = await kv.lookup(ns, query)
+            del client._step
+            lookups = [r for m, r in seen if m == "Lookup"]
+            assert len(lookups) == calls, f"{len(query)} tokens: {len(lookups)} Lookups"
+            assert all(r.chunk_keys and not r.token_ids for r in lookups)
+            if calls == 2:
+                assert not lookups[0].sub_hashes and lookups[1].HasField("sub_hashes_of")
+            assert got == want and got.matched_tokens == matched, (got, want)
+
+    drive(body, "shm")
+
+
+def test_a_store_changed_between_the_two_asks_is_asked_by_token_ids(drive: Drive) -> None:
+    """Between the keys-only Lookup and the one with chunk 1's sub-hashes another client
+    stores the prompt's chunk 1 and a chunk beside its chunk 2: the second answer asks
+    for chunk 2's, and the client asks by token ids instead of a third round of keys."""
+    ns = namespace(f"contract-lookup-moved-{drive.kind}", 64)
+
+    async def body(kv: Any) -> None:
+        ct = (await kv.info()).chunk_tokens
+        query = tokens(3 * ct, start=30_000)
+        stored = query.copy()
+        stored[ct + 70 :] += 3  # chunk 1 diverges 70 tokens in
+        k0, _ = await kv.put_chunk(ns, ROOT, query[:ct], payload(ct * 64, 0), "bfloat16", (ct, 32))
+        await kv.put_chunk(ns, k0, stored[ct : 2 * ct], payload(ct * 64, 1), "bfloat16", (ct, 32))
+        beside = query[2 * ct :].copy()
+        beside[100:] += 5  # chunk 2's neighbour shares its first 100 tokens
+
+        def meanwhile() -> None:
+            with kvstore.Client(drive.server.unix_url) as other:
+                k1, _ = other.put_chunk(
+                    ns, k0, query[ct : 2 * ct], payload(ct * 64, 2), "bfloat16", (ct, 32)
+                )
+                other.put_chunk(ns, k1, beside, payload(ct * 64, 3), "bfloat16", (ct, 32))
+
+        client = _client(kv)
+        client.inline_sub_hashes = 0
+        seen: list[tuple[str, Any]] = []
+        step = client._step
+
+        def spied(st: core.Step) -> Any:
+            if isinstance(st, core.Call) and st.method == "Lookup":
+                seen.append((st.method, st.request))
+                if len(seen) == 2:
+                    meanwhile()
+            return step(st)
+
+        client._step = spied
+        got = await kv.lookup(ns, query)
+        del client._step
+        asks = [r for _, r in seen]
+        assert [bool(r.chunk_keys) for r in asks] == [True, True, False], asks
+        assert asks[1].sub_hashes_of == 1 and asks[2].token_ids
+        assert got.matched_tokens == 2 * ct + 96 and got.stop == "diverged", got
 
     drive(body, "shm")
 
