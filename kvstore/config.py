@@ -139,9 +139,9 @@ class DiskConfig:
 class RemoteConfig:
     """L3: Redis or Valkey, standalone or cluster."""
 
-    url: str = (
-        ""  # redis://, rediss://, valkey://, valkeys://; "?cluster=1" for cluster mode; "" = off
-    )
+    # redis://, rediss://, valkey://, valkeys://; "?cluster=1" for cluster mode;
+    # redis+sentinel://host:port[,host:port...]/service (or valkey+sentinel://); "" = off
+    url: str = ""
     capacity_bytes: int = (
         0  # 0: no kvstore-side limit (set maxmemory-policy allkeys-lru on the server)
     )
@@ -162,10 +162,25 @@ class RemoteConfig:
         self.auth_key()  # a key file that is missing, unsafe or too short stops the start
         if self.url:
             _require(
-                re.match(r"^(redis|rediss|valkey|valkeys)://", self.url) is not None,
-                f"remote.url={self.url!r}: must start with redis://, rediss://, valkey:// "
-                "or valkeys://",
+                re.match(
+                    r"^(redis|rediss|valkey|valkeys|redis\+sentinel|valkey\+sentinel)://", self.url
+                )
+                is not None,
+                f"remote.url={self.url!r}: must start with redis://, rediss://, valkey://, "
+                "valkeys://, redis+sentinel:// or valkey+sentinel://",
             )
+            if "+sentinel://" in self.url:
+                # host:port[,host:port...] of the sentinels, then /<service name>[/<db>]
+                _require(
+                    re.fullmatch(
+                        r"[a-z+]+://([^@/]*@)?[^,/:@]+:\d{1,5}(,[^,/:@]+:\d{1,5})*/[^/?#]+(/\d+)?",
+                        self.url.split("?", 1)[0],
+                    )
+                    is not None,
+                    f"remote.url: a sentinel URL is redis+sentinel://[user:password@]"
+                    f"host:port[,host:port...]/<service name>[/<db>], got "
+                    f"{re.sub(r'://[^@/]*@', '://***@', self.url)!r}",
+                )
         _require(self.capacity_bytes >= 0, "remote.capacity_bytes must be >= 0")
         check_choices(self, "remote")
         _require(1 <= self.level <= 19, f"remote.level={self.level}: allowed 1-19")

@@ -1,14 +1,26 @@
-"""L3: Redis or Valkey, standalone or cluster; sharing KV across hosts.
+"""L3: Redis or Valkey, standalone, sentinel or cluster; sharing KV across hosts.
 
 URLs: ``redis://``, ``rediss://`` and ``unix://`` use the ``redis`` client,
 ``valkey://`` and ``valkeys://`` the ``valkey`` client; ``?cluster=1`` (or
-``cluster=true``) selects the cluster client. kvstore's own query parameters are
-removed before the URL reaches the client library.
+``cluster=true``) selects the cluster client; ``redis+sentinel://h:p[,h:p...]/service``
+(``valkey+sentinel://``) asks those sentinels for the service's primary
+(kvstore.tiers.remote_client). kvstore's own query parameters are removed before
+the URL reaches the client library.
+
+Two clients. Record values, the only big things the tier moves, go over kvstore's
+own RESP client (kvstore.tiers.remote_resp, routed by kvstore.tiers.remote_values):
+``GET`` received straight into the caller's buffer and verified there, ``SET NX``
+sent from the caller's buffers, to the server that owns the key (the cluster
+node of its slot, following ``MOVED``/``ASK``; the sentinels' current primary).
+Everything else (bookkeeping, pipelines, scans, the cluster's slot map, sentinel
+discovery) uses redis-py / valkey-py. TLS URLs move values through the library too.
 
 Keys, all under ``{prefix}:`` (hex in key names so operators can read them;
 raw 32-byte keys as set members and hash fields, to keep them small):
 
     c:<key>           string  the whole record: packed header + payload in config.codec
+                              (+ MAC trailer); for a payload over 2 MiB, its manifest
+    p:{<key>}:<i>     string  part i of a payload over 2 MiB (kvstore.tiers.remote_parts)
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
@@ -18,22 +30,35 @@ raw 32-byte keys as set members and hash fields, to keep them small):
     lru               zset    chunk key -> last access (wall seconds); only when capacity_bytes > 0
     pin               set     pinned chunk keys
 
-Consistency. The record is one atomic ``SET NX``; its bookkeeping follows in a
-non-transactional pipeline (idempotent: whoever creates the ``sz`` entry adds to
-``used``) and is removed after the record on delete/clear/evict. It is best
-effort: hosts write it concurrently without locks, and a lost reply or a crash
-between the steps can leave an entry behind or the counter off; ``recount()``
-repairs the counter (eviction runs it when the numbers do not add up). Readers
-never trust bookkeeping over the record: ``get`` verifies the record, ``scan``
-skips (and prunes) entries whose record is gone, and a ``children`` entry whose
-record is gone is just a miss when fetched. A put costs 3 round trips (4 with a
-capacity); get, contains and children cost one.
+Consistency. A record is one atomic ``SET NX`` of ``c:<key>``; a big one's parts
+are written before it, so readers find it whole or not at all: a part missing or
+cut short is a miss, the record deleted and counted (``detail.torn``), and the
+payload's checksum (and MAC) is checked over all parts together. Its bookkeeping
+follows in a non-transactional pipeline (idempotent: whoever creates the ``sz``
+entry adds to ``used``) and is removed after the record on delete/clear/evict.
+It is best effort: hosts write it concurrently without locks, and a lost reply or
+a crash between the steps can leave an entry behind or the counter off;
+``recount()`` repairs the counter (eviction runs it when the numbers do not add
+up). Readers never trust bookkeeping over the record: ``get`` verifies the
+record, ``scan`` skips (and prunes) entries whose record is gone, and a
+``children`` entry whose record is gone is just a miss when fetched. A put costs
+3 round trips (4 with a capacity; a record in parts one more, its parts pipelined
+four at a time); get, contains and children cost one (a record in parts two).
 
-Cluster mode uses no hash tags: every command touches exactly one key, pipelines
-are never transactional, so records spread over all nodes while each
-bookkeeping key lives on whichever node owns its slot. With a node down, records
-on other nodes are still served; calls that need the missing node fail, count
-towards the one circuit breaker of the tier, and degrade as below.
+Cluster mode uses no hash tags but the parts': every other command touches exactly
+one key, pipelines are never transactional, so records spread over all nodes
+while each bookkeeping key lives on whichever node owns its slot, and the parts of
+one record share a node. With a node down, records on other nodes are still
+served; calls that need the missing node fail, count towards the one circuit
+breaker of the tier, and degrade as below; the slot map is read again after a
+connection error or a ``MOVED`` reply, so a replica promoted in the failed node's
+place is found.
+
+Sentinel. The library's sentinel client asks the sentinels for the primary on
+each new connection; the value path asks again after a connection error or a
+``READONLY`` reply (a demoted primary), at most once a second, so a failover
+costs the calls in flight during it (misses, ``UNAVAILABLE`` puts kept for
+later) and is then followed.
 
 Capacity. With ``capacity_bytes > 0`` kvstore enforces it: ``put`` reads ``used``
 and evicts the least recently used unpinned chunks (``lru``), handing each to
@@ -44,8 +69,9 @@ no kvstore-side limit: set ``maxmemory`` with ``maxmemory-policy allkeys-lru``
 on the server; it then evicts records without telling us, so ``used``/``chunks``
 are upper bounds until ``scan`` prunes them, and pinning has no effect there.
 
-Failures. Every call has a deadline (socket timeouts from timeout_ms and
-connect_timeout_ms; the client libraries' own retries are off), goes through
+Failures. Every call has a deadline (timeout_ms for the whole exchange on the
+value path, socket timeouts from timeout_ms and connect_timeout_ms in the
+library; the client libraries' own retries are off), goes through
 ``Retry`` and then the ``CircuitBreaker``. While the breaker is open nothing
 touches the network. Degrading methods (the read path and put, so the store keeps
 serving from L1/L2): ``get`` -> None (a miss), ``put`` -> UNAVAILABLE (FULL when
@@ -70,159 +96,22 @@ promise a chunk whose get then misses, never serve its bytes.
 from __future__ import annotations
 
 import contextlib
-import re
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-from kvstore.clock import Clock, monotonic
-from kvstore.config import RemoteConfig
-from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, TierError, TierUnavailable
+from kvstore.errors import InvalidArgument, TierError
 from kvstore.keys import KEY_BYTES, ROOT, ChunkKey, Fingerprint, chunk_key
-from kvstore.records import Codec, RecordHeader, parse_header, transcode_parts
-from kvstore.retry import BreakerState, CircuitBreaker, Retry
-from kvstore.tiers.base import ChunkInfo, Tier
-from kvstore.tiers.remote_client import client_classes, parse_url, redact
-from kvstore.tiers.remote_guard import (
-    ForgedRecord,
-    RateLimitedLog,
-    RecordSeal,
-    Refusals,
-    Refused,
-    open_value,
-)
-from kvstore.types import PutStatus, TierLevel, TierStats
-
-T = TypeVar("T")
-
-HEAD_GUESS = 4096  # first GETRANGE size for headers: covers chunks of up to ~1000 tokens
-BATCH = 256  # keys per pipeline in scans, clears and evictions
-TOUCH_FLUSH = 64  # buffered LRU touches that trigger a flush
-_HEX_KEY = re.compile(rb"[0-9a-f]{%d}" % (2 * KEY_BYTES))
+from kvstore.records import RecordHeader, parse_header, transcode_parts
+from kvstore.retry import BreakerState
+from kvstore.tiers.remote_client import redact
+from kvstore.tiers.remote_guard import Refused
+from kvstore.tiers.remote_scan import RemoteListing
+from kvstore.tiers.remote_values import ValuePlane
+from kvstore.types import PutStatus, TierStats
 
 
-class RemoteTier(Tier):
+class RemoteTier(RemoteListing):
     """Redis/Valkey tier. See the module docstring for layout, capacity and failures."""
-
-    name = TierLevel.REMOTE.label
-    level = TierLevel.REMOTE
-
-    def __init__(
-        self,
-        config: RemoteConfig,
-        *,
-        clock: Clock = monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__()
-        if not config.url:
-            raise ConfigError("remote.url is empty: the remote tier is off")
-        self.config = config
-        self.flavor, self.cluster, self._client_url = parse_url(config.url)
-        self.codec = Codec.parse(config.codec)
-        (self._cls, self._lib_retry, self._down, self._backend, self._oom) = client_classes(
-            self.flavor, self.cluster
-        )
-        self._retry = Retry.from_config(config, sleep=sleep, retry_on=self._down)
-        self._breaker = CircuitBreaker.from_config(config, clock=clock)
-        self._wall = wall
-        self._client: Any = None
-        self._client_lock = threading.Lock()
-        self._touch_lock = threading.Lock()
-        self._touches: dict[bytes, float] = {}
-        self._counts = TierStats(self.name, self.level, config.capacity_bytes)
-        self._skipped = 0  # calls refused by the open breaker
-        self._refusals = Refusals(config, f"remote {redact(config.url)}", clock=clock)
-        key = config.auth_key()
-        self._seal = RecordSeal(key) if key is not None else None
-        self._forged = 0  # records refused for want of a valid MAC (also counted as corrupt)
-        self._forged_log = RateLimitedLog(clock=clock)
-        p = config.prefix
-        self._p, self._sz, self._used = p, f"{p}:sz", f"{p}:used"
-        self._lru, self._pin = f"{p}:lru", f"{p}:pin"
-        try:  # find out now whether the remote is there, but never fail construction
-            self._call("connect", lambda c: c.ping())
-        except TierError as e:
-            self._breaker.trip(e.__cause__ or e)
-
-    # -- key names --------------------------------------------------------------
-    def _c(self, key: bytes) -> str:
-        return f"{self._p}:c:{key.hex()}"
-
-    def _k(self, parent: bytes, fingerprint: bytes) -> str:
-        if parent == ROOT:
-            return f"{self._p}:k:{parent.hex()}.{fingerprint.hex()}"
-        return f"{self._p}:k:{parent.hex()}"
-
-    def _n(self, fingerprint: bytes) -> str:
-        return f"{self._p}:n:{fingerprint.hex()}"
-
-    # -- the one way to the network ------------------------------------------
-    def _connect(self) -> Any:
-        with self._client_lock:
-            if self._client is None:
-                kwargs: dict[str, Any] = {
-                    "socket_timeout": self.config.timeout_ms / 1000,
-                    "socket_connect_timeout": self.config.connect_timeout_ms / 1000,
-                    "retry": self._lib_retry,
-                }
-                if self.cluster and self.flavor == "valkey":
-                    kwargs["cluster_error_retry_attempts"] = 0
-                # A cluster client connects here (slot discovery), so this can fail.
-                self._client = self._cls.from_url(self._client_url, **kwargs)
-            return self._client
-
-    def _call(self, op: str, fn: Callable[[Any], T], *, retry: bool = True) -> T:
-        """fn(client) under deadline, retry and breaker; backend errors become TierError.
-
-        ``retry=False`` for calls that are not idempotent (INCRBY, or a removal
-        whose replies decide what to decrement): a retry after a lost reply would
-        apply them twice.
-        """
-        self._check_open()
-        try:
-            return self._breaker.call(
-                lambda: fn(self._connect()),
-                retry=self._retry if retry else None,
-                failure_on=self._down,
-                name=f"remote {redact(self.config.url)}",
-            )
-        except TierUnavailable:
-            with self._stats_lock:
-                self._skipped += 1
-            raise
-        except self._down as e:
-            self._count(errors=1)
-            raise TierUnavailable(f"remote {op} failed: {type(e).__name__}: {e}") from e
-        except self._backend as e:
-            self._count(errors=1)
-            self._refusals.saw(op, e)
-            raise Refused(f"remote {op} refused: {type(e).__name__}: {e}") from e
-
-    def _cmd(self, op: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """One command, e.g. ``self._cmd("get", "get", name)``, through ``_call``."""
-        return self._call(op, lambda c: getattr(c, method)(*args, **kwargs))
-
-    def _pipe(self, op: str, cmds: Sequence[tuple[Any, ...]], *, retry: bool = True) -> list[Any]:
-        """One round trip: each ``(method, *args)`` queued on a pipeline; results in order.
-
-        Never transactional; a cluster pipeline splits the commands by node.
-        """
-
-        def run(client: Any) -> list[Any]:
-            pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
-            for method, *args in cmds:
-                getattr(pipe, method)(*args)
-            return list(pipe.execute())
-
-        return self._call(op, run, retry=retry) if cmds else []
-
-    def _count(self, **deltas: int) -> None:
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self._counts, name, getattr(self._counts, name) + delta)
 
     # -- writes -------------------------------------------------------------------
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
@@ -230,15 +119,18 @@ class RemoteTier(Tier):
         if not self._refusals.write_allowed():  # writes keep being refused: skip, unencoded
             self._count(rejected=1)
             return PutStatus.UNAVAILABLE
-        parts: tuple[bytes | memoryview, ...]
+        head: bytes | memoryview
         if header.codec == self.codec:
-            parts = (header.pack(), payload)
+            head, body = header.pack(), memoryview(payload)
         else:
-            parts = (transcode_parts(header, payload, self.codec, self.config.level),)
-        if self._seal is not None:
-            parts = (*parts, self._seal.trailer(parts))
-        blob = b"".join(parts)
-        size, key, cap = len(blob), header.key, self.config.capacity_bytes
+            blob = memoryview(transcode_parts(header, payload, self.codec, self.config.level))
+            header = parse_header(blob)
+            head, body = blob[: header.header_size], blob[header.header_size :]
+        if body.ndim != 1 or body.itemsize != 1:
+            body = body.cast("B")
+        trailer = self._seal.trailer((head, body)) if self._seal is not None else None
+        size = len(head) + len(body) + (len(trailer) if trailer else 0)
+        key, cap = header.key, self.config.capacity_bytes
         if cap and size > cap:
             self._count(rejected=1)
             return PutStatus.TOO_LARGE
@@ -253,15 +145,11 @@ class RemoteTier(Tier):
                     return PutStatus.FULL
             lost_reply = False
 
-            def set_nx(client: Any) -> Any:
+            def lost() -> None:
                 nonlocal lost_reply
-                try:
-                    return client.set(self._c(key), blob, nx=True)
-                except self._down:
-                    lost_reply = True
-                    raise
+                lost_reply = True
 
-            if not self._call("put", set_nx):
+            if not self._store(header, head, body, trailer, lost):
                 if lost_reply:  # our first try may have landed: make sure it is booked
                     self._book(header, size)
                 self._refusals.write_accepted()
@@ -308,182 +196,18 @@ class RemoteTier(Tier):
         if self._pipe("put", cmds)[0]:
             self._pipe("put", [("incrby", self._used, size)], retry=False)
 
-    def delete(self, key: ChunkKey) -> bool:
-        self._check_open()
-        header = self._read_headers([key])[0]
-        return self._remove([(key, header)])[0] > 0
-
-    def clear(self, fingerprint: bytes | None = None) -> int:
-        self._check_open()
-        with self._touch_lock:
-            self._touches.clear()
-        if fingerprint is None:
-            # Only our own key shapes, so a deployment with prefix "kvs:x" survives ours.
-            # (SCAN still returns every key present all along when keys vanish meanwhile.)
-            removed, chunk_prefix = 0, f"{self._p}:c:".encode()
-            for some in _batched(self._scan_names(f"{self._p}:[ckn]:*")):
-                done = self._pipe("clear", [("delete", n) for n in some])
-                removed += sum(
-                    1 for n, d in zip(some, done, strict=True) if d and n.startswith(chunk_prefix)
-                )
-            fixed = (self._sz, self._used, self._lru, self._pin)
-            self._pipe("clear", [("delete", k) for k in fixed])
-            return removed
-        members = self._cmd("clear", "smembers", self._n(fingerprint))
-        removed = 0
-        for batch in _batched(ChunkKey(bytes(m)) for m in members):
-            headers = self._read_headers(batch)
-            removed += self._remove(list(zip(batch, headers, strict=True)))[0]
-            # Every child of a chunk of this namespace is in this namespace too.
-            self._pipe("clear", [("delete", self._k(k, fingerprint)) for k in batch])
-        self._pipe(
-            "clear", [("delete", self._n(fingerprint)), ("delete", self._k(ROOT, fingerprint))]
-        )
-        return removed
-
-    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
-        self._check_open()
-        if not self._cmd("pin", "exists", self._c(key)):
-            return False
-        self._cmd("pin", "sadd" if pinned else "srem", self._pin, key)
-        return True
-
-    def _remove(self, items: Sequence[tuple[ChunkKey, RecordHeader | None]]) -> tuple[int, int]:
-        """Delete records and their bookkeeping; (records deleted, bytes freed)."""
-        if not items:
-            return 0, 0
-
-        first: list[tuple[Any, ...]] = []
-        for key, _ in items:
-            first += [("hget", self._sz, key), ("delete", self._c(key)), ("hdel", self._sz, key)]
-        res = self._pipe("delete", first, retry=False)
-        deleted = freed = 0
-        for i in range(len(items)):
-            size, gone, unbooked = res[3 * i : 3 * i + 3]
-            deleted += int(gone)
-            if unbooked and size is not None:  # only whoever removed the entry decrements
-                freed += int(size)
-
-        keys = [k for k, _ in items]
-        second: list[tuple[Any, ...]] = [("zrem", self._lru, *keys), ("srem", self._pin, *keys)]
-        for key, header in items:
-            if header is not None:
-                second.append(("hdel", self._k(header.parent, header.fingerprint), key))
-                second.append(("srem", self._n(header.fingerprint), key))
-        if freed:
-            second.append(("decrby", self._used, freed))
-        self._pipe("delete", second, retry=False)
-        return deleted, freed
-
-    def recount(self) -> tuple[int, int]:
-        """Recompute the byte counter from the ``sz`` hash; (chunks, bytes).
-
-        The counter is kept with INCRBY/DECRBY by every host and can drift after
-        lost replies or crashes; eviction calls this when the numbers stop adding up.
-        """
-        total = chunks = 0
-        cursor = 0
-        while True:
-            cursor, page = self._cmd("recount", "hscan", self._sz, cursor, count=1000)
-            chunks += len(page)
-            total += sum(int(v) for v in page.values())
-            if not cursor:
-                break
-        self._cmd("recount", "set", self._used, total)
-        return chunks, total
-
-    def _make_room(self, used: int, size: int) -> bool:
-        """Evict LRU unpinned chunks until ``size`` more bytes fit; False if impossible."""
-        self._flush_touches(raise_errors=True)
-        cap = self.config.capacity_bytes
-        recounted = used > cap  # never so with exact books: recount before evicting for it
-        if recounted:
-            used = self.recount()[1]
-        need, freed, skip = used + size - cap, 0, 0
-        for _ in range(10_000):  # bounded: a misbehaving server must not spin us forever
-            if freed >= need:
-                return True
-            cands = [
-                ChunkKey(bytes(k))
-                for k in self._cmd("evict", "zrange", self._lru, skip, skip + BATCH - 1)
-            ]
-            if not cands:
-                if recounted:
-                    return False
-                # Nothing left to evict yet still over: the counter may have drifted.
-                recounted, (_, used) = True, self.recount()
-                need, freed, skip = used + size - cap, 0, 0
-                continue
-            pinned = self._cmd("evict", "smismember", self._pin, cands)
-            for key, is_pinned in zip(cands, pinned, strict=True):
-                if is_pinned:
-                    skip += 1
-                elif freed < need:
-                    freed += self._evict_one(key)
-        return False
-
-    def _evict_one(self, key: ChunkKey) -> int:
-        blob = self._cmd("evict", "get", self._c(key))
-        header: RecordHeader | None = None
-        if blob is not None:
-            try:
-                header, record = open_value(blob, key, self._seal)
-            except CorruptRecord as e:
-                self._refuse(key, e)
-                header = _header_or_none(blob)
-            else:
-                if self.on_evict is not None:
-                    self.on_evict(key, header, bytes(record))
-        deleted, freed = self._remove([(key, header)])
-        if deleted and blob is not None:
-            self._count(evictions=1)
-        return freed
-
     # -- reads ----------------------------------------------------------------------
     def get(self, key: ChunkKey) -> bytes | None:
         self._check_open()
-        try:
-            blob = self._cmd("get", "get", self._c(key))
-        except TierError as e:
-            self._count(misses=1)
-            if isinstance(e, Refused) and "WRONGTYPE" in str(e):
-                # Not a string: something else's value under our record's name. No reader
-                # could ever use it, and SET NX would never replace it.
-                with contextlib.suppress(TierError):
-                    self._remove([(key, None)])
-                self._refuse(key, CorruptRecord(f"{self._c(key)} is not a string"))
-            return None
-        if blob is None:
-            self._count(misses=1)
-            return None
-        try:
-            _, record = open_value(blob, key, self._seal)
-        except CorruptRecord as e:
-            self._count(misses=1)
-            with contextlib.suppress(TierError):  # else the next reader deletes it
-                self._remove([(key, _header_or_none(blob))])
-            self._refuse(key, e)
-            return None
-        self._count(hits=1, bytes_out=len(record))
-        if self.config.capacity_bytes:
-            self._touch(key)
-        return bytes(blob) if len(record) == len(blob) else bytes(record)
+        record: bytes | None = self._read("get", key, None)
+        return record
 
-    def _refuse(self, key: ChunkKey, error: CorruptRecord) -> None:
-        """Count a record that failed verification, or came without a valid MAC."""
-        self._count(corrupt=1)
-        if isinstance(error, ForgedRecord):
-            with self._stats_lock:
-                self._forged += 1
-            self._forged_log.warn(
-                "forged",
-                "remote %s: record %s refused: %s (written without this server's "
-                "remote.auth_key_file key); deleted",
-                redact(self.config.url),
-                key.hex()[:16],
-                error,
-            )
-        self._report_corrupt(key)
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        """The raw payload into ``out``: a raw record's bytes go from the socket straight
+        there (verified in place), others are decoded into it."""
+        self._check_open()
+        header: RecordHeader | None = self._read("get_into", key, memoryview(out))
+        return header
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         self._check_open()
@@ -521,104 +245,6 @@ class RemoteTier(Tier):
                 continue
             out[ChunkKey(bytes(child))] = bytes(tokens)
         return out
-
-    def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
-        self._check_open()
-        return self._scan(fingerprint)
-
-    def _scan(self, fingerprint: bytes | None) -> Iterator[ChunkInfo]:
-        if fingerprint is None:
-            cut = len(self._p) + 3  # names of other prefixes ("kvs:c:x") match too: skip them
-            keys: Iterator[ChunkKey] = (
-                ChunkKey(bytes.fromhex(n[cut:].decode()))
-                for n in self._scan_names(f"{self._p}:c:*")
-                if _HEX_KEY.fullmatch(n[cut:])
-            )
-        else:
-            members = self._cmd("scan", "smembers", self._n(fingerprint))
-            keys = (ChunkKey(bytes(m)) for m in members)
-        for batch in _batched(keys):
-            yield from self._scan_batch(batch, fingerprint)
-
-    def _scan_batch(self, batch: list[ChunkKey], fingerprint: bytes | None) -> Iterator[ChunkInfo]:
-        headers = self._read_headers(batch)
-        pins = self._cmd("scan", "smismember", self._pin, batch)
-        seen: list[float | None] = [None] * len(batch)
-        if self.config.capacity_bytes:
-            seen = self._cmd("scan", "zmscore", self._lru, batch)
-        vanished: list[ChunkKey] = []
-        for key, header, pinned, last in zip(batch, headers, pins, seen, strict=True):
-            if header is None:
-                vanished.append(key)
-                continue
-            last_ms = int(last * 1000) if last is not None else header.created_ms
-            yield ChunkInfo(key, header, header.record_size, bool(pinned), last_ms)
-        if vanished:
-            self._prune(vanished, fingerprint)
-
-    def _prune(self, keys: list[ChunkKey], fingerprint: bytes | None) -> None:
-        """Drop bookkeeping of records that are gone (evicted by the server, say)."""
-        with contextlib.suppress(TierError):
-            exists = self._pipe("scan", [("exists", self._c(k)) for k in keys])
-            gone = [k for k, e in zip(keys, exists, strict=True) if not e]
-            self._remove([(k, None) for k in gone])
-            if fingerprint is not None and gone:
-                self._pipe("scan", [("srem", self._n(fingerprint), *gone)])
-
-    def _read_headers(self, keys: Sequence[ChunkKey]) -> list[RecordHeader | None]:
-        """Parsed headers (None: missing or unreadable), by GETRANGE: payloads stay remote."""
-        out: list[RecordHeader | None] = [None] * len(keys)
-        todo, size = list(range(len(keys))), HEAD_GUESS
-        while todo:
-            parts = self._pipe("read", [("getrange", self._c(keys[i]), 0, size - 1) for i in todo])
-            again = []
-            for i, part in zip(todo, parts, strict=True):
-                try:
-                    out[i] = parse_header(part, expect_key=keys[i])
-                except CorruptRecord:
-                    if len(part) == size:  # cut short: the header is longer than we read
-                        again.append(i)
-            todo, size = again, size * 8
-        return out
-
-    def _scan_names(self, pattern: str) -> Iterator[bytes]:
-        """Key names matching ``pattern``, streamed with SCAN on every (primary) node."""
-        if not self.cluster:
-            cursor = 0
-            while True:
-                cursor, names = self._cmd("scan", "scan", cursor, match=pattern, count=1000)
-                yield from names
-                if not cursor:
-                    return
-        for node in self._cmd("scan", "get_primaries"):
-            cursor = 0
-            while True:
-                cursors, names = self._cmd(
-                    "scan", "scan", cursor, match=pattern, count=1000, target_nodes=node
-                )
-                yield from names
-                cursor = cursors[node.name]
-                if not cursor:
-                    break
-
-    # -- LRU touches ----------------------------------------------------------------
-    def _touch(self, key: bytes) -> None:
-        with self._touch_lock:
-            self._touches[key] = self._wall()
-            full = len(self._touches) >= TOUCH_FLUSH
-        if full:
-            self._flush_touches()
-
-    def _flush_touches(self, raise_errors: bool = False) -> None:
-        with self._touch_lock:
-            touches, self._touches = self._touches, {}
-        if not touches:
-            return
-        try:  # XX: never resurrect a removed chunk; GT: never move an access back in time
-            self._cmd("touch", "zadd", self._lru, touches, xx=True, gt=True)
-        except TierError:
-            if raise_errors:
-                raise
 
     # -- stats and lifecycle ----------------------------------------------------------
     @property
@@ -659,6 +285,11 @@ class RemoteTier(Tier):
                 "closed": self._closed,
                 "authenticated": self._seal is not None,  # whether records carry a MAC
                 "forged": self._forged,
+                "torn": self._torn,  # records in parts with a part missing: deleted misses
+                "sentinel": self.sentinel is not None,
+                "redirects": self._values.redirects,  # cluster MOVED/ASK replies followed
+                "refreshes": self._values.refreshes,  # topology / primary re-read
+                "fast_path": isinstance(self._values, ValuePlane),
             }
         return snap
 
@@ -678,22 +309,4 @@ class RemoteTier(Tier):
             if client is not None:
                 with contextlib.suppress(Exception):  # a dead connection may fail to close
                     client.close()
-
-
-def _batched(items: Iterable[T]) -> Iterator[list[T]]:
-    batch: list[T] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _header_or_none(blob: bytes | memoryview) -> RecordHeader | None:
-    """The header of a record whose payload may be corrupt (to clean its bookkeeping)."""
-    try:
-        return parse_header(blob)
-    except CorruptRecord:
-        return None
+            self._values.close()
