@@ -16,6 +16,11 @@ session) does not leave servers behind. Needs the ``redis-server`` /
     cluster = ServerCluster(3)              # 3 primaries, no replicas, cluster_state:ok
     cluster.url                             # "valkey://127.0.0.1:<port>?cluster=1"
     cluster.nodes[1].stop()                 # one node goes away
+
+    group = SentinelGroup("redis")          # a primary, its replica, a sentinel watching
+    group.url                               # "redis+sentinel://127.0.0.1:<port>/kvstore"
+    group.failover()                        # SENTINEL FAILOVER; or group.primary.kill()
+    group.wait_primary(group.replica.port)  # until the sentinels name the new primary
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from pathlib import Path
 
 from kvstore.testing.ports import free_port
 
-__all__ = ["FLAVORS", "RedisServer", "ServerCluster", "available", "free_port"]
+__all__ = [
+    "FLAVORS",
+    "RedisServer",
+    "SentinelGroup",
+    "SentinelServer",
+    "ServerCluster",
+    "available",
+    "free_port",
+]
 
 FLAVORS = ("redis", "valkey")
 START_TIMEOUT_S = 10.0
@@ -325,6 +338,137 @@ class ServerCluster:
             s.close()
 
     def __enter__(self) -> ServerCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SentinelServer(RedisServer):
+    """A sentinel (``<flavor>-server <conf> --sentinel``) watching one primary."""
+
+    def __init__(
+        self,
+        flavor: str,
+        primary_port: int,
+        *,
+        service: str = "kvstore",
+        quorum: int = 1,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+    ) -> None:
+        self.service = service
+        self._monitor = (primary_port, quorum, down_after_ms, failover_timeout_ms)
+        super().__init__(flavor)
+
+    def _command(self) -> list[str]:
+        # A sentinel rewrites its config file with what it learns: written once, so a
+        # restarted sentinel remembers the failovers it saw, as a real one would.
+        conf = self.dir / "sentinel.conf"
+        if not conf.exists():
+            port, quorum, down_ms, failover_ms = self._monitor
+            name = self.service
+            conf.write_text(
+                f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\n"
+                f"dir {self.dir}\nlogfile {self.log}\n"
+                f"sentinel monitor {name} 127.0.0.1 {port} {quorum}\n"
+                f"sentinel down-after-milliseconds {name} {down_ms}\n"
+                f"sentinel failover-timeout {name} {failover_ms}\n"
+                f"sentinel parallel-syncs {name} 1\n"
+            )
+        return [self.binary, str(conf), "--sentinel", *self.args]
+
+    def primary(self) -> tuple[str, int] | None:
+        """The primary this sentinel names for its service now."""
+        out = self.cli("sentinel", "get-master-addr-by-name", self.service, check=False).split()
+        return (out[0], int(out[1])) if len(out) == 2 and out[1].isdigit() else None
+
+
+class SentinelGroup:
+    """A primary, one replica of it and ``sentinels`` sentinels (quorum: a majority),
+    ready for a failover: the replica is in sync and known to every sentinel."""
+
+    def __init__(
+        self, flavor: str = "redis", *, sentinels: int = 1, service: str = "kvstore"
+    ) -> None:
+        self.flavor, self.service = flavor, service
+        self.primary = RedisServer(flavor)
+        self.replica: RedisServer | None = None
+        self.sentinels: list[SentinelServer] = []
+        try:
+            self.replica = RedisServer(
+                flavor, args=["--replicaof", "127.0.0.1", str(self.primary.port)]
+            )
+            for _ in range(sentinels):
+                self.sentinels.append(
+                    SentinelServer(
+                        flavor, self.primary.port, service=service, quorum=sentinels // 2 + 1
+                    )
+                )
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(s.address for s in self.sentinels)
+        return f"{self.flavor}+sentinel://{hosts}/{self.service}"
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.primary] + ([self.replica] if self.replica is not None else [])
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Until the replica's link is up and every sentinel lists it."""
+        assert self.replica is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            linked = "master_link_status:up" in self.replica.cli("info", "replication", check=False)
+            known = all(
+                "127.0.0.1" in s.cli("sentinel", "replicas", self.service, check=False)
+                for s in self.sentinels
+            )
+            if linked and known:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the replica or the sentinels did not come up in time")
+
+    def sync(self) -> None:
+        """Wait until the replica has every write made so far (WAIT 1)."""
+        self.current().cli("wait", "1", "5000")
+
+    def named_primary(self) -> tuple[str, int] | None:
+        for s in self.sentinels:
+            if s.running:
+                found = s.primary()
+                if found is not None:
+                    return found
+        return None
+
+    def current(self) -> RedisServer:
+        """The server the sentinels name as primary."""
+        found = self.named_primary()
+        return next(s for s in self.servers if found is not None and s.port == found[1])
+
+    def failover(self) -> None:
+        """SENTINEL FAILOVER: the replica is promoted, the primary demoted, no data lost."""
+        self.sentinels[0].cli("sentinel", "failover", self.service)
+
+    def wait_primary(self, port: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.named_primary()
+            if found is not None and found[1] == port:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the sentinels did not name port {port} the primary in time")
+
+    def close(self) -> None:
+        for s in [*self.sentinels, *self.servers]:
+            s.close()
+
+    def __enter__(self) -> SentinelGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:

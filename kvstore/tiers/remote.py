@@ -289,6 +289,7 @@ class RemoteTier(RemoteListing):
                 "sentinel": self.sentinel is not None,
                 "redirects": self._values.redirects,  # cluster MOVED/ASK replies followed
                 "refreshes": self._values.refreshes,  # topology / primary re-read
+                "rechecks": self._values.rechecks,  # sentinel asked again on schedule
                 "fast_path": isinstance(self._values, ValuePlane),
             }
         return snap

@@ -48,6 +48,7 @@ T = TypeVar("T")
 
 MAX_REDIRECTS = 5
 REFRESH_EVERY_S = 1.0  # at most one topology / primary refresh per this long
+SENTINEL_RECHECK_S = 2.0  # with sentinel, ask which server is primary at least this often
 
 
 class ValuePlane:
@@ -78,7 +79,8 @@ class ValuePlane:
         self._stale = False  # refresh topology / primary before the next call
         self._refreshed = 0.0
         self.redirects = 0  # MOVED / ASK replies followed
-        self.refreshes = 0  # topology or primary re-read
+        self.refreshes = 0  # topology or primary re-read after a failed or redirected call
+        self.rechecks = 0  # sentinel asked again on schedule
 
     @classmethod
     def make(
@@ -122,17 +124,31 @@ class ValuePlane:
             return pool
 
     def _refresh(self) -> None:
-        """Re-read the cluster's slots or the sentinels' primary, at most once a second."""
+        """Re-read the cluster's slots or the sentinels' primary, at most once a second:
+        when a call found them stale, and with sentinel every ``SENTINEL_RECHECK_S`` as
+        well (a demoted primary keeps accepting writes for a moment before it turns
+        read-only, and those writes are lost with it)."""
         now = time.monotonic()
         with self._lock:
-            if not self._stale or now - self._refreshed < REFRESH_EVERY_S:
+            due = self._sentinel is not None and now - self._refreshed >= SENTINEL_RECHECK_S
+            if not (self._stale or due) or now - self._refreshed < REFRESH_EVERY_S:
                 return
+            forced = self._stale or self._address is None
             self._stale, self._refreshed = False, now
-        self.refreshes += 1
+            if forced:
+                self.refreshes += 1
+            else:
+                self.rechecks += 1
         if self._cluster is not None:
             self._cluster().nodes_manager.initialize()
         elif self._sentinel is not None:
-            self._address = self._sentinel()
+            try:
+                self._address = self._sentinel()
+            except Exception:
+                if forced:
+                    raise
+                # A scheduled recheck that cannot reach the sentinels keeps the primary we
+                # know: the call itself decides whether it is still there.
 
     def _owner(self, name: str) -> tuple[str, int]:
         if self._cluster is not None:
@@ -248,7 +264,7 @@ class LibraryPlane:
     def __init__(self, client: Callable[[], Any], cluster: bool) -> None:
         self._client = client
         self._cluster = cluster
-        self.redirects = self.refreshes = 0
+        self.redirects = self.refreshes = self.rechecks = 0
 
     def call(
         self, name: str, args: Sequence[Arg], timeout_s: float, sink: Sink[T] | None = None
