@@ -55,8 +55,9 @@ class Engine:
         cfg = ConnectorConfig(
             url=url,
             retry_after_ms=int(RETRY_S * 1000),
-            timeout_ms=2000,
-            lookup_timeout_ms=1000,
+            # Long enough for a loaded machine: a spurious deadline would open a breaker.
+            timeout_ms=3000,
+            lookup_timeout_ms=2000,
             save_mode="sync",
         )
         ns = EngineNamespace(Namespace(model="test/halves", dtype="bfloat16", layout="test"))
@@ -115,6 +116,11 @@ class Engine:
 
     def states(self) -> tuple[BreakerState, BreakerState]:
         return self.scheduler.client.breaker.state, self.worker.client.breaker.state
+
+    def breakers(self) -> str:
+        """Both breakers' state and last error, for failure messages."""
+        s, w = self.scheduler.client.breaker, self.worker.client.breaker
+        return f"scheduler {s.snapshot()}, worker {w.snapshot()}"
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -233,7 +239,7 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
         server.proc.send_signal(signal.SIGSTOP)  # accepts, never answers: DeadlineExceeded
     assert engine.request(DST) == 0, "nothing can be found on an unreachable server"
     assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN), (
-        f"a {how} server must open both halves' breakers"
+        f"a {how} server must open both halves' breakers: {engine.breakers()}"
     )
     sched, work = engine.stats()
     assert "errors" not in sched and "errors" not in work, (
@@ -247,9 +253,10 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
         server.start()
     else:
         server.proc.send_signal(signal.SIGCONT)
+        server.wait_ready()  # answering again, its backlog of timed-out calls done
     clock.advance(RETRY_S / 2)
     assert engine.request(DST) == 0, "within the cooldown the breaker must refuse the call"
-    assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN)
+    assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN), engine.breakers()
 
     clock.advance(RETRY_S / 2 + 0.01)
     assert engine.states() == (BreakerState.HALF_OPEN, BreakerState.HALF_OPEN), (
@@ -257,8 +264,12 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
     )
     if how == "killed":  # its memory tier is gone (what reached the disk tier may hit)
         assert engine.request(SRC) in (0, STORED), "a hit must be the whole stored prompt"
-    assert engine.request(DST) == STORED, "after the cooldown requests hit again"
-    assert not engine.failed and engine.loaded_right(), "and load their blocks"
+    assert engine.request(DST) == STORED, (
+        f"after the cooldown requests hit again: {engine.breakers()}"
+    )
+    assert not engine.failed and engine.loaded_right(), (
+        f"and load their blocks: {engine.breakers()}"
+    )
     assert engine.states() == (BreakerState.CLOSED, BreakerState.CLOSED), (
-        "a trial call that reached the server must close the breakers"
+        f"a trial call that reached the server must close the breakers: {engine.breakers()}"
     )
