@@ -40,6 +40,11 @@ def tier_levels(mask: int) -> list[int]:
     return [int(lvl) for lvl in TierLevel if mask & (1 << lvl)]
 
 
+def layout_of(header: RecordHeader) -> tuple[str, int, int]:
+    """What a namespace's chunks agree on: dtype, and payload bytes for so many tokens."""
+    return header.dtype, header.raw_size, header.n_tokens
+
+
 # The fastest tier holding a chunk, by tier mask (bits 1..3): lookups ask this per chunk.
 FASTEST = [next((int(lvl) for lvl in TierLevel if m & (1 << lvl)), 0) for m in range(16)]
 

@@ -1,4 +1,5 @@
-"""Asynchronous write-down: moves chunks from a tier to the tiers below it.
+"""The store's background work: write-down (chunks moved or copied to the tiers below)
+and prefetch (chunks promoted into L1 ahead of the reads that want them).
 
 Two kinds of job: *copy* (write-through: the chunk stays where it is and a copy
 goes down; the bytes are read from the source tier when the job runs) and
@@ -9,6 +10,10 @@ Lock order, to stay deadlock-free: a tier's lock may be held when the store
 lock is taken (eviction callbacks), never the reverse, and nobody waits for
 this thread while holding a tier lock: ``submit_move`` never blocks; past the
 byte budget it runs the write in the caller's thread instead.
+
+``Prefetcher`` runs promotions on a few threads of its own: a prefetch is a hint
+(the read that follows does the work if it was not done), so it never blocks the
+caller, is deduplicated, and is bounded by the bytes queued or running.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 
@@ -165,3 +171,119 @@ class Backlog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
+
+
+class Prefetcher:
+    """Promotions into L1 off the caller's thread (``TieredStore.prefetch``).
+
+    ``submit`` takes (key, record bytes) pairs and returns at once: a key already
+    queued or running is skipped, and past ``budget_bytes`` queued or running the
+    rest are dropped (counted in ``dropped``); nothing waits. ``threads`` workers,
+    started on first use, run ``promote(key)`` for each; a promotion that raises is
+    counted in ``failed`` and logged, and the worker goes on.
+    """
+
+    def __init__(
+        self, promote: Callable[[ChunkKey], None], budget_bytes: int, threads: int = 2
+    ) -> None:
+        self._promote = promote
+        self.budget = budget_bytes
+        self._threads_wanted = threads
+        self._queue: deque[tuple[ChunkKey, int]] = deque()
+        self._pending: set[ChunkKey] = set()  # queued or running
+        self._bytes = 0
+        self._busy = 0
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.queued = self.done = self.dropped = self.skipped = self.failed = 0
+
+    def submit(self, items: list[tuple[ChunkKey, int]]) -> int:
+        """Queue promotions; how many were queued (not already pending, within budget)."""
+        n = 0
+        with self._cv:
+            if self._stopping:
+                return 0
+            for key, nbytes in items:
+                if key in self._pending:
+                    self.skipped += 1
+                    continue
+                if self._bytes + nbytes > self.budget:
+                    self.dropped += 1
+                    continue
+                self._queue.append((key, nbytes))
+                self._pending.add(key)
+                self._bytes += nbytes
+                n += 1
+            self.queued += n
+            if n:
+                if len(self._threads) < self._threads_wanted:
+                    self._start_locked()
+                self._cv.notify_all()
+        return n
+
+    def _start_locked(self) -> None:
+        while len(self._threads) < self._threads_wanted:
+            t = threading.Thread(
+                target=self._loop, name=f"kvstore-prefetch-{len(self._threads)}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                key, nbytes = self._queue.popleft()
+                self._busy += 1
+            try:
+                self._promote(key)
+                ok = True
+            except Exception as e:  # a failed promotion must not kill the worker
+                ok = False
+                log.warning(
+                    "prefetch of chunk %s failed: %s",
+                    key.hex()[:16],
+                    e,
+                    exc_info=not isinstance(e, KVStoreError),  # a tier that is down: no trace
+                )
+            with self._cv:
+                self._busy -= 1
+                self._pending.discard(key)
+                self._bytes -= nbytes
+                if ok:
+                    self.done += 1
+                else:
+                    self.failed += 1
+                self._cv.notify_all()
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drop what is queued, let running promotions end, and stop the workers."""
+        with self._cv:
+            self._stopping = True
+            self.dropped += len(self._queue)
+            for key, nbytes in self._queue:
+                self._pending.discard(key)
+                self._bytes -= nbytes
+            self._queue.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout)
+
+    def detail(self) -> dict[str, int]:
+        with self._cv:
+            return {
+                "prefetch_queued": self.queued,
+                "prefetch_done": self.done,
+                "prefetch_dropped": self.dropped,
+                "prefetch_skipped": self.skipped,
+                "prefetch_failed": self.failed,
+                "prefetch_pending": len(self._pending),
+            }

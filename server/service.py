@@ -1,28 +1,26 @@
 """The KVStore gRPC servicer: the wire contract (proto/) over a TieredStore.
 
-Every method runs under ``_rpc``: it counts and times the call, refuses new calls
-while the server shuts down, and turns any exception into a gRPC status with a
+Every method runs under ``calls.rpc``: it counts and times the call, refuses new
+calls while the server shuts down, and turns any exception into a gRPC status with a
 message saying what was wrong (``kvstore.protocol.status_of``); an unexpected
 exception is logged with its traceback and returned as INTERNAL. No request can
 take the server down.
 
-Leases and reservations of the shared-memory data plane belong to an owner (the
-``x-kvstore-session`` metadata of the call) and are tracked in ``holds``; the
-Put/Get streams live in ``streams``.
+The shared-memory data plane (leases and reservations, which belong to an owner:
+the ``x-kvstore-session`` metadata of the call, tracked in ``holds``) is
+``plane.SharedMemoryPlane``; the Put/Get streams live in ``streams``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
@@ -31,12 +29,9 @@ from kvstore import __version__, accel
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
-    KVStoreError,
-    NotFound,
 )
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
 from kvstore.protocol import (
-    MAX_RESERVE_BATCH,
     SESSION_HEADER,
     boot_id,
     chunk_to_pb,
@@ -51,88 +46,23 @@ from kvstore.protocol import (
 )
 from kvstore.records import FORMAT_VERSION, RecordHeader, check_put, parse_header
 from kvstore.store import TieredStore
-from kvstore.types import ChunkView, NamespaceMatch, PutStatus
+from kvstore.types import ChunkView, LookupResult, NamespaceMatch, PutStatus, TierLevel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+from .calls import FINISHING, Status, rpc
 from .config import ServerConfig
 from .holds import Holds
 from .metrics import Metrics
 from .names import NameBook
-from .streams import Undecodable, Watchdog, pieces, receive_put, send_get, touching
+from .plane import SharedMemoryPlane
+from .streams import Watchdog, pieces, receive_put, send_get, touching
 from .tenants import Denied, Tenants
 
 log = logging.getLogger("kvstore.server")
 
-F = TypeVar("F", bound=Callable[..., Any])
 
-
-def _decoded(request: Any) -> None:
-    if isinstance(request, Undecodable):
-        raise InvalidArgument(request.message)
-
-
-class _Status(Exception):
-    """Fail the call with exactly this status (for codes status_of does not derive)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# Calls that finish work a client already began; still served while draining.
-_FINISHING = frozenset({"Commit", "CommitMany", "Abort", "Release"})
-
-
-def _rpc(fn: F) -> F:
-    """Status mapping, shutdown gate, counts and timing for one RPC method."""
-    name = fn.__name__
-    streaming = name in ("Get", "Session")
-
-    def begin(self: KVStoreService) -> float:
-        if not self._enter(name):
-            raise _Status(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        return time.perf_counter()
-
-    if streaming:
-
-        @functools.wraps(fn)
-        def gen_wrapper(
-            self: KVStoreService, request: Any, context: grpc.ServicerContext
-        ) -> Iterator[Any]:
-            code, msg, t0, entered = grpc.StatusCode.OK, "", time.perf_counter(), False
-            try:
-                t0 = begin(self)
-                entered = True
-                _decoded(request)
-                yield from fn(self, request, context)
-            except Exception as e:
-                code, msg = self._failed(name, e, context)
-            finally:
-                self._leave(name, code, t0, entered)
-            if code != grpc.StatusCode.OK:
-                context.abort(code, msg)
-
-        return gen_wrapper  # type: ignore[return-value]
-
-    @functools.wraps(fn)
-    def wrapper(self: KVStoreService, request: Any, context: grpc.ServicerContext) -> Any:
-        code, msg, t0, entered = grpc.StatusCode.OK, "", time.perf_counter(), False
-        try:
-            t0 = begin(self)
-            entered = True
-            _decoded(request)
-            return fn(self, request, context)
-        except Exception as e:
-            code, msg = self._failed(name, e, context)
-        finally:
-            self._leave(name, code, t0, entered)
-        context.abort(code, msg)
-
-    return wrapper  # type: ignore[return-value]
-
-
-class KVStoreService(pb_grpc.KVStoreServicer):
+class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
     def __init__(
         self,
         store: TieredStore,
@@ -196,7 +126,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     # -- bookkeeping of calls ----------------------------------------------------------------------
     def _enter(self, name: str) -> bool:
         with self._lock:
-            if self._closing and name not in _FINISHING:
+            if self._closing and name not in FINISHING:
                 return False
             if name != "Session":
                 self._active += 1
@@ -217,7 +147,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _failed(
         self, name: str, e: Exception, context: grpc.ServicerContext
     ) -> tuple[grpc.StatusCode, str]:
-        if isinstance(e, _Status):
+        if isinstance(e, Status):
             return e.code, str(e)
         if isinstance(e, Denied):
             return grpc.StatusCode.PERMISSION_DENIED, f"{name}: {e}"
@@ -315,12 +245,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _shm_enabled(self, context: grpc.ServicerContext) -> None:
         if not self.config.shm:
-            raise _Status(
+            raise Status(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the shared-memory data plane is disabled on this server (shm=false)",
             )
         if self._tenant(context) is not None:
-            raise _Status(
+            raise Status(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the shared-memory data plane is not offered to tenants (whoever maps "
                 "the arena can read every record): use Put and Get",
@@ -331,11 +261,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.metrics.moved(direction, plane, nbytes)
 
     # -- info and lookup ---------------------------------------------------------------------------
-    @_rpc
+    @rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         return self._info if self._tenant(context) is None else self._tenant_info
 
-    @_rpc
+    @rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         fp = self._fingerprint(request.fingerprint)
         if len(request.token_ids) % 4:
@@ -374,6 +304,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 granularity=request.granularity or None,
                 count=not request.repeat,
             )
+            self._prefetch(request, fp, result)
             msg = lookup_to_pb(result)
             if needs is not None:
                 msg.needs_sub_hashes = needs
@@ -386,9 +317,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             granularity=request.granularity or None,
             count=not request.repeat,
         )
+        self._prefetch(request, fp, result)
         if request.explain:
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
         return lookup_to_pb(result)
+
+    def _prefetch(self, request: pb.LookupRequest, fp: Fingerprint, result: LookupResult) -> None:
+        """With ``prefetch``: the matched chunks not in L1 start their way there (queued,
+        not waited for: ``TieredStore.prefetch``)."""
+        if request.prefetch:
+            below = [m.key for m in result.chunks if m.tier != TierLevel.MEMORY]
+            if below:
+                self.store.prefetch(fp, below)
 
     def _explain(
         self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None
@@ -404,7 +344,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return tuple(out)
 
     # -- remote data plane -------------------------------------------------------------------------
-    @_rpc
+    @rpc
     def Put(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutResponse:
@@ -423,7 +363,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self._moved("in", "grpc", header.stored_size)
         return pb.PutResponse(status=status_to_pb(status), key=header.key)
 
-    @_rpc
+    @rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         sent = 0
         key, tenant = self._key(request.key), self._tenant(context)
@@ -446,183 +386,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if sent:
             self._moved("out", "grpc", sent)
 
-    # -- shared-memory data plane ------------------------------------------------------------------
-    @_rpc
-    def Reserve(
-        self, request: pb.ReserveRequest, context: grpc.ServicerContext
-    ) -> pb.ReserveResponse:
-        self._shm_enabled(context)
-        return self._reserve(request, self._owner(context))
-
-    @_rpc
-    def ReserveMany(
-        self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
-    ) -> pb.ReserveManyResponse:
-        self._shm_enabled(context)
-        if len(request.requests) > MAX_RESERVE_BATCH:
-            raise InvalidArgument(
-                f"{len(request.requests)} reservations in one ReserveMany; "
-                f"at most {MAX_RESERVE_BATCH}"
-            )
-        owner = self._owner(context)
-        out = pb.ReserveManyResponse()
-        try:
-            for r in request.requests:
-                out.responses.append(self._reserve(r, owner))
-        except BaseException:
-            for done in out.responses:  # all or nothing: no pages held for an error
-                if done.reservation_id:
-                    with contextlib.suppress(KVStoreError):
-                        self.store.abort(done.reservation_id)
-            raise
-        return out
-
-    def _reserve(self, request: pb.ReserveRequest, owner: str) -> pb.ReserveResponse:
-        header = self._header(request.header)
-        res = self.store.reserve(header, owner=owner, checksum_at_commit=request.checksum_at_commit)
-        if isinstance(res, PutStatus):
-            return pb.ReserveResponse(status=status_to_pb(res))
-        return pb.ReserveResponse(
-            status=pb.STORED,
-            reservation_id=res.id,
-            extents=[pb.Extent(offset=o, length=n) for o, n in res.extents],
-            payload_offset=res.payload_offset,
-            expires_ms=self.store.config.memory.lease_ms,
-        )
-
-    @_rpc
-    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        return self._commit(request, self._owner(context))
-
-    @_rpc
-    def CommitMany(
-        self, request: pb.CommitManyRequest, context: grpc.ServicerContext
-    ) -> pb.CommitManyResponse:
-        if len(request.commits) > MAX_RESERVE_BATCH:
-            raise InvalidArgument(
-                f"{len(request.commits)} commits in one CommitMany; at most {MAX_RESERVE_BATCH}"
-            )
-        owner = self._owner(context)
-        out = pb.CommitManyResponse()
-        for c in request.commits:
-            try:
-                out.responses.append(self._commit(c, owner))
-            except Exception as e:  # each commit stands alone
-                code, msg = status_of(e)
-                if not isinstance(e, KVStoreError):
-                    log.exception("CommitMany: reservation %d failed", c.reservation_id)
-                with self._lock:
-                    self.counts[("Commit", code.name)] += 1  # as a single Commit would count
-                out.responses.append(pb.CommitResponse(error_code=code.value[0], error=msg))
-        return out
-
-    def _commit(self, request: pb.CommitRequest, owner: str) -> pb.CommitResponse:
-        nbytes = self.holds.claim(request.reservation_id, owner, "reservation")
-        checksum = request.payload_checksum if request.HasField("payload_checksum") else None
-        status = self.store.commit(request.reservation_id, checksum)
-        if status == PutStatus.STORED:
-            self._moved("in", "shm", nbytes)
-        return pb.CommitResponse(status=status_to_pb(status))
-
-    @_rpc
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        self.holds.claim(request.reservation_id, self._owner(context), "reservation")
-        self.store.abort(request.reservation_id)
-        return pb.AbortResponse()
-
-    @_rpc
-    def Acquire(
-        self, request: pb.AcquireRequest, context: grpc.ServicerContext
-    ) -> pb.AcquireResponse:
-        self._shm_enabled(context)
-        key = self._key(request.key)
-        return self._acquire(key, self._owner(context), request.client_verifies)
-
-    @_rpc
-    def AcquireMany(
-        self, request: pb.AcquireManyRequest, context: grpc.ServicerContext
-    ) -> pb.AcquireManyResponse:
-        self._shm_enabled(context)
-        if len(request.keys) > MAX_RESERVE_BATCH:
-            raise InvalidArgument(
-                f"{len(request.keys)} keys in one AcquireMany; at most {MAX_RESERVE_BATCH}"
-            )
-        keys, owner = self._keys(request.keys), self._owner(context)
-        out = pb.AcquireManyResponse()
-        try:
-            for key in keys:
-                out.responses.append(self._acquire(key, owner, request.client_verifies))
-        except BaseException:
-            # All or nothing, as ReserveMany: a failed call leaves no pages leased.
-            for done in out.responses:
-                if done.found:
-                    self.store.release(done.lease_id)
-            raise
-        return out
-
-    def _acquire(self, key: ChunkKey, owner: str, client_verifies: bool) -> pb.AcquireResponse:
-        lease = self.store.acquire(key, owner=owner, payload=not client_verifies)
-        if lease is None:
-            # Stored below but L1 could not take it now: the client falls back to Get.
-            return pb.AcquireResponse(found=False, use_get=key in self.store)
-        self._moved("out", "shm", lease.header.stored_size)
-        return pb.AcquireResponse(
-            found=True,
-            lease_id=lease.id,
-            header=lease.header.pack(),
-            extents=[pb.Extent(offset=o, length=n) for o, n in lease.extents],
-            payload_offset=lease.payload_offset,
-            expires_ms=self.store.config.memory.lease_ms,
-        )
-
-    @_rpc
-    def Release(
-        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
-    ) -> pb.ReleaseResponse:
-        owner = self._owner(context)
-        ids = list(dict.fromkeys(request.lease_ids))
-        mine = [i for i in ids if self._holds_lease(i, owner)]
-        if ids and not mine:
-            self.holds.claim_leases(ids, owner)  # raises NotFound naming them
-        # A batch (release_many) releases what is still the caller's; the ones that are
-        # not (expired, another session's) are left out of ``released``, as is a lease
-        # the tier found expired: what the client read through it may be garbage.
-        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in mine))
-
-    def _holds_lease(self, lease_id: int, owner: str) -> bool:
-        try:
-            self.holds.claim(lease_id, owner, "lease")
-        except NotFound:
-            return False
-        return True
-
-    @_rpc
-    def Session(
-        self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
-    ) -> Iterator[pb.SessionPong]:
-        cid, watch = self.watchdog.watch(context, "session")  # pings come every lease/3
-        try:
-            pings = touching(request_iterator, watch.touch)
-            first = next(pings, None)
-            if first is None:
-                return
-            owner = self._owner(context, first.owner)
-            if not owner:
-                raise InvalidArgument("the first SessionPing must name the owner (session id)")
-            self.holds.open_session(owner, self.config.max_session_streams_per_owner)
-            try:
-                self.holds.renew(owner)
-                yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
-                for _ in pings:
-                    self.holds.renew(owner)
-                    yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
-            finally:
-                self.holds.end_session(owner)
-        finally:
-            self.watchdog.done(cid)
-
     # -- management --------------------------------------------------------------------------------
-    @_rpc
+    @rpc
     def Exists(self, request: pb.ExistsRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
         keys, tenant = self._keys(request.keys), self._tenant(context)
         found = self.store.contains(keys)
@@ -632,13 +397,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             ]
         return pb.ExistsResponse(found=[pb.TierSet(tiers=list(t)) for t in found])
 
-    @_rpc
+    @rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         tenant = self._tenant(context)
         keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.DeleteResponse(deleted=sum(self.store.delete(k) for k in keys))
 
-    @_rpc
+    @rpc
     def Clear(self, request: pb.ClearRequest, context: grpc.ServicerContext) -> pb.ClearResponse:
         if request.all == bool(request.fingerprint):
             raise InvalidArgument("give either a namespace fingerprint or all=true (not both)")
@@ -650,13 +415,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             self.tenants.require(tenant, fp)
         return pb.ClearResponse(removed=self.store.clear(fp))
 
-    @_rpc
+    @rpc
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         tenant = self._tenant(context)
         keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.PinResponse(changed=sum(self.store.pin(k, request.pinned) for k in keys))
 
-    @_rpc
+    @rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self.store.stats()
         tenant = self._tenant(context)
@@ -677,7 +442,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             requests=self.request_counts(),
         )
 
-    @_rpc
+    @rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         fp = self._fingerprint(request.fingerprint) if request.fingerprint else None
         tenant = self._tenant(context)
@@ -710,7 +475,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         token = page[-1].key.hex() if len(views) > size else ""
         return pb.ListResponse(chunks=[chunk_to_pb(v) for v in page], next_page_token=token)
 
-    @_rpc
+    @rpc
     def Namespaces(
         self, request: pb.NamespacesRequest, context: grpc.ServicerContext
     ) -> pb.NamespacesResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +227,112 @@ def test_concurrent_puts_and_reads_are_byte_exact(tmp_path: Path) -> None:
         s.flush(20)
         assert not errors, errors[:5]
         assert s.stats().chunks == 180, "every acknowledged put must be somewhere"
+
+
+# -- prefetch: promotion into L1 ahead of the reads ----------------------------------------
+
+
+def _until(cond, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
+def _idle(s: TieredStore) -> bool:
+    return s.stats().tiers[0].detail["prefetch_pending"] == 0
+
+
+def test_prefetch_promotes_chunks_only_on_disk_into_l1(tmp_path: Path) -> None:
+    toks = list(range(3000, 3000 + 8 * C))
+    with TieredStore(config(tmp_path)) as s:
+        put_chain(s, toks)
+    with TieredStore(config(tmp_path)) as s:  # a warm restart: every chunk in L2 only
+        r = s.lookup(FP, toks)
+        assert r.by_tier == {2: len(toks)}, r.by_tier
+        keys = [m.key for m in r.chunks]
+        assert s.prefetch(FP, keys) == 8
+        _until(lambda: all(1 in w for w in s.contains(keys)), "the chunks to reach L1")
+        assert s.lookup(FP, toks).by_tier == {1: len(toks)}, "the lookup now sees them in L1"
+        _until(lambda: _idle(s), "the prefetcher to go idle")
+        detail = s.stats().tiers[0].detail
+        assert detail["prefetch_done"] == 8 and detail["prefetch_failed"] == 0, detail
+        assert s.prefetch(FP, keys) == 0, "chunks in L1 are not queued again"
+        disk_hits = s.stats().tiers[1].hits
+        for key in keys:
+            lease = s.acquire(key)
+            assert lease is not None, "a prefetched chunk is lent from L1"
+            s.release(lease.id)
+        assert s.stats().tiers[1].hits == disk_hits, "the reads after the prefetch read LMDB"
+
+
+def test_prefetch_never_waits_is_deduplicated_and_bounded(tmp_path: Path) -> None:
+    """A slow disk (its reads held back) does not hold up the caller; a key asked twice is
+    queued once; past a quarter of L1 (bytes queued or running) the rest are dropped."""
+    toks = list(range(4000, 4000 + 12 * C))
+    cfg = config(tmp_path, memory=64 * KiB)  # budget 16 KiB: 3 chunks of ~4.2 KiB
+    with TieredStore(config(tmp_path)) as s:
+        put_chain(s, toks, bpt=256)
+    with TieredStore(cfg) as s:
+        keys = [m.key for m in s.lookup(FP, toks).chunks]
+        gate = threading.Event()
+        assert s.disk is not None
+        read = s.disk.get
+
+        def slow_get(key: bytes) -> bytes | None:  # fault injection: a disk that stalls
+            gate.wait(30)
+            return read(key)
+
+        s.disk.get = slow_get  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        queued = s.prefetch(FP, keys)
+        again = s.prefetch(FP, keys[:queued])
+        took = time.monotonic() - t0
+        detail = s.stats().tiers[0].detail
+        gate.set()
+        assert took < 1.0, f"prefetch waited {took:.2f} s for a stalled disk"
+        assert queued == 3, f"{queued} chunks queued against a 16 KiB budget"
+        assert again == 0 and detail["prefetch_skipped"] == 3, "pending keys are queued once"
+        assert detail["prefetch_dropped"] == 9, detail
+        _until(lambda: _idle(s), "the prefetcher to go idle")
+        assert [1 in w for w in s.contains(keys[:3])] == [True] * 3
+
+
+def test_prefetch_into_a_full_l1_does_not_loop(tmp_path: Path) -> None:
+    """L1 full of pinned chunks: the chunk is read from LMDB once and offered to L1 once;
+    prefetches of it after that refusal do nothing, and the read that follows is served
+    from the record the prefetch kept."""
+    now = [1000.0]
+    s = TieredStore(
+        StoreConfig(
+            data_dir=str(tmp_path),
+            chunk_tokens=16,
+            granularity=4,
+            memory=MemoryConfig(capacity_bytes=64 * KiB, page_bytes=4 * KiB),
+            disk=DiskConfig(capacity_bytes=64 * MiB),
+        ),
+        clock=lambda: now[0],
+    )
+    try:
+        for i in range(4):  # 4 pinned chunks of 4 pages: every page of L1
+            h, p = make_chunk(range(1000 * i, 1000 * i + 16), bytes_per_token=800)
+            assert s.put(h, p) == PutStatus.STORED and s.pin(h.key)
+        h, p = make_chunk(range(70_000, 70_016), bytes_per_token=800)
+        assert s.put(h, p).ok and s.contains([h.key]) == [(2,)]
+        assert s.flush(10)
+        now[0] += 10  # long after the put L1 refused: the prefetch decides afresh
+        mem0, disk0 = s.stats().tiers[0], s.stats().tiers[1]
+        assert s.prefetch(FP, [h.key]) == 1
+        _until(lambda: _idle(s), "the prefetch to end")
+        for _ in range(5):
+            s.prefetch(FP, [h.key])
+            _until(lambda: _idle(s), "the prefetch to end")
+        mem, disk = s.stats().tiers[0], s.stats().tiers[1]
+        assert disk.hits - disk0.hits == 1, f"LMDB read {disk.hits - disk0.hits} times"
+        assert mem.rejected - mem0.rejected == 1, f"L1 offered {mem.rejected - mem0.rejected}x"
+        assert s.contains([h.key]) == [(2,)]
+        got = s.read(h.key)
+        assert isinstance(got, bytes) and got.endswith(p)
+        assert s.stats().tiers[1].hits - disk0.hits == 1, "the read re-read what was kept"
+    finally:
+        s.close()

@@ -915,6 +915,56 @@ def test_acquire_many_says_which_chunks_to_stream(
     assert srv.stop() == 0, srv.log()
 
 
+def test_lookup_with_prefetch_brings_disk_chunks_into_l1(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """After a restart every chunk is on disk only: a lookup with prefetch answers at once
+    (by_tier says disk) and the chunks reach L1 in the background, where one
+    AcquireMany lends them all."""
+    srv = make_server("prefetch").start()
+    bpt, n = 256, 8
+    ns = namespace(f"contract-prefetch-{drive.kind}", bpt)
+    prompt = tokens(n * 256, 95_000)
+
+    async def store(kv: Any) -> list[Any]:
+        ct = (await kv.info()).chunk_tokens
+        assert ct == 256, ct
+        parent, out = ROOT, []
+        for i in range(n):
+            data = payload(ct * bpt, i)
+            part = prompt[i * ct : (i + 1) * ct]
+            parent, status = await kv.put_chunk(ns, parent, part, data, "bfloat16", (ct, bpt // 2))
+            assert status == PutStatus.STORED
+            out.append((parent, data))
+        return out
+
+    chunks = drive(store, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+    srv = make_server("prefetch", data_dir=srv.data_dir).start()
+    keys = [k for k, _ in chunks]
+
+    async def body(kv: Any) -> None:
+        assert await kv.exists(keys) == [(2,)] * n, "a restarted server holds them in L2"
+        r = await kv.lookup(ns, prompt, prefetch=True)
+        assert r.matched_tokens == n * 256 and r.by_tier == {2: n * 256}, r
+        deadline = time.monotonic() + 10
+        while any(1 not in t for t in await kv.exists(keys)):
+            assert time.monotonic() < deadline, "prefetched chunks did not reach L1 in 10 s"
+            await asyncio.sleep(0.02)
+        again = await kv.lookup(ns, prompt)
+        assert again.by_tier == {1: n * 256}, again.by_tier
+        leases = await kv.acquire_many(keys)
+        out = np.empty(256 * bpt, dtype=np.uint8)
+        for lease, (_, data) in zip(leases, chunks, strict=True):
+            assert lease.read_verified(out) and np.array_equal(out, data)
+        assert await kv.release_many(leases) == n
+        detail = memory_detail_of(await kv.stats())
+        assert detail["prefetch_done"] == n and detail["prefetch_failed"] == 0, detail
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
 def test_acquire_many_copies_changed_bytes_as_unverified(drive: Drive) -> None:
     """A byte changed in the arena under a lease: read_verified and read_scattered say
     False (the caller then reads the chunk with get_into); a bad key fails the whole

@@ -1,0 +1,331 @@
+"""The store's read path: leases and reads served from L1, the tiers below read at most
+once and what they hold promoted into L1, lookups, and prefetch (promotion ahead of
+the reads).
+
+A mixin of ``kvstore.store.TieredStore`` (``ReadPath``), split out so that neither
+module grows past what one sitting reads; it works on the store's tiers, index and
+locks, declared below for the type checker, under the lock order of the store's
+docstring. A read that misses L1 takes one decision (``kvstore.fallback``): the tier
+below is read once, L1 offered the record once, and if L1 cannot take it now the
+record is kept a moment for the follow-up read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.clock import Clock
+from kvstore.config import StoreConfig
+from kvstore.fallback import Fallbacks
+from kvstore.index import Entry, Index, layout_of, tier_levels
+from kvstore.keys import ChunkKey, Fingerprint
+from kvstore.lookup import KeyChain, RemoteView, lookup
+from kvstore.records import Codec, RecordHeader, header_size, parse_header, transcode_parts
+from kvstore.tiers.base import Tier, copy_into
+from kvstore.tiers.memory import MemoryTier, ReadLease
+from kvstore.types import LookupResult, PutStatus, TierLevel
+from kvstore.writer import Prefetcher, WriteDown
+
+
+class ReadPath:
+    if TYPE_CHECKING:  # the store's state this works on (TieredStore sets it up)
+        memory: MemoryTier
+        disk: Tier | None
+        remote: Tier | None
+        index: Index
+        config: StoreConfig
+        _lock: threading.RLock
+        _clock: Clock
+        _closed: bool
+        _fallbacks: Fallbacks
+        _writer: WriteDown
+        _prefetcher: Prefetcher
+        _layouts: dict[Fingerprint, tuple[str, int, int]]
+        _counters: dict[str, int]
+
+        def _check_open(self) -> None: ...
+        def _count(self, name: str, n: int = 1) -> None: ...
+        def _lower(self, level: int) -> list[Tier]: ...
+        def _touch(self, key: ChunkKey) -> None: ...
+        def _begin(self, key: ChunkKey) -> None: ...
+        def _end(self, key: ChunkKey) -> bool: ...
+
+    def acquire(
+        self, key: ChunkKey, owner: str = "", *, payload: bool = True, lasting: bool = False
+    ) -> ReadLease | None:
+        """A read lease on the chunk in L1, promoting it from below if needed.
+
+        ``payload=False``: the holder verifies the payload itself; ``lasting``: the lease
+        never expires, the holder releases it (``MemoryTier.acquire``).
+        """
+        self._check_open()
+        self._count("gets")
+        lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
+        if lease is None and self._fallbacks.refused(key):
+            return None  # L1 could not take it a moment ago: its record is kept for read()
+        if lease is None and self._read_below(key)[1]:
+            # Promoted: L1 counted the miss, the tier below the hit.
+            lease = self.memory.acquire(
+                key, owner=owner, payload=payload, lasting=lasting, internal=True
+            )
+        if lease is not None:
+            self._count("hits")
+            self._touch(key)
+        return lease
+
+    def read(
+        self, key: ChunkKey, owner: str = "", *, lasting: bool = False
+    ) -> ReadLease | bytes | None:
+        """A lease on the chunk in L1 or, when L1 cannot take it now, its raw record; None
+        on a miss. One decision: the tier below is read at most once, L1 offered it at
+        most once, and a record an ``acquire`` just read for nothing is served from memory
+        (the Get stream a client falls back to after an Acquire answered ``use_get``)."""
+        self._check_open()
+        self._count("gets")
+        lease = self.memory.acquire(key, owner=owner, lasting=lasting)
+        if lease is None:
+            blob = self._fallbacks.take(key)
+            if blob is None:
+                blob, promoted = self._read_below(key)
+                if blob is None:
+                    return None
+                if promoted:
+                    lease = self.memory.acquire(key, owner=owner, lasting=lasting, internal=True)
+            if lease is None:
+                self._count("hits")
+                self._touch(key)
+                return blob
+        self._count("hits")
+        self._touch(key)
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        return self.memory.release(lease_id)
+
+    # -- reads ----------------------------------------------------------------
+    def get(self, key: ChunkKey, *, count: bool = True) -> bytes | None:
+        """The whole raw record of a chunk (header + raw payload), or None."""
+        self._check_open()
+        if count:
+            self._count("gets")
+        in_l1 = self._may_hold(self.memory, self.index.get(key))
+        blob = self.memory.get(key) if in_l1 else None
+        if blob is None:
+            blob = self._fallbacks.take(key) or self._read_below(key)[0]
+        if blob is not None:
+            if count:
+                self._count("hits")
+            self._touch(key)
+        return blob
+
+    def _read_below(self, key: ChunkKey) -> tuple[bytes | None, bool]:
+        """The raw record from the first tier below L1 that has it, offered to L1 once
+        (kept for the next read if L1 cannot take it), or a pending move's bytes; and
+        whether L1 now holds it."""
+        entry = self.index.get(key)
+        for tier in self._lower(self.memory.level):
+            if not self._may_hold(tier, entry):
+                continue
+            blob = tier.get(key)
+            if blob is None:
+                continue
+            header = parse_header(blob)
+            if header.codec != Codec.RAW:
+                blob = transcode_parts(header, memoryview(blob)[header.header_size :], Codec.RAW)
+                header = parse_header(blob)
+            if tier is self.remote and entry is None:
+                with self._lock:  # learned from the shared tier: index it
+                    entry = self.index.add(header, tier.level)
+                    self._layouts.setdefault(header.fingerprint, layout_of(header))
+            promoted = self._promote(header, memoryview(blob)[header.header_size :])
+            if not promoted:
+                self._fallbacks.keep(key, blob)
+            return blob, promoted
+        pending = self._writer.pending_move(key)
+        if pending is not None:
+            return self._raw(*pending), False
+        return None, False
+
+    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
+        """Copy the chunk's raw payload into ``out``; its header, or None on a miss."""
+        self._check_open()
+        try:
+            header = self.memory.get_into(key, out)
+        except BaseException:
+            self._count("gets")
+            raise
+        if header is not None:  # an L1 hit: both counters in one trip through the lock
+            with self._lock:
+                self._counters["gets"] += 1
+                self._counters["hits"] += 1
+        else:
+            self._count("gets")
+            blob = self._fallbacks.take(key) or self._read_below(key)[0]
+            if blob is None:
+                return None
+            header = parse_header(blob)
+            copy_into(out, memoryview(blob)[header.header_size :], header.raw_size)
+            self._count("hits")
+        self._touch(key)
+        return header
+
+    def _raw(self, header: RecordHeader, blob: bytes) -> bytes:
+        if header.codec == Codec.RAW:
+            return blob
+        return transcode_parts(header, memoryview(blob)[header.header_size :], Codec.RAW)
+
+    def _may_hold(self, tier: Tier, entry: Entry | None) -> bool:
+        if entry is not None and entry.tiers & (1 << tier.level):
+            return True
+        # The local index is authoritative for local tiers; the remote is shared.
+        return tier is self.remote
+
+    def _promote(self, header: RecordHeader, payload: memoryview) -> bool:
+        """Offer a record read from below to L1; False if L1 refused it (remembered)."""
+        if self._fallbacks.refused(header.key):
+            return False
+        self._begin(header.key)
+        status = self.memory.put(header, payload)
+        evicted = self._end(header.key)
+        if status in (PutStatus.FULL, PutStatus.TOO_LARGE):
+            self._fallbacks.refuse(header.key)
+            return False
+        if status == PutStatus.STORED and not evicted:
+            with self._lock:
+                if header.key in self.index:  # not deleted meanwhile
+                    self.index.add(header, self.memory.level)
+        return True
+
+    # -- where chunks are: contains and lookup ---------------------------------
+    def contains(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ...]]:
+        """For each key, the tier levels that hold it (empty when none)."""
+        out: list[tuple[int, ...]] = []
+        unknown: list[int] = []
+        for i, key in enumerate(keys):
+            entry = self.index.get(key)
+            out.append(tuple(tier_levels(entry.tiers)) if entry else ())
+            if entry is None or not entry.tiers & (1 << TierLevel.REMOTE):
+                unknown.append(i)
+        if self.remote is not None and unknown:
+            present = self.remote.contains([keys[i] for i in unknown])
+            for i, here in zip(unknown, present, strict=True):
+                if here and 3 not in out[i]:
+                    out[i] = (*out[i], 3)
+        return out
+
+    def lookup(
+        self,
+        fingerprint: Fingerprint,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        min_tokens: int = 0,
+        granularity: int | None = None,
+        count: bool = True,
+        local: bool = False,
+    ) -> LookupResult:
+        """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup).
+
+        ``count=False``: a repeat of a lookup already counted (Stats count a request once);
+        ``local``: only what this host's tiers hold (no round trip to the remote).
+        """
+        self._check_open()
+        remote: RemoteView | None = (
+            self.remote if hasattr(self.remote, "children") and not local else None
+        )
+        result = lookup(
+            self.index,
+            fingerprint,
+            tokens,
+            chunk_tokens=self.config.chunk_tokens,
+            granularity=granularity,
+            min_tokens=min_tokens,
+            remote=remote,
+        )
+        self._count_lookup(result, count)
+        return result
+
+    def lookup_keys(
+        self,
+        fingerprint: Fingerprint,
+        keys: bytes,
+        n_tokens: int,
+        sub_hashes: bytes = b"",
+        *,
+        sub_hashes_of: int | None = None,
+        min_tokens: int = 0,
+        granularity: int | None = None,
+        count: bool = True,
+    ) -> tuple[LookupResult, int | None]:
+        """``lookup`` of a prompt given as its chunk keys (``keys.chunk_keys``, 32 bytes
+        each, of an ``n_tokens`` prompt) and each chunk's ``keys.sub_hashes`` at this
+        store's granularity, concatenated, or only chunk ``sub_hashes_of``'s (empty: none),
+        as a client hashes them instead of sending the token ids: the same walk and rules
+        (``kvstore.lookup.KeyChain``). Also the chunk whose sub-hashes the partial match
+        needed and did not get (the answer then counts whole chunks, and is not counted
+        in the stats: the caller asks again), or None."""
+        self._check_open()
+        cfg = self.config
+        chain = KeyChain(
+            keys, n_tokens, sub_hashes, cfg.chunk_tokens, cfg.granularity, sub_hashes_of
+        )
+        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
+        result = lookup(
+            self.index,
+            fingerprint,
+            chain,
+            chunk_tokens=cfg.chunk_tokens,
+            granularity=granularity,
+            min_tokens=min_tokens,
+            remote=remote,
+        )
+        self._count_lookup(result, count and chain.needs is None)
+        return result, chain.needs
+
+    def _count_lookup(self, result: LookupResult, count: bool) -> None:
+        if count:
+            with self._lock:
+                self._counters["lookups"] += 1
+                self._counters["lookup_tokens"] += result.total_tokens
+                self._counters["matched_tokens"] += result.matched_tokens
+
+    # -- prefetch: promotion ahead of the reads --------------------------------
+    def prefetch(self, fingerprint: Fingerprint, keys: Sequence[ChunkKey]) -> int:
+        """Start promoting these chunks of namespace ``fingerprint`` into L1 where they
+        are only below it (L2, L3), in the background: an ``acquire`` soon after finds
+        them in L1. How many were queued. Never waits: chunks in L1 already, or being
+        promoted, are skipped, and past the prefetcher's byte budget (bytes queued or
+        running) the rest are left to the reads. A chunk L1 refuses (full of pinned or
+        leased pages) is offered once (``kvstore.fallback``): not again while that
+        refusal stands, and its record is kept for the read that follows."""
+        self._check_open()
+        l1 = 1 << self.memory.level
+        items: list[tuple[ChunkKey, int]] = []
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None:
+                if not entry.tiers & l1:
+                    items.append((key, entry.record_size))
+            elif self.remote is not None:  # only the shared tier knows it
+                items.append((key, self._record_estimate(fingerprint)))
+        return self._prefetcher.submit(items) if items else 0
+
+    def _record_estimate(self, fingerprint: Fingerprint) -> int:
+        """The bytes of a whole chunk of this namespace, for one the index does not know."""
+        ct = self.config.chunk_tokens
+        known = self._layouts.get(fingerprint)
+        return header_size(ct) + (known[1] * ct // known[2] if known else 1 << 20)
+
+    def _prefetch_one(self, key: ChunkKey) -> None:
+        """One promotion of the prefetcher: read from below once, offered to L1 once."""
+        if self._closed:
+            return
+        entry = self.index.get(key)
+        if entry is not None and entry.tiers & (1 << self.memory.level):
+            return  # a read promoted it meanwhile
+        if self._fallbacks.refused(key):
+            return  # L1 refused it a moment ago: not offered again (no loop)
+        self._read_below(key)

@@ -1,0 +1,227 @@
+"""The shared-memory data plane of the servicer: Reserve -> write -> Commit, Acquire ->
+read -> Release, in batches (ReserveMany, CommitMany, AcquireMany, a Release of many),
+and the Session stream that keeps a client's holds alive.
+
+A mixin of ``server.service.KVStoreService`` (``SharedMemoryPlane``), split out of it;
+the servicer's state and argument helpers it uses are declared below for the type
+checker. Leases and reservations belong to an owner (the ``x-kvstore-session``
+metadata of the call) and are checked in ``holds``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.keys import ChunkKey
+from kvstore.protocol import MAX_RESERVE_BATCH, status_of, status_to_pb
+from kvstore.records import RecordHeader
+from kvstore.store import TieredStore
+from kvstore.types import PutStatus
+from kvstore.v1 import kvstore_pb2 as pb
+
+from .calls import rpc
+from .config import ServerConfig
+from .holds import Holds
+from .streams import Watchdog, touching
+
+log = logging.getLogger("kvstore.server")
+
+
+class SharedMemoryPlane:
+    if TYPE_CHECKING:  # the servicer's state and helpers (KVStoreService sets them up)
+        store: TieredStore
+        config: ServerConfig
+        holds: Holds
+        watchdog: Watchdog
+        counts: Counter[tuple[str, str]]
+        _lock: threading.Lock
+
+        def _shm_enabled(self, context: grpc.ServicerContext) -> None: ...
+        def _owner(self, context: grpc.ServicerContext, named: str = "") -> str: ...
+        def _key(self, raw: bytes, what: str = "key") -> ChunkKey: ...
+        def _keys(self, raws: Any) -> list[ChunkKey]: ...
+        def _header(self, raw: bytes) -> RecordHeader: ...
+        def _moved(self, direction: str, plane: str, nbytes: int) -> None: ...
+
+    @rpc
+    def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveResponse:
+        self._shm_enabled(context)
+        return self._reserve(request, self._owner(context))
+
+    @rpc
+    def ReserveMany(
+        self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveManyResponse:
+        self._shm_enabled(context)
+        if len(request.requests) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(
+                f"{len(request.requests)} reservations in one ReserveMany; "
+                f"at most {MAX_RESERVE_BATCH}"
+            )
+        owner = self._owner(context)
+        out = pb.ReserveManyResponse()
+        try:
+            for r in request.requests:
+                out.responses.append(self._reserve(r, owner))
+        except BaseException:
+            for done in out.responses:  # all or nothing: no pages held for an error
+                if done.reservation_id:
+                    with contextlib.suppress(KVStoreError):
+                        self.store.abort(done.reservation_id)
+            raise
+        return out
+
+    def _reserve(self, request: pb.ReserveRequest, owner: str) -> pb.ReserveResponse:
+        header = self._header(request.header)
+        res = self.store.reserve(header, owner=owner, checksum_at_commit=request.checksum_at_commit)
+        if isinstance(res, PutStatus):
+            return pb.ReserveResponse(status=status_to_pb(res))
+        return pb.ReserveResponse(
+            status=pb.STORED,
+            reservation_id=res.id,
+            extents=[pb.Extent(offset=o, length=n) for o, n in res.extents],
+            payload_offset=res.payload_offset,
+            expires_ms=self.store.config.memory.lease_ms,
+        )
+
+    @rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        return self._commit(request, self._owner(context))
+
+    @rpc
+    def CommitMany(
+        self, request: pb.CommitManyRequest, context: grpc.ServicerContext
+    ) -> pb.CommitManyResponse:
+        if len(request.commits) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(
+                f"{len(request.commits)} commits in one CommitMany; at most {MAX_RESERVE_BATCH}"
+            )
+        owner = self._owner(context)
+        out = pb.CommitManyResponse()
+        for c in request.commits:
+            try:
+                out.responses.append(self._commit(c, owner))
+            except Exception as e:  # each commit stands alone
+                code, msg = status_of(e)
+                if not isinstance(e, KVStoreError):
+                    log.exception("CommitMany: reservation %d failed", c.reservation_id)
+                with self._lock:
+                    self.counts[("Commit", code.name)] += 1  # as a single Commit would count
+                out.responses.append(pb.CommitResponse(error_code=code.value[0], error=msg))
+        return out
+
+    def _commit(self, request: pb.CommitRequest, owner: str) -> pb.CommitResponse:
+        nbytes = self.holds.claim(request.reservation_id, owner, "reservation")
+        checksum = request.payload_checksum if request.HasField("payload_checksum") else None
+        status = self.store.commit(request.reservation_id, checksum)
+        if status == PutStatus.STORED:
+            self._moved("in", "shm", nbytes)
+        return pb.CommitResponse(status=status_to_pb(status))
+
+    @rpc
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self.holds.claim(request.reservation_id, self._owner(context), "reservation")
+        self.store.abort(request.reservation_id)
+        return pb.AbortResponse()
+
+    @rpc
+    def Acquire(
+        self, request: pb.AcquireRequest, context: grpc.ServicerContext
+    ) -> pb.AcquireResponse:
+        self._shm_enabled(context)
+        key = self._key(request.key)
+        return self._acquire(key, self._owner(context), request.client_verifies)
+
+    @rpc
+    def AcquireMany(
+        self, request: pb.AcquireManyRequest, context: grpc.ServicerContext
+    ) -> pb.AcquireManyResponse:
+        self._shm_enabled(context)
+        if len(request.keys) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(
+                f"{len(request.keys)} keys in one AcquireMany; at most {MAX_RESERVE_BATCH}"
+            )
+        keys, owner = self._keys(request.keys), self._owner(context)
+        out = pb.AcquireManyResponse()
+        try:
+            for key in keys:
+                out.responses.append(self._acquire(key, owner, request.client_verifies))
+        except BaseException:
+            # All or nothing, as ReserveMany: a failed call leaves no pages leased.
+            for done in out.responses:
+                if done.found:
+                    self.store.release(done.lease_id)
+            raise
+        return out
+
+    def _acquire(self, key: ChunkKey, owner: str, client_verifies: bool) -> pb.AcquireResponse:
+        lease = self.store.acquire(key, owner=owner, payload=not client_verifies)
+        if lease is None:
+            # Stored below but L1 could not take it now: the client falls back to Get.
+            return pb.AcquireResponse(found=False, use_get=key in self.store)
+        self._moved("out", "shm", lease.header.stored_size)
+        return pb.AcquireResponse(
+            found=True,
+            lease_id=lease.id,
+            header=lease.header.pack(),
+            extents=[pb.Extent(offset=o, length=n) for o, n in lease.extents],
+            payload_offset=lease.payload_offset,
+            expires_ms=self.store.config.memory.lease_ms,
+        )
+
+    @rpc
+    def Release(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseResponse:
+        owner = self._owner(context)
+        ids = list(dict.fromkeys(request.lease_ids))
+        mine = [i for i in ids if self._holds_lease(i, owner)]
+        if ids and not mine:
+            self.holds.claim_leases(ids, owner)  # raises NotFound naming them
+        # A batch (release_many) releases what is still the caller's; the ones that are
+        # not (expired, another session's) are left out of ``released``, as is a lease
+        # the tier found expired: what the client read through it may be garbage.
+        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in mine))
+
+    def _holds_lease(self, lease_id: int, owner: str) -> bool:
+        try:
+            self.holds.claim(lease_id, owner, "lease")
+        except NotFound:
+            return False
+        return True
+
+    @rpc
+    def Session(
+        self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionPong]:
+        cid, watch = self.watchdog.watch(context, "session")  # pings come every lease/3
+        try:
+            pings = touching(request_iterator, watch.touch)
+            first = next(pings, None)
+            if first is None:
+                return
+            owner = self._owner(context, first.owner)
+            if not owner:
+                raise InvalidArgument("the first SessionPing must name the owner (session id)")
+            self.holds.open_session(owner, self.config.max_session_streams_per_owner)
+            try:
+                self.holds.renew(owner)
+                yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+                for _ in pings:
+                    self.holds.renew(owner)
+                    yield pb.SessionPong(server_time_ms=int(time.time() * 1000))
+            finally:
+                self.holds.end_session(owner)
+        finally:
+            self.watchdog.done(cid)
