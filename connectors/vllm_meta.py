@@ -59,7 +59,7 @@ class KVStoreStats(KVConnectorStats):
     """Counters that vLLM aggregates across workers and logs (hits, tokens, seconds)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
