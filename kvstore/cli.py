@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvstore import __version__, accel, cli_bench
 from kvstore import cli_format as fmt
+from kvstore import cli_render as render
 from kvstore.cli_format import CLIError, Doc
 from kvstore.cli_parser import build_parser
 from kvstore.errors import (
@@ -297,7 +298,7 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         why = "below_min_tokens" if r.stop == "below_min_tokens" else "granularity"
         cut_doc = {
             "reason": why,
-            "explanation": fmt.explain_stop(why, -1, None, chunks, args.min_tokens, g),
+            "explanation": render.explain_stop(why, -1, None, chunks, args.min_tokens, g),
         }
     others = []
     for o in d.other_namespaces:
@@ -325,7 +326,7 @@ def cmd_lookup(args: argparse.Namespace) -> Doc:
         "stop": d.stop,
         "stop_chunk": d.stop_chunk,
         "stop_span": stop_span,
-        "explanation": fmt.explain_stop(
+        "explanation": render.explain_stop(
             d.stop, d.stop_chunk, stop_span, chunks, args.min_tokens, g
         ),
         "other_namespaces": others,
@@ -445,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             fmt.emit_json(doc)
         else:
-            text = fmt.render(args.command, doc)
+            text = render.render(args.command, doc)
             if text:
                 print(text)
         failed = doc.get("error")

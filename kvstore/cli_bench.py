@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from kvstore import cli_format as fmt
+from kvstore import cli_render as render
 from kvstore.cli_format import CLIError, Doc
 from kvstore.keys import ChunkKey, Namespace
 
@@ -164,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
         statuses = dict.fromkeys((s.name.lower() for s in PutStatus), 0)
         verified = missing = 0
         t_put = t_get = 0.0
-        bar = fmt.Progress("put", count, enabled=args.progress)
+        bar = render.Progress("put", count, enabled=args.progress)
         for i in range(count):
             tokens = np.arange(i * ct, (i + 1) * ct, dtype=np.uint32)
             data = stamp(i)
@@ -176,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
                 keys.append((i, key))
             bar.update()
         bar.close()
-        bar = fmt.Progress("get", len(keys), enabled=args.progress)
+        bar = render.Progress("get", len(keys), enabled=args.progress)
         for i, key in keys:
             t0 = time.perf_counter()
             found = c.get_into(key, out)
