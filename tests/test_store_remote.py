@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,8 @@ def make_store(
     memory: int = 4 * MiB,
     prefix: str = "kvs",
     policy: str = "write-through",
+    codec: str = "zstd_shuffle",
+    disk: bool = True,
 ) -> TieredStore:
     return TieredStore(
         StoreConfig(
@@ -39,10 +42,11 @@ def make_store(
             granularity=4,
             write_policy=policy,
             memory=MemoryConfig(capacity_bytes=memory, page_bytes=4 * KiB),
-            disk=DiskConfig(capacity_bytes=64 * MiB),
+            disk=DiskConfig(capacity_bytes=64 * MiB, enabled=disk),
             remote=RemoteConfig(
                 url=url,
                 prefix=prefix,
+                codec=codec,
                 timeout_ms=300,
                 connect_timeout_ms=300,
                 cooldown_ms=200,
@@ -161,3 +165,75 @@ def test_unreachable_remote_at_start(tmp_path: Path) -> None:
             assert s.put(h, p).ok
         assert s.lookup(FP, list(range(32))).matched_tokens == 32
         assert not s.stats().tiers[2].healthy
+
+
+@pytest.mark.parametrize(
+    ("chunk_kib", "n", "hot"), [(512, 8, 3), (2304, 5, 2)], ids=["whole", "in-parts"]
+)
+@pytest.mark.parametrize("flavor", ["redis", "valkey"])
+def test_server_side_eviction_shortens_prefixes_and_reads_miss(
+    flavor: str, chunk_kib: int, n: int, hot: int, tmp_path: Path
+) -> None:
+    """Redis/Valkey with maxmemory and allkeys-lru evicts chunks behind kvstore's back:
+    another host's lookup stops at the first hole and reports the prefix before it, and
+    every read is a verified hit or a miss, never an error (a record in parts that lost a
+    part is a counted, deleted miss)."""
+    args = ["--maxmemory", "24mb", "--maxmemory-policy", "allkeys-lru"]
+    args += ["--maxmemory-samples", "64"]  # near-exact LRU: the hot head of the chain stays
+    chunk = chunk_kib * KiB  # the chain fits in 24 MB: nothing is evicted before it is old
+    toks = list(range(5000, 5000 + C * n))
+    chain = make_chain(toks, C, bytes_per_token=chunk // C)
+    with RedisServer(flavor, args=args) as srv:
+        raw = _plain(srv)
+
+        def present() -> list[bool]:
+            return [bool(raw.exists(f"kvs:c:{h.key.hex()}")) for h, _ in chain]
+
+        with make_store(tmp_path / "a", srv.url, memory=256 * MiB, codec="raw") as a:
+            assert a.remote is not None
+            for h, p in chain:
+                assert a.put(h, p).ok
+            assert a.flush(10)
+            time.sleep(1.1)  # the server's LRU clock ticks once a second: the chain is older
+            # Other chunks fill the server while the chain's head keeps being read: the
+            # server evicts the chain's cold tail, a hole after the hot head.
+            for i in range(64):
+                if not all(present()):
+                    break
+                for h, _ in chain[:hot]:
+                    assert a.remote.get(h.key) is not None, "the hot head was evicted"
+                filler = make_chain(list(range(90_000 + i * C, 90_000 + (i + 1) * C)), C,
+                                    bytes_per_token=chunk // C)  # fmt: skip
+                assert a.put(*filler[0]).ok
+                assert a.flush(10)
+        held = present()
+        raw.close()
+        assert not all(held), "the server never evicted any of the chain"
+        run = held.index(False)
+        assert run >= hot, f"the server evicted the hot head: {held}"
+        with make_store(tmp_path / "b", srv.url, memory=256 * MiB, codec="raw", disk=False) as b:
+            r = b.lookup(FP, toks)
+            assert r.matched_tokens == run * C, (
+                f"lookup reports {r.matched_tokens} tokens; the first hole is chunk {run} ({held})"
+            )
+            served = 0
+            for (h, p), there in zip(chain, held, strict=True):
+                blob = b.get(h.key)  # must not raise, whatever the server dropped
+                if blob is None:
+                    continue
+                assert there, f"chunk {h.key.hex()[:12]} served although it was evicted"
+                assert bytes(blob[parse_header(blob).header_size :]) == p, "other bytes served"
+                served += 1
+            remote = b.stats().tiers[-1]
+            assert served + remote.detail["torn"] == sum(held), remote.detail
+            assert remote.corrupt == 0, "an evicted part must not count as corrupt"
+
+
+def _plain(srv: RedisServer) -> Any:
+    if srv.flavor == "valkey":
+        import valkey
+
+        return valkey.Valkey(port=srv.port)
+    import redis
+
+    return redis.Redis(port=srv.port)

@@ -40,10 +40,11 @@ It is best effort: hosts write it concurrently without locks, and a lost reply o
 a crash between the steps can leave an entry behind or the counter off;
 ``recount()`` repairs the counter (eviction runs it when the numbers do not add
 up). Readers never trust bookkeeping over the record: ``get`` verifies the
-record, ``scan`` skips (and prunes) entries whose record is gone, and a
-``children`` entry whose record is gone is just a miss when fetched. A put costs
+record, ``scan`` skips (and prunes) entries whose record is gone, and
+``children`` drops (and prunes) entries whose record is gone. A put costs
 3 round trips (4 with a capacity; a record in parts one more, its parts pipelined
-four at a time); get, contains and children cost one (a record in parts two).
+four at a time); get and contains cost one (a record in parts two), children
+two (the entries, then whether their records are still there).
 
 Cluster mode uses no hash tags but the parts': every other command touches exactly
 one key, pipelines are never transactional, so records spread over all nodes
@@ -225,7 +226,10 @@ class RemoteTier(RemoteListing):
         ROOT's children are kept per namespace (ROOT is every namespace's parent),
         so ``fingerprint`` is required for ROOT. When given, entries whose key
         does not hash from (parent, fingerprint, tokens) are dropped: a child is
-        never reported for another namespace. Degrades to {} when the remote is down.
+        never reported for another namespace. Children whose record is gone (evicted
+        by the server's maxmemory policy, say) are dropped too, and their entries
+        pruned, so a partial match never promises a chunk that is not there: one more
+        round trip when there are children. Degrades to {} when the remote is down.
         """
         self._check_open()
         if parent == ROOT and fingerprint is None:
@@ -244,6 +248,18 @@ class RemoteTier(RemoteListing):
             ):
                 continue
             out[ChunkKey(bytes(child))] = bytes(tokens)
+        if not out:
+            return out
+        try:
+            there = self._pipe("children", [("exists", self._c(k)) for k in out])
+        except TierError:
+            return {}
+        gone = [k for k, e in zip(out, there, strict=True) if not e]
+        if gone:
+            with contextlib.suppress(TierError):
+                self._pipe("children", [("hdel", self._k(parent, fingerprint or b""), *gone)])
+            for k in gone:
+                del out[k]
         return out
 
     # -- stats and lifecycle ----------------------------------------------------------
