@@ -198,6 +198,32 @@ def test_a_hung_server_keeps_the_deadline_on_a_big_read() -> None:
             tier.close()
 
 
+def test_a_hung_server_keeps_the_deadline_on_a_big_write() -> None:
+    """A server that stops reading: the parts fill the socket buffers, the send times out
+    within the call's deadline, the put is UNAVAILABLE, and the next put after the server
+    resumes goes through (the half-sent connection was dropped, not reused)."""
+    with RedisServer("redis") as server:
+        tier = make_tier(server.url, timeout_ms=300, retries=0, failure_threshold=5)
+        try:
+            h, payload = big_record(10, 16 * PART_BYTES)  # 32 MiB: more than socket buffers
+            server.pause()
+            try:
+                t0 = time.monotonic()
+                status = tier.put(h, payload.data)
+                dt = time.monotonic() - t0
+            finally:
+                server.resume()
+            assert status is PutStatus.UNAVAILABLE, status
+            assert dt < 1.0, f"put took {dt:.2f}s against a hung server (deadline 0.3 s)"
+            h2, payload2 = big_record(11)
+            assert tier.put(h2, payload2.data) is PutStatus.STORED
+            out = np.zeros(BIG, np.uint8)
+            assert tier.get_into(h2.key, memoryview(out)) is not None
+            assert np.array_equal(out, payload2)
+        finally:
+            tier.close()
+
+
 def test_cluster_client_follows_moved(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stale slot map (as after a failover or resharding) sends a call to the wrong node:
     its MOVED reply is followed, and the topology is re-read before the next call."""
