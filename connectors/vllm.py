@@ -172,6 +172,16 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks before it starts an engine with sleep mode on (0.32 never does).
+        kvstore registers no device memory with anyone (``cudaHostRegister`` pins only the
+        server's host arena), and its copies out of the KV cache are device work that vLLM
+        waits for (it synchronizes the device before it sleeps), so the cache's remap at
+        sleep leaves nothing stale here: 0.33's ``unregister_kv_caches`` and
+        ``restore_kv_caches`` have nothing to do."""
+        return True
+
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
