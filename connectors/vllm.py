@@ -24,8 +24,16 @@ vLLM's own ``OffloadingConnector`` is: by role it builds one half and forwards e
   engine's private server (``vllm_private``).
 
 Choices, and why:
-- Loads are synchronous and bounded (``start_load_kv`` before the forward, every
-  call with a deadline); a load that fails or times out is reported through
+- A step's loads cost a constant number of calls: the workers load the chunks the
+  scheduler's lookup found (no second lookup), every chunk of the step under one
+  AcquireMany, the leases ended by one Release nobody waits for; on CPU each payload
+  goes from the arena's pages into its cache blocks in one verified pass.
+- Hits in the server's L1 on this host load synchronously (``start_load_kv`` before
+  the forward: a copy at memory speed); hits below L1 or on another host load
+  asynchronously (``load_async=True``: the request waits in WAITING_FOR_REMOTE_KVS
+  while a worker thread loads it, and ``get_finished`` reports it), the server
+  promoting the chunks into L1 meanwhile. Every load has a deadline; a load that
+  fails, times out or passes ``load_deadline_ms`` is reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (with
   ``kv_load_failure_policy: recompute``).
 - Saves start in ``wait_for_save``, after every layer of the step is written, from
@@ -143,11 +151,17 @@ class KVStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # a step's loads complete in start_load_kv (or in the background, reported)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

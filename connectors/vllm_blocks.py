@@ -50,8 +50,12 @@ class BlockLayout:
         self.itemsize = first.element_size()
         self.block_bytes = prod(first.shape[1:]) * self.itemsize
         self.num_blocks = first.shape[0]
-        # CUDA: saves gather on their own stream (see gather)
+        # CUDA: saves gather, and loads copy, on their own stream (see gather, load_cuda)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Where each layer's block 0 starts in its storage, and the bytes between blocks:
+        # what ``pieces`` needs to place a payload's blocks straight into the cache.
+        self._at: list[tuple[int, int]] = []
+        storages: set[int] = set()
         for name in self.names:
             t = kv_caches[name]
             bb = prod(t.shape[1:]) * t.element_size()
@@ -66,6 +70,8 @@ class BlockLayout:
                     f"strides {t.stride()}); this KV layout is not supported"
                 )
             storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            storages.add(t.untyped_storage().data_ptr())
+            self._at.append((t.storage_offset() * t.element_size(), t.stride(0) * t.element_size()))
             self.views.append(
                 torch.as_strided(
                     storage,
@@ -75,9 +81,37 @@ class BlockLayout:
                 )
             )
 
+        # The whole cache as one byte array, when every layer lives in one allocation on
+        # the host (vLLM's CPU layout): loads copy a payload into its blocks in one pass.
+        self.flat: Any = None
+        if self.device.type == "cpu" and len(storages) == 1:
+            self.flat = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage()).numpy()
+
     @property
     def layers(self) -> int:
         return len(self.views)
+
+    def pieces(
+        self, stored_blocks: int, first: int, block_ids: Sequence[int]
+    ) -> list[tuple[int, int]] | None:
+        """Where each byte of a payload of ``stored_blocks`` blocks goes in ``flat`` to
+        load its blocks ``first .. first + len(block_ids) - 1`` into ``block_ids``:
+        (offset, length) pieces in payload order, covering it exactly once, for
+        ``Lease.read_scattered``. A block before ``first`` (computed locally, or in
+        vLLM's own prefix cache) lands in the first loaded block of its layer, which the
+        bytes that follow overwrite: the whole payload is still hashed as it lands, and
+        nothing outside the request's own blocks is written. None when this cannot be
+        done in place: no single host allocation, or blocks after the last one loaded
+        (a stored chunk of which only a prefix matches), which would have nowhere to go."""
+        n, bb = len(block_ids), self.block_bytes
+        if self.flat is None or not n or first + n != stored_blocks:
+            return None
+        out: list[tuple[int, int]] = []
+        for base, stride in self._at:
+            if first:
+                out += [(base + block_ids[0] * stride, bb)] * first
+            out += [(base + b * stride, bb) for b in block_ids]
+        return out
 
     def describe(self) -> str:
         """The part of the namespace that the bytes depend on."""
@@ -169,6 +203,47 @@ class BlockLayout:
         for i, view in enumerate(self.views):
             view.index_copy_(0, idx, data[i])
 
+    def load_cuda(
+        self, src: Any, stored_blocks: int, block_ids: Sequence[int], first: int = 0
+    ) -> Any:
+        """CUDA: queue the copy of a payload's blocks ``first ..`` into ``block_ids`` from
+        host memory registered with CUDA (the arena's leased pages, ``src`` a uint8 array
+        over them) on the side stream: one host-to-device transfer straight from the
+        arena, then the blocks scattered on the device. Returns the event recorded after
+        them: the compute stream waits for it (a load the step needs), or the host does
+        (a background load, and before the lease is released: until then the transfer
+        may still read the pages)."""
+        if self._side is None:
+            raise InvalidArgument("load_cuda needs a CUDA cache")
+        n = len(block_ids)
+        if first + n > stored_blocks:
+            raise InvalidArgument(
+                f"asked for blocks {first}..{first + n - 1} of a chunk holding {stored_blocks}"
+            )
+        # After the work already queued: a block freed and handed to this request may
+        # still be read by kernels of an earlier step.
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            host = torch.from_numpy(src)
+            # Allocated on the side stream, so reused only after this stream's later work.
+            data = host.to(self.device, non_blocking=True)
+            data = data.view(self.layers, stored_blocks, self.block_bytes)[:, first : first + n]
+            idx = self._indices(block_ids)
+            for i, view in enumerate(self.views):
+                view.index_copy_(0, idx, data[i])
+            done = torch.cuda.Event()
+            done.record(self._side)
+        return done
+
+    def synchronize(self) -> None:
+        """CUDA: wait for the work queued on this thread's current stream."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def wait_on_compute(self, event: Any) -> None:
+        """CUDA: the compute stream waits for ``event`` (a load this step's forward reads)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
     def _indices(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Block ids on the cache's device, without making the host wait for the GPU.
 
@@ -183,6 +258,9 @@ class BlockLayout:
 
 def _done() -> None:
     return None
+
+
+_END_BATCH = "end of batch"  # BackgroundSaver's queue: the jobs before it are one batch
 
 
 class PinnedArenas:
@@ -244,12 +322,22 @@ class BackgroundSaver:
     builds the job (allocating its buffer and starting its copies), and a job that would
     pass ``max_pending_bytes`` is refused before any of that (the caller counts a skipped
     save, a future miss) rather than stalling the engine or growing without limit.
+
+    With ``run_batch(jobs) -> [tokens]`` the jobs submitted between two ``end_batch``
+    calls (one engine step's) are stored together, so that a step's chunks cost one
+    CommitMany, not a Commit each.
     """
 
-    def __init__(self, run: Callable[[Any], int], max_pending_bytes: int) -> None:
+    def __init__(
+        self,
+        run: Callable[[Any], int],
+        max_pending_bytes: int,
+        run_batch: Callable[[list[Any]], list[int]] | None = None,
+    ) -> None:
         self._run = run
+        self._run_batch = run_batch
         self.max_pending_bytes = max_pending_bytes
-        self._jobs: queue.SimpleQueue[tuple[Any, int, Hashable] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Any, int, Hashable] | str | None] = queue.SimpleQueue()
         self._keys: set[Hashable] = set()  # keys of queued jobs: a chunk is saved once
         self._cond = threading.Condition()
         self._pending_bytes = 0
@@ -286,13 +374,37 @@ class BackgroundSaver:
         self._jobs.put((job, nbytes, key))
         return True
 
+    def end_batch(self) -> None:
+        """The jobs submitted since the last call are one batch (``run_batch``)."""
+        if self._run_batch is not None:
+            self._jobs.put(_END_BATCH)
+
     def _loop(self) -> None:
+        batch: list[tuple[Any, int, Hashable]] = []
         while (item := self._jobs.get()) is not None:
-            job, nbytes, key = item
-            try:
-                tokens = self._run(job)
-            except Exception:  # the owner's run reports its own failures
-                tokens = 0
+            if isinstance(item, str):  # _END_BATCH
+                self._batch(batch)
+                batch = []
+            elif self._run_batch is not None:
+                batch.append(item)
+            else:
+                job, nbytes, key = item
+                try:
+                    tokens = self._run(job)
+                except Exception:  # the owner's run reports its own failures
+                    tokens = 0
+                self._finished(nbytes, key, tokens, 0 if tokens else 1)
+        self._batch(batch)
+
+    def _batch(self, batch: list[tuple[Any, int, Hashable]]) -> None:
+        if not batch:
+            return
+        assert self._run_batch is not None
+        try:
+            stored = self._run_batch([job for job, _, _ in batch])
+        except Exception:  # the owner's run reports its own failures
+            stored = [0] * len(batch)
+        for (_, nbytes, key), tokens in zip(batch, stored, strict=True):
             self._finished(nbytes, key, tokens, 0 if tokens else 1)
 
     def _finished(self, nbytes: int, key: Hashable, tokens: int, failed: int) -> None:
@@ -318,6 +430,7 @@ class BackgroundSaver:
 
     def drain(self, timeout: float) -> bool:
         """Wait until every submitted job has run; False if some are still pending."""
+        self.end_batch()
         with self._cond:
             return self._cond.wait_for(lambda: self._pending_jobs == 0, timeout)
 

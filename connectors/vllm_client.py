@@ -18,7 +18,7 @@ import atexit
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_namespace import EngineNamespace
@@ -30,6 +30,7 @@ from kvstore.errors import ConfigError, DeadlineExceeded, ServerUnavailable
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import RecordHeader
 from kvstore.retry import CircuitBreaker
+from kvstore.shm import LeaseBase
 from kvstore.types import LookupResult
 
 log = init_logger("vllm.kvstore.connector")
@@ -55,6 +56,14 @@ def open_client(
         return BreakerClient(cfg, cfg.url, role=role, clock=clock)
     url, server = open_private(cfg, engine_id, engine.fingerprint.hex(), engine.describe())
     return BreakerClient(cfg, url, role=role, server=server, clock=clock)
+
+
+class Leased(NamedTuple):
+    """What one AcquireMany lent: per key a ``Lease``, ``USE_GET`` or None, and the client
+    that holds the leases (released through it, and only while it is open)."""
+
+    client: Any
+    items: list[Any]
 
 
 class BreakerClient:
@@ -85,9 +94,10 @@ class BreakerClient:
         self._errors = 0  # calls that raised something other than a connection failure
         self._last_log: dict[str, float] = {}
         self._lock = threading.RLock()  # _connect and failed may race with close
-        # Called with the client just before a failure closes it (Saves waits there for
-        # device copies into that client's reservations).
-        self.before_close: Callable[[Any], None] | None = None
+        # Called with the client just before a failure closes it and unmaps its arena
+        # (Saves waits there for device copies into its reservations, Loads for copies
+        # out of its leases).
+        self.before_close: list[Callable[[Any], None]] = []
 
     def sibling(self, role: str) -> BreakerClient:
         """A client of its own to the same server, with its own breaker, for another
@@ -172,8 +182,8 @@ class BreakerClient:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                if self.before_close is not None:
-                    self.before_close(client)
+                for settle in self.before_close:
+                    settle(client)
                 client.close()
 
     def _due(self, kind: str) -> bool:
@@ -217,7 +227,9 @@ class BreakerClient:
         min_tokens: int = 0,
         granularity: int = 0,
         worker: bool = False,
+        prefetch: bool = False,
     ) -> LookupResult | None:
+        """``prefetch``: the server starts promoting the matched chunks below L1 into L1."""
         client = self._connect()
         if client is None:
             return None
@@ -229,18 +241,57 @@ class BreakerClient:
                 min_tokens=min_tokens,
                 granularity=granularity,
                 repeat=worker,  # the scheduler counted this request's lookup
+                prefetch=prefetch,
                 timeout=timeout,
             )
         except Exception as e:
             self.failed("lookup", e)
             return None
 
-    def get_into(self, key: ChunkKey, out: Any) -> RecordHeader | None:
+    def shm_active(self) -> bool:
+        """Chunk bytes travel through the server's arena (connected, on its host)."""
+        client = self._connect()
+        return bool(client is not None and client.shm_active)
+
+    def acquire_many(
+        self, keys: Sequence[ChunkKey], timeout_s: float | None = None
+    ) -> Leased | None:
+        """Read leases on many chunks in one AcquireMany (``Client.acquire_many``: per key
+        a ``Lease``, ``USE_GET`` or None), the client verifying each payload as it is
+        copied; None when the call failed (the server is down: every chunk is a miss)."""
         client = self._connect()
         if client is None:
             return None
+        if not keys:
+            return Leased(client, [])
+        timeout = self.cfg.timeout_ms / 1000 if timeout_s is None else timeout_s
         try:
-            return client.get_into(key, out.numpy())
+            got = client.acquire_many(keys, verify=True, timeout=max(timeout, 0.001))
+        except Exception as e:
+            self.failed("load", e)
+            return None
+        return Leased(client, list(got))
+
+    def release_later(self, leased: Leased) -> None:
+        """End a batch's leases with one Release that nobody waits for (their bytes were
+        verified as they were copied, so one that ran out meanwhile served no wrong KV)."""
+        leases = [x for x in leased.items if isinstance(x, LeaseBase) and not x.released]
+        if not leases or leased.client is not self._client or leased.client.arena is None:
+            return  # that client was closed since: the server dropped its leases with it
+        try:
+            leased.client.release_later(leases)
+        except Exception as e:
+            self.failed("release", e)
+
+    def get_into(
+        self, key: ChunkKey, out: Any, timeout_s: float | None = None
+    ) -> RecordHeader | None:
+        client = self._connect()
+        if client is None:
+            return None
+        timeout = self.cfg.timeout_ms / 1000 if timeout_s is None else max(timeout_s, 0.001)
+        try:
+            return client.get_into(key, out.numpy(), timeout=timeout)
         except Exception as e:
             self.failed("load", e)
             return None

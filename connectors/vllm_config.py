@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from kvstore.config import build, parse_size
+from kvstore.config import build, check_choices, parse_size
 from kvstore.errors import ConfigError
+
+ShmMode = Literal["auto", "on", "off"]
+SaveMode = Literal["auto", "sync", "async"]
+LoadMode = Literal["auto", "sync", "async"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class ConnectorConfig:
     )
     auth_token: str = ""  # bearer token, when the server requires one
     salt: str = ""  # tenant / cache salt folded into every key (requests' cache_salt adds to it)
-    shm: str = "auto"  # shared-memory data plane: auto (when on the same host), on, off
+    shm: ShmMode = "auto"  # shared-memory data plane: auto (when on the same host), on, off
     # after a call that could not reach the server (unavailable, past its deadline), skip
     # the server this long before trying again; other errors do not count
     retry_after_ms: int = 5000
@@ -37,8 +41,17 @@ class ConnectorConfig:
     # sync: a step's saves are stored before the step ends; async: they are queued and
     # stored by a background thread while the engine goes on; auto: async for kv_both on
     # a GPU, sync otherwise (a P/D producer's saves must be there when its answer is)
-    save_mode: str = "auto"
+    save_mode: SaveMode = "auto"
     save_buffer: str = "1GiB"  # async saves: most host memory held by saves not yet stored
+    # sync: a hit is loaded inside the step that computes the rest of the prompt; async:
+    # the request waits (WAITING_FOR_REMOTE_KVS) while a worker thread loads it and other
+    # requests run; auto: sync when every chunk of the hit is in the server's L1 on this
+    # host (a copy at memory speed), async when some are on disk, in Redis/Valkey, or the
+    # server is on another host
+    load_mode: LoadMode = "auto"
+    # the longest an asynchronous load may take, from the step that starts it: past it
+    # the blocks not loaded yet are reported failed and vLLM computes them
+    load_deadline_ms: int = 5000
     memory_capacity: str = "2GiB"  # private server only: L1 arena size
     disk_capacity: str = "16GiB"  # private server only: L2 size
     # private server only: where L2 lives; "" = a cache slot under $XDG_CACHE_HOME/kvstore/vllm
@@ -56,14 +69,17 @@ class ConnectorConfig:
             )
         if self.chunk_tokens < 0 or self.min_tokens < 0:
             raise ConfigError("kv_connector_extra_config: chunk_tokens and min_tokens must be >= 0")
-        if self.timeout_ms <= 0 or self.lookup_timeout_ms <= 0 or self.retry_after_ms < 0:
-            raise ConfigError("kv_connector_extra_config: timeouts must be > 0")
-        if self.shm not in ("auto", "on", "off"):
-            raise ConfigError(f"kv_connector_extra_config.shm={self.shm!r}: allowed auto, on, off")
-        if self.save_mode not in ("auto", "sync", "async"):
+        if (
+            self.timeout_ms <= 0
+            or self.lookup_timeout_ms <= 0
+            or self.load_deadline_ms <= 0
+            or self.retry_after_ms < 0
+        ):
             raise ConfigError(
-                f"kv_connector_extra_config.save_mode={self.save_mode!r}: allowed auto, sync, async"
+                "kv_connector_extra_config: timeout_ms, lookup_timeout_ms and "
+                "load_deadline_ms must be > 0, retry_after_ms >= 0"
             )
+        check_choices(self, "kv_connector_extra_config")
         if self.data_dir and not self.persist:
             raise ConfigError(
                 "kv_connector_extra_config: persist=false and data_dir both given; a data_dir "

@@ -1,78 +1,351 @@
-"""The worker half's loads: the blocks a step's hits cover, read from the server and
-copied into the paged KV cache before the forward pass.
+"""The worker half's loads: the blocks a step's hits cover, read from the server's arena
+straight into the paged KV cache.
 
-Loads are synchronous and bounded: ``Loads.load`` runs in ``start_load_kv``, every
-call to the server under ``timeout_ms``. Same-host loads run at memory speed, so
-the async path's extra scheduler step would cost more TTFT than it hides. A block
-that is not loaded (the server is down, the record is gone, corrupt, of another
-layout, or its tokens differ) is returned as failed: vLLM recomputes it. Nothing
-here raises: an exception in ``start_load_kv`` would kill the engine.
+A step's loads cost a constant number of calls, whatever the number of chunks: the
+scheduler's lookup already found the chunks (``LoadSpec.chunks``: keys, stored sizes),
+so the worker does not look up again; one AcquireMany lends every chunk of every
+request of the batch, and one Release, not waited for, ends the leases once the bytes
+are copied. On CPU each payload is copied from the leased pages into its cache blocks
+in one pass, hashed as it lands (``Lease.read_scattered``): no host buffer in between,
+and a payload whose bytes do not verify is a failed load. On CUDA the pages (the arena
+registered with ``cudaHostRegister``) go to the device in one transfer per chunk on a
+side stream (``BlockLayout.load_cuda``).
 
-``Loads.load`` is the whole load path, one call per step with the step's specs, so
-another way of loading (batched leases, asynchronous loads) replaces this class.
+What cannot go straight into the cache takes a staged path through a host buffer: a
+chunk the arena cannot lend (``USE_GET``: read with Get from the tier below), a stored
+chunk of which only a prefix matches, a cache that is not one host allocation, or a
+server on another host (Get per chunk). A block that is not loaded (the server is down,
+the record is gone, corrupt, of another layout, or its tokens differ) is returned as
+failed: vLLM recomputes it. Nothing here raises: an exception in ``start_load_kv``
+would kill the engine.
+
+``Ticket`` is the fence of an asynchronous load (``vllm_async``): every chunk copy into
+a request's blocks runs under its lock, so once ``cancel`` returns (a deadline, a
+preemption) nothing more is written into blocks vLLM may have handed to someone else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvstore.connectors.vllm_blocks import BlockLayout
-from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_meta import LoadSpec, Setup
+import numpy as np
+import xxhash
+from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
+from kvstore.connectors.vllm_client import BreakerClient, Leased
+from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup
 
-from kvstore.keys import tokens_to_bytes
+from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
+from kvstore.shm import USE_GET, LeaseBase
 
 
 @dataclass
-class LoadOutcome:
-    """What one step's loads did."""
+class SpecOutcome:
+    """What one request's load did."""
 
     loaded_tokens: int = 0  # tokens whose KV is now in the cache
     failed: set[int] = field(default_factory=set)  # block ids not loaded: vLLM recomputes them
 
 
+class Ticket:
+    """One request's asynchronous load: its spec, its deadline, and the fence between the
+    thread that copies into its blocks and the engine thread that gives up on it."""
+
+    def __init__(self, spec: LoadSpec, deadline: float) -> None:
+        self.spec = spec
+        self.deadline = deadline  # on the worker's clock
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.done = False
+        self.outcome = SpecOutcome()
+        self.loaded: set[int] = set()  # blocks already written and verified
+        self.events: list[Any] = []  # CUDA: transfers queued into its blocks
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[bool]:
+        """Held while one chunk is copied into the request's blocks: False once cancelled."""
+        with self.lock:
+            yield not self.cancelled
+
+    def cancel(self) -> None:
+        """Stop writing into the request's blocks; returns once no copy into them is under
+        way (on CUDA, once the transfers already queued have landed)."""
+        with self.lock:
+            self.cancelled = True
+            events, self.events = self.events, []
+        for event in events:
+            event.synchronize()
+
+
+@dataclass
+class _Task:
+    """One chunk to load for one request."""
+
+    spec: int  # index of its spec
+    key: bytes
+    stored: int  # blocks the record holds
+    first: int  # the record's block that goes to ids[0]
+    ids: list[int]  # cache blocks to fill, in order
+    check: bytes  # token ids the record must start with (partial matches), or b""
+
+
 class Loads:
-    """Loads the hits of one worker, synchronously, in the step that asks for them."""
+    """Loads one worker's hits: ``load`` is the whole load path, one call per batch."""
 
     def __init__(self, setup: Setup, layout: BlockLayout, client: BreakerClient) -> None:
         self.setup, self.layout, self.client = setup, layout, client
+        self.cuda = layout.device.type == "cuda"
+        self._pins = PinnedArenas() if self.cuda else None
+        # CUDA: leases whose transfers may still read the arena, released once landed.
+        self._landing: list[tuple[Any, Leased]] = []
+        client.before_close.append(self._settle)
 
-    def load(self, specs: Sequence[LoadSpec]) -> LoadOutcome:
-        """Load every spec of a step; what was loaded and which blocks were not."""
-        out = LoadOutcome()
-        for spec in specs:
+    def load(
+        self,
+        specs: Sequence[LoadSpec],
+        tickets: Sequence[Ticket] | None = None,
+        deadline: float | None = None,
+    ) -> list[SpecOutcome]:
+        """Load every spec of a batch; per spec what was loaded and which blocks were not.
+
+        ``tickets`` (asynchronous loads, one per spec): each copy is fenced by its
+        ticket, and on CUDA waited for before this returns. ``deadline``
+        (``time.monotonic``): no call to the server waits past it."""
+        outs = [SpecOutcome() for _ in specs]
+        tasks: list[_Task] = []
+        for i, spec in enumerate(specs):
             try:
-                out.loaded_tokens += self._load(spec, out.failed)
+                tasks += self._plan(i, spec, outs[i].failed)
             except Exception as e:  # a bug, not the server: this request computes instead
                 self.client.failed("load", e)
-                out.failed.update(spec.block_ids)
-        return out
+                outs[i].failed.update(spec.block_ids)
+        loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
+        try:
+            self._fetch(tasks, tickets, deadline, loaded)
+        except Exception as e:  # a bug: every block not loaded yet is recomputed
+            self.client.failed("load", e)
+        bs = self.setup.block_size
+        for i, spec in enumerate(specs):
+            first = spec.start // bs
+            outs[i].failed.update(b for b in spec.block_ids if (i, b) not in loaded)
+            missed = sum(
+                min((first + b + 1) * bs, spec.end) - max((first + b) * bs, spec.start)
+                for b, block in enumerate(spec.block_ids)
+                if block in outs[i].failed
+            )
+            outs[i].loaded_tokens = (spec.end - spec.start) - missed
+        return outs
 
-    def _load(self, spec: LoadSpec, failed: set[int]) -> int:
-        """Load one request's hit; the tokens loaded. Blocks not loaded go to ``failed``."""
-        bs, layout = self.setup.block_size, self.layout
-        ns = self.setup.ns.for_request(spec.salt)
-        result = self.client.lookup(ns, spec.tokens, granularity=bs, worker=True)
-        whole = self.setup.blocks(spec.end)
-        todo = dict(zip(range(spec.start // bs, whole), spec.block_ids, strict=True))
-        for match in result.chunks if result else ():
-            first = match.start // bs
-            blocks = [b for b in range(first, first + match.tokens // bs) if b in todo]
+    # -- which chunks --------------------------------------------------------------------
+    def _plan(self, i: int, spec: LoadSpec, failed: set[int]) -> list[_Task]:
+        """The chunks of one request's hit and the blocks each fills."""
+        bs = self.setup.block_size
+        todo = dict(
+            zip(range(spec.start // bs, self.setup.blocks(spec.end)), spec.block_ids, strict=True)
+        )
+        tasks = []
+        for c in self._chunks(spec):
+            first = c.start // bs
+            blocks = [b for b in range(first, first + c.tokens // bs) if b in todo]
             if not blocks:
                 continue
-            stored = match.stored_tokens // bs
-            buf = layout.host_buffer(layout.nbytes(stored))
-            header = self.client.get_into(match.key, buf)
+            # A partial match rests on 8-byte sub-hashes; the record's own token ids have
+            # the last word, so colliding tokens are recomputed, never loaded.
+            check = tokens_to_bytes(spec.tokens[c.start : c.start + c.tokens]) if c.partial else b""
+            ids = [todo.pop(b) for b in blocks]
+            tasks.append(_Task(i, c.key, c.stored_tokens // bs, blocks[0] - first, ids, check))
+        failed.update(todo.values())  # not stored (any more)
+        return tasks
+
+    def _chunks(self, spec: LoadSpec) -> Sequence[ChunkRef]:
+        """The scheduler's chunks, keyed in this worker's namespace."""
+        fp = self.setup.ns.for_request(spec.salt).fingerprint
+        if spec.chunks and fp == spec.fingerprint:
+            return spec.chunks
+        if spec.chunks and not any(c.partial for c in spec.chunks):
+            # Another TP/PP rank: the same chunks under this rank's keys, chained as saves
+            # chain them (a partial match's key is a stored sibling's, unknown here).
+            out, parent = [], ROOT
+            for c in spec.chunks:
+                raw = tokens_to_bytes(spec.tokens[c.start : c.start + c.stored_tokens])
+                parent = chunk_key(parent, fp, raw)
+                out.append(c._replace(key=parent))
+            return out
+        ns = self.setup.ns.for_request(spec.salt)
+        result = self.client.lookup(ns, spec.tokens, granularity=self.setup.block_size, worker=True)
+        return [
+            ChunkRef(m.key, m.start, m.tokens, m.stored_tokens, m.partial)
+            for m in (result.chunks if result else ())
+        ]
+
+    # -- moving bytes --------------------------------------------------------------------
+    def _fetch(
+        self,
+        tasks: list[_Task],
+        tickets: Sequence[Ticket] | None,
+        deadline: float | None,
+        loaded: set[tuple[int, int]],
+    ) -> None:
+        if not tasks:
+            return
+        self._release_landed()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return
+        if not self.client.shm_active():  # a server on another host: Get per chunk
+            for t in tasks:
+                ticket = tickets[t.spec] if tickets is not None else None
+                self._staged(t, None, ticket, deadline, loaded)
+            return
+        keys = list(dict.fromkeys(t.key for t in tasks))  # requests sharing a prefix
+        leased = self.client.acquire_many(keys, left)
+        if leased is None:
+            return  # the server is down: every block is reported
+        lent = dict(zip(keys, leased.items, strict=True))
+        arena = leased.client.arena
+        later: list[_Task] = []
+        events: list[Any] = []
+        try:
+            for t in tasks:
+                lease = lent[t.key]
+                ticket = tickets[t.spec] if tickets is not None else None
+                if lease is USE_GET:
+                    later.append(t)  # after the copies: a failed Get may close the client
+                elif isinstance(lease, LeaseBase) and self._fits(t, lease):
+                    try:
+                        self._copy(t, lease, arena, ticket, loaded, events)
+                    except Exception as e:  # a bug: this chunk's blocks are recomputed
+                        self.client.failed("load", e)
+        finally:
+            if events:  # CUDA: the pages are read until the transfers land
+                self._landing.append((events[-1], leased))
+            else:
+                self.client.release_later(leased)
+        for t in later:
+            ticket = tickets[t.spec] if tickets is not None else None
+            self._staged(t, None, ticket, deadline, loaded)
+
+    def _fits(self, t: _Task, lease: LeaseBase) -> bool:
+        """The record is of this layout and, for a partial match, of these tokens."""
+        header = lease.header
+        if header.raw_size != self.layout.nbytes(t.stored):
+            return False
+        return not t.check or header.token_bytes[: len(t.check)] == t.check
+
+    def _copy(
+        self,
+        t: _Task,
+        lease: LeaseBase,
+        arena: Any,
+        ticket: Ticket | None,
+        loaded: set[tuple[int, int]],
+        events: list[Any],
+    ) -> None:
+        layout = self.layout
+        if self.cuda:
+            self._copy_cuda(t, lease, arena, ticket, loaded, events)
+            return
+        pieces = layout.pieces(t.stored, t.first, t.ids)
+        if pieces is None:
+            self._staged(t, lease, ticket, None, loaded)
+            return
+        with _fence(ticket) as go:
+            if go and lease.read_scattered(layout.flat, pieces):
+                self._landed(t, ticket, loaded)
+
+    def _copy_cuda(
+        self,
+        t: _Task,
+        lease: LeaseBase,
+        arena: Any,
+        ticket: Ticket | None,
+        loaded: set[tuple[int, int]],
+        events: list[Any],
+    ) -> None:
+        views = lease.views()
+        assert self._pins is not None
+        if len(views) != 1 or arena is None or not self._pins.pin(arena):
+            self._staged(t, lease, ticket, None, loaded)
+            return
+        src = np.frombuffer(views[0], dtype=np.uint8)
+        with _fence(ticket) as go:
+            if not go:
+                return
+            event = self.layout.load_cuda(src, t.stored, t.ids, t.first)
+            if ticket is not None:
+                ticket.events.append(event)
+            events.append(event)
+        if ticket is None:
+            self.layout.wait_on_compute(event)
+        # Hashed on the host while the transfer runs: the leased pages cannot change
+        # before the release, which waits for the transfer.
+        if xxhash.xxh3_64_intdigest(views[0]) == lease.header.payload_checksum:
+            self._landed(t, ticket, loaded)
+
+    def _staged(
+        self,
+        t: _Task,
+        lease: LeaseBase | None,
+        ticket: Ticket | None,
+        deadline: float | None,
+        loaded: set[tuple[int, int]],
+    ) -> None:
+        """Through a host buffer: out of a lease, verified, or by Get (verified by the
+        server), then scattered into the blocks."""
+        layout = self.layout
+        buf = layout.host_buffer(layout.nbytes(t.stored))
+        if lease is not None:
+            if not lease.read_verified(buf.numpy()):
+                return
+        else:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            header = self.client.get_into(t.key, buf, left)
             if header is None or header.raw_size != buf.numel():
-                continue  # gone or another layout: those blocks are reported below
-            want = tokens_to_bytes(spec.tokens[match.start : match.start + match.tokens])
-            if header.token_bytes[: len(want)] != want:
-                # A partial match rests on 8-byte sub-hashes; the record's own token ids
-                # have the last word, so colliding tokens are recomputed, never loaded.
-                continue
-            # Blocks of the chunk before spec.start are computed locally: only ``blocks`` move.
-            layout.scatter(buf, stored, [todo.pop(b) for b in blocks], first=blocks[0] - first)
-        failed.update(todo.values())
-        missed = sum(min((b + 1) * bs, spec.end) - max(b * bs, spec.start) for b in todo)
-        return (spec.end - spec.start) - missed
+                return
+            if t.check and header.token_bytes[: len(t.check)] != t.check:
+                return
+        with _fence(ticket) as go:
+            if not go:
+                return
+            layout.scatter(buf, t.stored, t.ids, first=t.first)
+            if self.cuda and ticket is not None:  # queued on this thread's stream
+                layout.synchronize()
+            self._landed(t, ticket, loaded)
+
+    def _landed(self, t: _Task, ticket: Ticket | None, loaded: set[tuple[int, int]]) -> None:
+        loaded.update((t.spec, b) for b in t.ids)
+        if ticket is not None:
+            ticket.loaded.update(t.ids)
+
+    # -- CUDA leases -----------------------------------------------------------------------
+    def _release_landed(self) -> None:
+        """Release the leases whose transfers have landed."""
+        keep = []
+        for event, leased in self._landing:
+            if event.query():
+                self.client.release_later(leased)
+            else:
+                keep.append((event, leased))
+        self._landing = keep
+
+    def _settle(self, client: Any) -> None:
+        """Before the client (and its arena mapping) goes: let the transfers out of it land."""
+        for event, _ in self._landing:
+            event.synchronize()
+        self._landing = []
+
+    def close(self) -> None:
+        self._settle(None)
+        if self._pins is not None:
+            self._pins.close()
+
+
+def _fence(ticket: Ticket | None) -> contextlib.AbstractContextManager[bool]:
+    """The ticket's fence around one copy (True: go ahead), or none for a load in the step."""
+    return ticket.copying() if ticket is not None else contextlib.nullcontext(True)

@@ -5,6 +5,7 @@ both report to vLLM."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_namespace import EngineNamespace
@@ -29,6 +30,17 @@ class Setup:
         return -(-tokens // self.block_size)
 
 
+class ChunkRef(NamedTuple):
+    """One stored chunk the scheduler's lookup matched (``kvstore.types.ChunkMatch``
+    without what the worker does not need): the worker loads it without looking up again."""
+
+    key: bytes  # the stored chunk's key, in the scheduler's namespace (rank 0)
+    start: int  # offset of its first token in the prompt
+    tokens: int  # tokens of the prompt it serves (whole blocks)
+    stored_tokens: int  # tokens the stored chunk holds (more when only a prefix matches)
+    partial: bool  # a stored sibling of which only a prefix matches the prompt
+
+
 @dataclass
 class LoadSpec:
     req_id: str
@@ -37,6 +49,12 @@ class LoadSpec:
     start: int  # first token to load (block aligned; earlier ones are computed locally)
     end: int  # one past the last token vLLM counts as loaded (may end inside a block)
     block_ids: list[int]  # the cache blocks for tokens [start, end), the last one whole
+    # What the scheduler's lookup found for tokens [start, end), in prompt order; keys in
+    # the namespace whose fingerprint is ``fingerprint`` (a worker of another TP/PP rank
+    # derives its own). Empty: the worker looks the prompt up itself.
+    chunks: tuple[ChunkRef, ...] = ()
+    fingerprint: bytes = b""
+    background: bool = False  # an asynchronous load: reported through get_finished
 
 
 @dataclass
@@ -52,6 +70,9 @@ class SaveSpec:
 class KVStoreMeta(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # requests preempted since the last step: their blocks are freed, so any load still
+    # writing into them is stopped (handle_preemptions)
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -60,6 +60,18 @@ class SaveJob:
     hasher: Any = None  # xxh3_64 of the payload, fed as the gather wrote it (CPU)
 
 
+@dataclass
+class _Chunk:
+    """One chunk a step saves, before it has a reservation."""
+
+    key: ChunkKey
+    parent: ChunkKey
+    fp: Fingerprint
+    token_bytes: bytes
+    blocks: int
+    ids: list[int]  # its cache blocks
+
+
 class _Closing(Exception):
     """The client holding a reservation is being closed: do not start a copy into it."""
 
@@ -92,35 +104,36 @@ class Saves:
             # engine thread is reading leases with.
             self.writer = backend.sibling("saver")
             writer = self.writer
-            self.saver = BackgroundSaver(lambda job: self._store_on(job, writer), save_buffer_bytes)
+            self.saver = BackgroundSaver(
+                lambda job: self._store_on(job, writer),
+                save_buffer_bytes,
+                run_batch=lambda jobs: self.store_all(jobs, writer),
+            )
         self._pins = PinnedArenas()
         self._lock = threading.Lock()
         self._copying: dict[int, SaveJob] = {}  # copies into reservations that may still run
         self._closing: weakref.WeakSet[Any] = weakref.WeakSet()  # arenas of closing clients
-        self.writer.before_close = self._settle
+        self.writer.before_close.append(self._settle)
 
     # -- starting saves, on the engine thread --------------------------------------------
-    def start(self, spec: SaveSpec, seen: set[ChunkKey], jobs: list[SaveJob]) -> int:
-        """Start copying out the chunks of ``spec`` the server lacks: queued on the saver
-        (async), or added to ``jobs`` (sync). Returns the chunks skipped for want of room."""
-        layout, bs, C = self.layout, self.block_size, self.chunk_tokens
-        fp = self.ns.for_request(spec.salt).fingerprint
-        raw = tokens_to_bytes(spec.tokens)
-        spans = [(s, min(s + C, len(spec.tokens))) for s in range(0, len(spec.tokens), C)]
-        keys = chunk_keys(fp, spec.tokens, C)
+    def start(self, specs: list[SaveSpec], jobs: list[SaveJob]) -> int:
+        """Start copying out the chunks of a step's specs that the server lacks: queued on
+        the saver (async), or added to ``jobs`` (sync). One ReserveMany for the whole
+        step. Returns the chunks skipped for want of room."""
+        layout = self.layout
         saver = self.saver
-        todo = [
-            i
-            for i, (s, _) in enumerate(spans)
-            if s >= spec.start
-            and keys[i] not in seen
-            and not (saver is not None and saver.queued(keys[i]))
-        ]
+        todo: list[_Chunk] = []
+        seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
+        for spec in specs:
+            try:
+                todo += self._chunks(spec, seen)
+            except Exception as e:  # a failed save only costs a future hit
+                self.backend.failed("save", e)
         skipped = 0
         if saver is not None:  # what the budget cannot take is not reserved either
             room, fits = saver.room(), 0
-            for i in todo:
-                room -= layout.nbytes((spans[i][1] - spans[i][0]) // bs)
+            for c in todo:
+                room -= layout.nbytes(c.blocks)
                 if room < 0 and (fits or saver.pending):
                     break
                 fits += 1
@@ -130,14 +143,9 @@ class Saves:
             self.writer.reserve(
                 [
                     unsealed_header(
-                        keys[i],
-                        keys[i - 1] if i else ROOT,
-                        fp,
-                        raw[spans[i][0] * 4 : spans[i][1] * 4],
-                        dtype,
-                        layout.payload_shape((spans[i][1] - spans[i][0]) // bs),
+                        c.key, c.parent, c.fp, c.token_bytes, dtype, layout.payload_shape(c.blocks)
                     )
-                    for i in todo
+                    for c in todo
                 ]
             )
             if todo
@@ -146,55 +154,29 @@ class Saves:
         if got is None:  # no shared memory, or the server is down: ask, then put
             got = [
                 PutStatus.EXISTS if here else None
-                for here in self.backend.exists([keys[i] for i in todo])
+                for here in self.backend.exists([c.key for c in todo])
             ]
         handed: set[int] = set()  # reservations now owned by a job
         try:
-            for i, res in zip(todo, got, strict=True):
-                seen.add(keys[i])
+            for c, res in zip(todo, got, strict=True):
                 if res == PutStatus.EXISTS:
                     continue
-                s, e = spans[i]
-                n = (e - s) // bs
-                ids = spec.block_ids[s // bs : e // bs]
                 held = res if isinstance(res, Reservation) else None  # FULL/TOO_LARGE: put
-
-                def copy_out(
-                    i: int = i,
-                    s: int = s,
-                    n: int = n,
-                    ids: list[int] = ids,
-                    held: Reservation | None = held,
-                ) -> SaveJob:
-                    job = SaveJob(
-                        keys[i],
-                        keys[i - 1] if i else ROOT,
-                        fp,
-                        raw[s * 4 : spans[i][1] * 4],
-                        n,
-                        torch.empty(0),
-                        _nothing,
-                        held,
-                    )
-                    with self._lock:  # so that _settle sees every copy it must wait for
-                        into = self._in_place(held)
-                        job.buf = into if into is not None else layout.host_buffer(layout.nbytes(n))
-                        job.staged = held is not None and into is None
-                        if into is not None and layout.device.type != "cuda":
-                            job.hasher = xxhash.xxh3_64()
-                        job.ready = layout.gather(ids, job.buf, job.hasher)
-                        if into is not None:
-                            self._copying[id(job)] = job
-                    return job
-
                 try:
                     if saver is None:
-                        jobs.append(copy_out())
-                    elif not saver.submit(copy_out, layout.nbytes(n), keys[i]):
+                        jobs.append(self._copy_out(c, held))
+                    elif not saver.submit(
+                        lambda c=c, held=held: self._copy_out(c, held),
+                        layout.nbytes(c.blocks),
+                        c.key,
+                    ):
                         skipped += 1
                         continue
                 except _Closing:
                     continue  # its client is going away: a failed save, given back below
+                except Exception as e:  # this chunk only: a future miss
+                    self.backend.failed("save", e)
+                    continue
                 if held is not None:
                     handed.add(held.id)
         finally:
@@ -203,6 +185,49 @@ class Saves:
                     with contextlib.suppress(Exception):
                         res.abort()
         return skipped
+
+    def _chunks(self, spec: SaveSpec, seen: set[ChunkKey]) -> list[_Chunk]:
+        """The chunks of one spec to save: from its start, none seen in this step or queued."""
+        bs, C = self.block_size, self.chunk_tokens
+        fp = self.ns.for_request(spec.salt).fingerprint
+        raw = tokens_to_bytes(spec.tokens)
+        keys = chunk_keys(fp, spec.tokens, C)
+        saver = self.saver
+        out = []
+        for i, s in enumerate(range(0, len(spec.tokens), C)):
+            e = min(s + C, len(spec.tokens))
+            if s < spec.start or keys[i] in seen or (saver is not None and saver.queued(keys[i])):
+                continue
+            seen.add(keys[i])
+            out.append(
+                _Chunk(
+                    keys[i],
+                    keys[i - 1] if i else ROOT,
+                    fp,
+                    raw[s * 4 : e * 4],
+                    (e - s) // bs,
+                    spec.block_ids[s // bs : e // bs],
+                )
+            )
+        return out
+
+    def _copy_out(self, c: _Chunk, held: Reservation | None) -> SaveJob:
+        """Start copying one chunk's blocks out of the cache: into its reservation's pages
+        when they are one piece (hashed on the way on CPU), else into a host buffer."""
+        layout = self.layout
+        job = SaveJob(
+            c.key, c.parent, c.fp, c.token_bytes, c.blocks, torch.empty(0), _nothing, held
+        )
+        with self._lock:  # so that _settle sees every copy it must wait for
+            into = self._in_place(held)
+            job.buf = into if into is not None else layout.host_buffer(layout.nbytes(c.blocks))
+            job.staged = held is not None and into is None
+            if into is not None and layout.device.type != "cuda":
+                job.hasher = xxhash.xxh3_64()
+            job.ready = layout.gather(c.ids, job.buf, job.hasher)
+            if into is not None:
+                self._copying[id(job)] = job
+        return job
 
     def _in_place(self, res: Reservation | None) -> torch.Tensor | None:
         """The reserved pages as a tensor the gather can write into, or None (staged).
@@ -245,8 +270,9 @@ class Saves:
             return 0
 
     def store_all(self, jobs: list[SaveJob], backend: BreakerClient) -> list[int]:
-        """Store a step's jobs (sync mode), the ones written in place with one CommitMany;
-        the tokens each stored (0: not). Failures are counted, never raised."""
+        """Store a step's jobs (in the step, or on the saver thread), the ones written in
+        place with one CommitMany; the tokens each stored (0: not). Failures are counted,
+        never raised."""
         out = [0] * len(jobs)
         batch: list[tuple[int, Reservation, int | None]] = []
         for k, job in enumerate(jobs):

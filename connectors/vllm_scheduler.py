@@ -4,6 +4,15 @@ It answers ``get_num_new_matched_tokens`` with one Lookup RPC under a short
 deadline (``lookup_timeout_ms``: it must never stall scheduling), and plans per
 step which blocks the workers load and which chunks became complete and are to
 be saved (``KVStoreMeta``, pickled to the workers).
+
+What the lookup found (each chunk's key, stored size and tier) goes to the workers
+with the load, so they do not look up again. Where the hit is decides how it is
+loaded (``load_mode: auto``): all in the server's L1 on this host, synchronously in
+the step that computes the rest of the prompt (a copy at memory speed); otherwise
+(on disk, in Redis/Valkey, a server on another host) asynchronously: the lookup
+asks the server to promote the chunks into L1 (``prefetch``), vLLM is told
+``load_async=True``, and the request waits in ``WAITING_FOR_REMOTE_KVS`` while the
+workers load it in the background and the other requests run.
 """
 
 from __future__ import annotations
@@ -12,9 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
+from kvstore.connectors.vllm_meta import (
+    ChunkRef,
+    KVStoreMeta,
+    KVStoreStats,
+    LoadSpec,
+    SaveSpec,
+    Setup,
+)
 
 from kvstore.clock import Clock, monotonic
+from kvstore.types import ChunkMatch, TierLevel
 
 _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
 
@@ -28,6 +45,17 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # tokens of the prompt already saved or planned (chunk aligned)
     load: tuple[int, int] | None = None  # (start, end) tokens to load in the next step
+    hit: _Hit | None = None  # what the lookup found, for the load
+    waiting: bool = False  # an asynchronous load was sent: vLLM allocates for it again
+
+
+@dataclass(frozen=True)
+class _Hit:
+    """One lookup's answer for one request."""
+
+    when: float
+    matched: int  # tokens to count as loaded (whole blocks, or one short of the prompt)
+    chunks: tuple[ChunkMatch, ...]
 
 
 def request_salt(request: Any) -> str:
@@ -52,15 +80,34 @@ class KVStoreScheduler:
         self._clock = clock
         self.stats = KVStoreStats()
         self._reqs: dict[str, _Req] = {}
-        self._hits: dict[str, tuple[int, int]] = {}
-        self._asked: dict[str, tuple[float, int]] = {}  # req_id -> (when, matched tokens)
+        self._hits: dict[str, tuple[int, _Hit, bool]] = {}  # (computed, hit, background)
+        self._asked: dict[str, _Hit] = {}
+        self._no_load: set[str] = set()  # their background load failed: they compute
+        mode = setup.cfg.load_mode
+        self._prefetch = mode != "sync"
+        # On this host the L1 copy runs at memory speed: no reason to wait a step for it.
+        url = client.url
+        local = setup.cfg.shm != "off" and (
+            url.startswith("unix://") or url.startswith(("grpc://127.", "grpc://localhost:"))
+        )
+        self._always = {"sync": False, "async": True}.get(mode, not local)
+
+    def _background(self, hit: _Hit, computed: int) -> bool:
+        """Load asynchronously: asked to, or a chunk to load is below the server's L1."""
+        if self._always or not self._prefetch:
+            return self._always
+        return any(
+            c.tier > TierLevel.MEMORY
+            for c in hit.chunks
+            if c.start + c.tokens > computed and c.start < hit.matched
+        )
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         s = self.setup
         tokens = list(request.prompt_token_ids or [])
-        if not s.consumer or not tokens:
+        if not s.consumer or not tokens or request.request_id in self._no_load:
             return 0, False
         # A hit must leave one token to compute (vLLM asserts it): a prompt stored to its
         # last whole block loads that block too and reports one token less, so vLLM
@@ -71,20 +118,24 @@ class KVStoreScheduler:
         # A request that cannot be scheduled yet is asked again every step: reuse a
         # fresh answer instead of one RPC per step.
         now = self._clock()
-        cached = self._asked.get(request.request_id)
-        if cached is not None and now - cached[0] < _ASK_TTL_S:
-            matched = cached[1]
-        else:
+        hit = self._asked.get(request.request_id)
+        if hit is None or now - hit.when >= _ASK_TTL_S:
             ns = s.ns.for_request(request_salt(request))
             result = self.client.lookup(
-                ns, tokens, min_tokens=s.cfg.min_tokens, granularity=s.block_size
+                ns,
+                tokens,
+                min_tokens=s.cfg.min_tokens,
+                granularity=s.block_size,
+                prefetch=self._prefetch,
             )
             matched = min(result.matched_tokens if result else 0, limit)
-            self._asked[request.request_id] = (now, matched)
-        if matched <= num_computed_tokens:
+            chunks = tuple(c for c in (result.chunks if result else ()) if c.start < matched)
+            hit = self._asked[request.request_id] = _Hit(now, matched, chunks)
+        if hit.matched <= num_computed_tokens:
             return 0, False
-        self._hits[request.request_id] = (num_computed_tokens, matched)
-        return matched - num_computed_tokens, False
+        background = self._background(hit, num_computed_tokens)
+        self._hits[request.request_id] = (num_computed_tokens, hit, background)
+        return hit.matched - num_computed_tokens, background
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         s = self.setup
@@ -92,11 +143,19 @@ class KVStoreScheduler:
         r = self._reqs.get(request.request_id)
         if r is None:
             r = self._reqs[request.request_id] = _Req(tokens, request_salt(request))
-        hit = self._hits.pop(request.request_id, None)
+        elif r.waiting:  # allocated again once its background load is over: nothing new
+            r.waiting = False
+            return
+        found = self._hits.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
-        if num_external_tokens > 0 and hit is not None:
-            start = hit[0]
+        if num_external_tokens > 0 and found is not None:
+            start, hit, background = found
             r.load = (start, start + num_external_tokens)
+            r.hit = hit
+            if background:
+                # Not among the step's scheduled requests: its blocks are these.
+                r.block_ids = list(blocks.get_block_ids()[0])
+                r.waiting = True
             # Exact chunks that were loaded need no save; a partial one does (new key). A
             # hit one token short of the prompt's end loaded its last block whole.
             loaded = s.blocks(start + num_external_tokens) * s.block_size
@@ -110,8 +169,12 @@ class KVStoreScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            meta.preempted.append(rid)  # a load still writing into its blocks stops
             if rid not in resumed:  # its blocks are gone; it comes back through a new lookup
                 self._reqs.pop(rid, None)
+        for rid, waiting in self._reqs.items():
+            if waiting.waiting and waiting.load is not None:  # not scheduled this step
+                meta.loads.append(self._load_spec(rid, waiting, background=True))
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
             if r is not None:
@@ -133,11 +196,7 @@ class KVStoreScheduler:
         s = self.setup
         bs = s.block_size
         if r.load is not None:
-            start, end = r.load
-            whole = s.blocks(end)
-            blocks = r.block_ids[start // bs : whole]
-            meta.loads.append(LoadSpec(rid, r.tokens[: whole * bs], r.salt, start, end, blocks))
-            r.load = None
+            meta.loads.append(self._load_spec(rid, r, background=False))
         if not s.producer:
             return
         done = min(computed + so.num_scheduled_tokens.get(rid, 0), len(r.tokens))
@@ -151,22 +210,54 @@ class KVStoreScheduler:
             )
             r.saved = upto
 
+    def _load_spec(self, rid: str, r: _Req, *, background: bool) -> LoadSpec:
+        """The workers' part of a planned load: its blocks and the chunks found for it."""
+        s = self.setup
+        bs = s.block_size
+        assert r.load is not None
+        start, end = r.load
+        whole = s.blocks(end)
+        chunks = tuple(
+            ChunkRef(c.key, c.start, c.tokens, c.stored_tokens, c.partial)
+            for c in (r.hit.chunks if r.hit is not None else ())
+            if c.start < whole * bs
+        )
+        spec = LoadSpec(
+            rid,
+            r.tokens[: whole * bs],
+            r.salt,
+            start,
+            end,
+            r.block_ids[start // bs : whole],
+            chunks=chunks,
+            fingerprint=s.ns.for_request(r.salt).fingerprint,
+            background=background,
+        )
+        r.load, r.hit = None, None
+        return spec
+
     def update_connector_output(self, connector_output: Any) -> None:
-        """A load failed (vLLM recomputes those blocks): save them again once computed."""
+        """A load failed (vLLM recomputes those blocks): save them again once computed,
+        and do not load that request again (a load that keeps failing would loop)."""
         s = self.setup
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
-        for r in self._reqs.values():
+        for rid, r in self._reqs.items():
             bad = [i for i, b in enumerate(r.block_ids) if b in invalid]
             if bad:
                 first = bad[0] * s.block_size
                 r.saved = min(r.saved, first // s.chunk_tokens * s.chunk_tokens)
+                if r.waiting:
+                    self._no_load.add(rid)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
+        self._no_load.discard(request.request_id)
+        # A background load still running keeps its blocks: vLLM frees them only once a
+        # worker reports the request in finished_recving (at the latest its deadline).
         return False, None  # saves finish inside their step: the blocks may be freed now
 
     def get_stats(self) -> KVStoreStats | None:

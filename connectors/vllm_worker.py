@@ -1,9 +1,10 @@
 """The worker half of the connector, in each vLLM worker process: it moves whole blocks
-between the paged KV cache and the server, its loads (``vllm_loads``) before the
-forward pass and its saves (``vllm_saves``) after it.
+between the paged KV cache and the server: its loads (``vllm_loads``) before the
+forward pass that needs them, or in the background (``vllm_async``), and its saves
+(``vllm_saves``) after the forward pass.
 
-Workers compute keys with their own namespace (it includes the TP/PP rank) and
-look up their own chunks, so every rank loads only its own bytes.
+Workers load the chunks the scheduler's lookup found, keyed in their own namespace (it
+includes the TP/PP rank), so every rank loads only its own bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_loads import Loads
@@ -19,7 +21,6 @@ from kvstore.connectors.vllm_saves import SaveJob, Saves
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
-from kvstore.keys import ChunkKey
 
 log = init_logger("vllm.kvstore.connector")
 
@@ -33,9 +34,12 @@ class KVStoreWorker:
         self.stats = KVStoreStats()
         self.layout: BlockLayout | None = None
         self.loads: Loads | None = None
+        self.background: AsyncLoads | None = None
         self.saves: Saves | None = None
         self._failed: set[int] = set()
+        self._orphans: set[str] = set()  # async loads this worker cannot run: reported
         self._busy_warned: float | None = None
+        self._late_warned: float | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.setup
@@ -44,7 +48,15 @@ class KVStoreWorker:
         if mode == "auto":
             gpu = layout.device.type == "cuda"
             mode = "async" if gpu and s.producer and s.consumer else "sync"
-        self.loads = Loads(s, layout, self.client)
+        if s.consumer:
+            self.loads = Loads(s, layout, self.client)
+            # Its own client: a failure on the loader thread must not close the one the
+            # engine thread loads and saves with.
+            self.background = AsyncLoads(
+                Loads(s, layout, self.client.sibling("loader")),
+                s.cfg.load_deadline_ms / 1000,
+                clock=self._clock,
+            )
         if s.producer:
             self.saves = Saves(
                 layout,
@@ -66,28 +78,81 @@ class KVStoreWorker:
 
     # -- loads -------------------------------------------------------------------------
     def start_load_kv(self, meta: object) -> None:
-        if isinstance(meta, KVStoreMeta) and meta.loads:
-            self.load(meta.loads)
+        if not isinstance(meta, KVStoreMeta) or not meta.loads:
+            return
+        now = [spec for spec in meta.loads if not spec.background]
+        if now:
+            self.load(now)
+        later = [spec for spec in meta.loads if spec.background]
+        if later and self.background is not None:
+            self.background.submit(later)
+            self.stats.add(load_async_requests=len(later))
+        elif later:  # not a loading worker: vLLM must still hear of them
+            self._failed.update(b for spec in later for b in spec.block_ids)
+            self._orphans.update(spec.req_id for spec in later)
 
     def load(self, specs: list[LoadSpec]) -> None:
         """The step's loads, done before this returns; failed blocks are reported through
         ``get_block_ids_with_load_errors``."""
         if self.loads is None:
+            self._failed.update(b for spec in specs for b in spec.block_ids)
             return
         t0 = time.perf_counter()
-        out = self.loads.load(specs)
+        outs = self.loads.load(specs)
         seconds = time.perf_counter() - t0
-        self._failed |= out.failed
-        self.stats.add(loaded_tokens=out.loaded_tokens, load_s=seconds)
-        if out.failed:
-            self.stats.add(load_failed_blocks=len(out.failed))
+        loaded = sum(o.loaded_tokens for o in outs)
+        failed = set().union(*(o.failed for o in outs))
+        self._failed |= failed
+        self.stats.add(loaded_tokens=loaded, load_s=seconds)
+        if failed:
+            self.stats.add(load_failed_blocks=len(failed))
+        self._log_load(loaded, sum(s.end - s.start for s in specs), len(specs), seconds)
+
+    def handle_preemptions(self, meta: object) -> None:
+        """Preempted requests' blocks are freed at once: stop loads still writing there."""
+        if isinstance(meta, KVStoreMeta) and meta.preempted and self.background is not None:
+            self.background.preempted(meta.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(sending, receiving): the requests whose asynchronous loads are over, loaded,
+        failed or given up at their deadline; their failed blocks go to the next
+        ``get_block_ids_with_load_errors``, which vLLM calls right after this."""
+        recving, self._orphans = self._orphans, set()
+        if self.background is None:
+            return None, recving or None
+        out = self.background.finished(finished_req_ids)
+        for tokens, asked, n, seconds in out.batches:
+            self._log_load(tokens, asked, n, seconds, " in the background")
+        if out.recving:
+            self._failed |= out.failed
+            self.stats.add(loaded_tokens=out.loaded_tokens, load_s=out.seconds)
+            if out.failed:
+                self.stats.add(load_failed_blocks=len(out.failed))
+            if out.late:
+                self.stats.add(load_late_requests=out.late)
+                self._warn_late(out.late)
+        return None, (recving | out.recving) or None
+
+    def _log_load(self, tokens: int, asked: int, n: int, seconds: float, how: str = "") -> None:
         log.info(
-            "kvstore: loaded %d of %d tokens for %d request(s) in %.1f ms",
-            out.loaded_tokens,
-            sum(s.end - s.start for s in specs),
-            len(specs),
+            "kvstore: loaded %d of %d tokens for %d request(s) in %.1f ms%s",
+            tokens,
+            asked,
+            n,
             seconds * 1e3,
+            how,
         )
+
+    def _warn_late(self, n: int) -> None:
+        now = self._clock()
+        if self._late_warned is None or now - self._late_warned > 5:
+            self._late_warned = now
+            log.warning(
+                "kvstore: %d load(s) not done within load_deadline_ms=%d: vLLM computes "
+                "the blocks they had not loaded yet",
+                n,
+                self.setup.cfg.load_deadline_ms,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed = self._failed, set()
@@ -100,13 +165,13 @@ class KVStoreWorker:
             return
         t0 = time.perf_counter()
         jobs: list[SaveJob] = []
-        seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
         skipped = 0
-        for spec in meta.saves:
-            try:
-                skipped += saves.start(spec, seen, jobs)
-            except Exception as e:  # a failed save only costs a future hit
-                self.client.failed("save", e)
+        try:
+            skipped = saves.start(meta.saves, jobs)
+        except Exception as e:  # a failed save only costs a future hit
+            self.client.failed("save", e)
+        if saves.saver is not None:  # async: the step's chunks, committed together
+            saves.saver.end_batch()
         if skipped:
             self.stats.add(save_skipped_chunks=skipped)
             self._warn_busy(skipped)
@@ -137,6 +202,8 @@ class KVStoreWorker:
             if saved or failed:
                 self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         errors = self.client.take_errors()
+        if self.background is not None:
+            errors += self.background.loads.client.take_errors()
         if saves is not None and saves.writer is not self.client:
             errors += saves.writer.take_errors()
         if errors:
@@ -147,6 +214,13 @@ class KVStoreWorker:
         return out
 
     def shutdown(self) -> None:
+        timeout = self.setup.cfg.timeout_ms / 1000
+        if self.background is not None:
+            self.background.close(timeout)
+            self.background.loads.close()
+            self.background.loads.client.close()
+        if self.loads is not None:
+            self.loads.close()
         if self.saves is not None:
             self.saves.close(timeout=self.setup.cfg.timeout_ms / 1000 * 4)
         self.client.close()

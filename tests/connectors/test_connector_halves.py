@@ -17,30 +17,21 @@ import logging
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-import torch
 from kvstore.connectors.vllm_blocks import BlockLayout
-from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_meta import KVStoreStats, Setup
-from kvstore.connectors.vllm_namespace import EngineNamespace
-from kvstore.connectors.vllm_scheduler import KVStoreScheduler
-from kvstore.connectors.vllm_worker import KVStoreWorker
 
 from kvstore.client import Client
 from kvstore.clock import FakeClock
-from kvstore.keys import Namespace
 from kvstore.retry import BreakerState
+from kvstore.shm import LeaseBase
 from kvstore.testing.server import KVServer
-from tests.connectors.test_blocks import make_cache
+from tests.connectors.halves import BS, Engine
 
-BS = 16  # tokens per block
 RETRY_S = 5.0  # retry_after_ms / 1000
 PROMPT = list(range(100, 700))  # 600 tokens: 37 whole blocks are stored, 592 tokens
 STORED = 592
@@ -48,83 +39,30 @@ SRC = list(range(38))  # the storing request's blocks
 DST = list(range(40, 78))  # where later requests load (zeroed before each of them)
 
 
-class Engine:
-    """One scheduler half and one worker half over one paged cache, as one engine."""
+class HalvesEngine(Engine):
+    """``Engine`` with one request for PROMPT at a time."""
 
     def __init__(self, url: str, clock: FakeClock) -> None:
-        cfg = ConnectorConfig(
-            url=url,
-            retry_after_ms=int(RETRY_S * 1000),
-            # Long enough for a loaded machine: a spurious deadline would open a breaker.
-            timeout_ms=3000,
-            lookup_timeout_ms=2000,
-            save_mode="sync",
-        )
-        ns = EngineNamespace(Namespace(model="test/halves", dtype="bfloat16", layout="test"))
-        sched = BreakerClient(cfg, url, role="scheduler", clock=clock)
-        work = BreakerClient(cfg, url, role="worker", clock=clock)
-        setup = Setup(cfg, ns, BS, sched.chunk_tokens(BS), producer=True, consumer=True)
-        self.scheduler = KVStoreScheduler(setup, sched, clock=clock)
-        self.worker = KVStoreWorker(setup, work, clock=clock)
-        self.cache = make_cache("cpu", "LBHNC", blocks=96, block_size=BS)
-        self.worker.register_kv_caches(self.cache)
+        super().__init__(url, clock, retry_after_ms=int(RETRY_S * 1000))
         self.failed: set[int] = set()
-        self._n = 0
 
     def request(self, block_ids: list[int]) -> int:
-        """One new request for PROMPT, scheduled whole in one step: lookup, allocation,
-        the step's plan, the worker's load and save. The tokens vLLM was told to load.
+        """One new request for PROMPT: lookup, allocation, the step's plan, the worker's
+        load (in the step, or in the background and then scheduled) and save. The
+        tokens vLLM was told to load.
 
         SRC's blocks stand for KV the engine computed; DST's are zeroed first, so that
         what ``loaded_right`` finds there was loaded by this request."""
-        self._n += 1
-        rid = f"req-{self._n}"
         if block_ids is DST:
-            for view in self.cache.values():
-                view[DST] = 0
-        req = SimpleNamespace(request_id=rid, prompt_token_ids=PROMPT, num_tokens=len(PROMPT))
-        n, load_async = self.scheduler.get_num_new_matched_tokens(req, 0)
-        assert load_async is False, "loads are synchronous"
-        n = n or 0
-        self.scheduler.update_state_after_alloc(req, None, n)
-        out = SimpleNamespace(
-            scheduled_new_reqs=[
-                SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=n)
-            ],
-            scheduled_cached_reqs=SimpleNamespace(
-                req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
-            ),
-            num_scheduled_tokens={rid: len(PROMPT) - n},
-            preempted_req_ids=set(),
-        )
-        meta = self.scheduler.build_connector_meta(out)
-        self.worker.start_load_kv(meta)
-        self.worker.wait_for_save(meta)
-        self.failed = self.worker.get_block_ids_with_load_errors()
-        self.scheduler.request_finished(req)
-        return n
+            self.zero(DST)
+        (a,) = self.step([(PROMPT, block_ids)])
+        self.failed = a.failed
+        return a.told
 
     def loaded_right(self) -> bool:
         """DST holds the blocks the first request stored from SRC, byte for byte."""
         k = STORED // BS
-        return all(torch.equal(v[DST[:k]], v[SRC[:k]]) for v in self.cache.values())
-
-    def stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(scheduler, worker) counters since the last call."""
-        s, w = self.scheduler.get_stats(), self.worker.get_stats()
-        return (s or KVStoreStats()).data, (w or KVStoreStats()).data
-
-    def states(self) -> tuple[BreakerState, BreakerState]:
-        return self.scheduler.client.breaker.state, self.worker.client.breaker.state
-
-    def breakers(self) -> str:
-        """Both breakers' state and last error, for failure messages."""
-        s, w = self.scheduler.client.breaker, self.worker.client.breaker
-        return f"scheduler {s.snapshot()}, worker {w.snapshot()}"
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.scheduler.shutdown()
+        return self.same(DST[:k], SRC[:k])
 
 
 @pytest.fixture
@@ -142,8 +80,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def engine(server: KVServer, clock: FakeClock) -> Iterator[Engine]:
-    e = Engine(server.unix_url, clock)
+def engine(server: KVServer, clock: FakeClock) -> Iterator[HalvesEngine]:
+    e = HalvesEngine(server.unix_url, clock)
     assert e.request(SRC) == 0, "an empty server has nothing to load"
     assert e.request(DST) == STORED, "the first request's whole blocks must be stored"
     assert not e.failed and e.loaded_right(), "a plain hit must load the stored blocks"
@@ -184,11 +122,11 @@ def raise_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[in
 
 
 # (class, method, which half counts the error, tokens vLLM is told to load, blocks reported
-# failed: the request's whole load when the connector's own code raised, the one chunk
-# whose read raised when the SDK did)
+# failed: the one chunk whose copy raised, or the whole load when the batch's AcquireMany did)
 BUGS = {
-    "scatter into the cache": (BlockLayout, "scatter", "worker", STORED, DST[: STORED // BS]),
-    "client get_into": (Client, "get_into", "worker", STORED, DST[:16]),
+    "placing a chunk in the cache": (BlockLayout, "pieces", "worker", STORED, DST[:16]),
+    "a lease's verified copy": (LeaseBase, "read_scattered", "worker", STORED, DST[:16]),
+    "client acquire_many": (Client, "acquire_many", "worker", STORED, DST[: STORED // BS]),
     "client lookup": (Client, "lookup", "scheduler", 0, []),
 }
 
@@ -196,7 +134,7 @@ BUGS = {
 @pytest.mark.parametrize("where", list(BUGS))
 def test_bug_in_a_load_costs_that_request_only(
     where: str,
-    engine: Engine,
+    engine: HalvesEngine,
     monkeypatch: pytest.MonkeyPatch,
     connector_log: list[logging.LogRecord],
 ) -> None:
@@ -227,7 +165,7 @@ def test_bug_in_a_load_costs_that_request_only(
 @pytest.mark.parametrize("how", ["killed", "stalled"])
 def test_unreachable_server_opens_the_breaker_until_the_cooldown(
     how: str,
-    engine: Engine,
+    engine: HalvesEngine,
     server: KVServer,
     clock: FakeClock,
     connector_log: list[logging.LogRecord],

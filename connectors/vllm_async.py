@@ -1,0 +1,144 @@
+"""Asynchronous loads: a worker thread loads the hits the scheduler sent off with
+``load_async=True`` while the engine runs the other requests, and the engine thread
+reports each one through ``get_finished`` once it is done, failed or late.
+
+Every load has a deadline (``load_deadline_ms``, from the step that starts it). A load
+past it, or of a request that finished meanwhile (aborted), is given up: its ticket is
+cancelled (``Ticket.cancel`` returns once no copy into its blocks is under way, and
+none starts after), the blocks not loaded yet are reported as load errors, and the
+request is reported as finished receiving, so vLLM recomputes what is missing and
+never waits longer than the deadline. A preempted request's ticket is cancelled the
+same way, without a report: its blocks are already freed and vLLM forgets the load.
+
+The thread has its own client (a failure there closes only that client, never the
+one the engine thread loads with) and runs one batch (one step's asynchronous loads:
+one AcquireMany, one Release) at a time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.connectors.vllm_loads import Loads, Ticket
+from kvstore.connectors.vllm_meta import LoadSpec
+from vllm.logger import init_logger
+
+from kvstore.clock import Clock, monotonic
+
+log = init_logger("vllm.kvstore.connector")
+
+
+@dataclass
+class Finished:
+    """What ``AsyncLoads.finished`` reports for one step."""
+
+    recving: set[str] = field(default_factory=set)  # requests whose loads are over
+    failed: set[int] = field(default_factory=set)  # blocks they did not load
+    loaded_tokens: int = 0
+    late: int = 0  # loads given up at their deadline
+    seconds: float = 0.0  # time the finished batches took on the loader thread
+    batches: list[tuple[int, int, int, float]] = field(default_factory=list)
+
+
+class AsyncLoads:
+    """The asynchronous loads of one worker: ``submit`` a step's specs, ``finished`` once a
+    step, ``preempted`` and ``close`` fence what is still running."""
+
+    def __init__(self, loads: Loads, deadline_s: float, *, clock: Clock = monotonic) -> None:
+        self.loads = loads
+        self.deadline_s = deadline_s
+        self._clock = clock
+        self._tickets: dict[str, Ticket] = {}  # engine thread only
+        self._batches: queue.SimpleQueue[list[Ticket] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._done: list[tuple[list[Ticket], float]] = []  # batches finished, with seconds
+        self._thread = threading.Thread(target=self._loop, name="kvstore-loader", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self._tickets)
+
+    def submit(self, specs: Sequence[LoadSpec]) -> None:
+        """Start loading a step's asynchronous specs (engine thread; never blocks)."""
+        until = self._clock() + self.deadline_s
+        batch = []
+        for spec in specs:
+            old = self._tickets.pop(spec.req_id, None)
+            if old is not None:  # a new load of the same request: the old one is void
+                old.cancel()
+            ticket = self._tickets[spec.req_id] = Ticket(spec, until)
+            batch.append(ticket)
+        if batch:
+            self._batches.put(batch)
+
+    def _loop(self) -> None:
+        while (batch := self._batches.get()) is not None:
+            live = [t for t in batch if not t.cancelled]
+            t0 = time.perf_counter()
+            if live:
+                # The tickets' deadline on the real clock: no call waits past it.
+                left = min(t.deadline for t in live) - self._clock()
+                outs = self.loads.load(
+                    [t.spec for t in live], live, deadline=time.monotonic() + left
+                )
+                for t, out in zip(live, outs, strict=True):
+                    with t.lock:
+                        t.outcome = out
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                for t in batch:
+                    t.done = True
+                self._done.append((batch, seconds))
+
+    def finished(self, finished_req_ids: Iterable[str] = ()) -> Finished:
+        """The loads that are over since the last call: done, past their deadline, or of
+        requests that finished (engine thread, once a step)."""
+        out = Finished()
+        with self._lock:
+            done, self._done = self._done, []
+        for batch, seconds in done:
+            live = [t for t in batch if not t.cancelled]
+            out.seconds += seconds
+            if live:
+                tokens = sum(t.outcome.loaded_tokens for t in live)
+                asked = sum(t.spec.end - t.spec.start for t in live)
+                out.batches.append((tokens, asked, len(live), seconds))
+        now = self._clock()
+        gone = set(finished_req_ids)
+        for rid, t in list(self._tickets.items()):
+            if t.done and not t.cancelled:
+                out.failed |= t.outcome.failed
+                out.loaded_tokens += t.outcome.loaded_tokens
+            elif now >= t.deadline or rid in gone:
+                t.cancel()  # nothing more lands in its blocks once this returns
+                out.failed |= set(t.spec.block_ids) - t.loaded
+                out.late += rid not in gone
+            else:
+                continue
+            del self._tickets[rid]
+            out.recving.add(rid)
+        return out
+
+    def preempted(self, req_ids: Iterable[str]) -> int:
+        """Stop the loads of preempted requests (their blocks are freed); how many ran."""
+        n = 0
+        for rid in req_ids:
+            t = self._tickets.pop(rid, None)
+            if t is not None:
+                t.cancel()
+                n += 1
+        return n
+
+    def close(self, timeout: float) -> None:
+        for t in self._tickets.values():
+            t.cancel()
+        self._tickets.clear()
+        self._batches.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("kvstore: the loader thread did not stop within %.1f s", timeout)

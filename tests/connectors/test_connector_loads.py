@@ -1,0 +1,329 @@
+"""The connector's load path without an engine (tests/connectors/halves.py), against a real
+kvstore-server: what a step's loads cost in calls, that blocks go from the arena straight
+into the cache verified, and what asynchronous loads do when they are late, preempted or
+aborted.
+
+Each prompt is first computed and stored from its own "source" blocks (KV the engine
+computed), then loaded into zeroed "destination" blocks: a load is right when the
+destination holds the source's bytes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.connectors import vllm_blocks
+from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.connectors.vllm_meta import KVStoreMeta
+
+from kvstore import shm
+from kvstore.client import Client
+from kvstore.errors import ConfigError
+from kvstore.testing.server import KVServer
+from tests.connectors.halves import BS, Blocks, Engine, step_output
+
+CHUNK = 256  # the server's chunk_tokens
+DATA_PLANE = ("AcquireMany", "Acquire", "Get", "Release", "Lookup")
+
+
+def prompt(i: int, n: int = 600) -> list[int]:
+    return [(7919 * i + 31 * t) % 30000 + 10 for t in range(n)]
+
+
+def stored(n: int) -> int:
+    """Tokens of an n-token prompt that are stored: its whole blocks."""
+    return n // BS * BS
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[KVServer]:
+    s = KVServer(tmp_path / "srv", memory="256MiB").start()
+    yield s
+    if s.proc is not None and s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGCONT)
+    s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def engine(server: KVServer) -> Iterator[Engine]:
+    e = Engine(server.unix_url, blocks=1200, load_deadline_ms=400)
+    yield e
+    e.close()
+
+
+class Layout:
+    """Source and destination blocks of the test's prompts, disjoint in one cache."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // BS)
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+def requests(server: KVServer) -> dict[str, int]:
+    with Client(server.unix_url) as c:
+        return dict(c.stats().extra.get("requests", {}))
+
+
+def calls_since(server: KVServer, before: dict[str, int], settle_s: float = 1.0) -> dict[str, int]:
+    """Data-plane calls the server finished since ``before`` (a Release sent without
+    waiting may land a moment later)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = requests(server)
+        got = {m: now.get(m, 0) - before.get(m, 0) for m in DATA_PLANE}
+        got["Stats"] = 0
+        if got["Release"] or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def store(engine: Engine, prompts: list[list[int]], lay: Layout) -> list[list[int]]:
+    """Compute and store each prompt from fresh source blocks; the sources."""
+    srcs = [lay.take(len(p)) for p in prompts]
+    got = engine.step(list(zip(prompts, srcs, strict=True)))
+    assert all(a.told == 0 for a in got), "the prompts were stored already"
+    return srcs
+
+
+@pytest.mark.parametrize("count", [4, 12])
+def test_a_steps_loads_cost_a_constant_number_of_calls(
+    count: int, engine: Engine, server: KVServer
+) -> None:
+    """``count`` requests of 3 chunks each load in one step: one Lookup each (the
+    scheduler's), one AcquireMany and one Release for the whole step, no Acquire, no
+    Get, and the worker looks nothing up again. A regression to calls per chunk (or per
+    request) makes the counts grow with ``count``."""
+    lay = Layout()
+    prompts = [prompt(100 * count + i) for i in range(count)]
+    srcs = store(engine, prompts, lay)
+    dsts = [lay.take(len(p)) for p in prompts]
+    before = requests(server)
+    got = engine.step(list(zip(prompts, dsts, strict=True)))
+    calls = calls_since(server, before)
+    assert all(a.told == stored(600) and not a.background for a in got), [
+        (a.told, a.background) for a in got
+    ]
+    assert all(not a.failed for a in got), "every block must load"
+    for src, dst in zip(srcs, dsts, strict=True):
+        k = stored(600) // BS
+        assert engine.same(dst[:k], src[:k]), "a loaded block differs from the stored one"
+    assert calls == {
+        "AcquireMany": 1,
+        "Acquire": 0,
+        "Get": 0,
+        "Release": 1,
+        "Lookup": count,
+        "Stats": 0,
+    }, f"{count} requests x 3 chunks loaded in one step cost {calls}"
+
+
+def test_blocks_go_from_the_arena_into_the_cache_without_a_host_buffer(
+    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L1 hits: no host buffer is allocated for a chunk; also for a request whose first
+    blocks are in vLLM's own prefix cache (a load starting inside a chunk), whose
+    earlier blocks must stay as they are."""
+    lay = Layout()
+    p = prompt(1)
+    (src,) = store(engine, [p], lay)
+    staged: list[int] = []
+    real = vllm_blocks.BlockLayout.host_buffer
+
+    def counted(self: Any, nbytes: int) -> Any:
+        staged.append(nbytes)
+        return real(self, nbytes)
+
+    monkeypatch.setattr(vllm_blocks.BlockLayout, "host_buffer", counted)
+    dst = lay.take(len(p))
+    (a,) = engine.step([(p, dst)])
+    k = stored(600) // BS
+    assert a.told == stored(600) and not a.failed and engine.same(dst[:k], src[:k])
+    assert not staged, f"loads from L1 staged {len(staged)} chunk(s) through host buffers"
+
+    # vLLM already holds the first 5 blocks (a local prefix-cache hit inside chunk 0):
+    # the load starts at block 5, so chunk 0's first 5 blocks go nowhere of their own.
+    dst2 = lay.take(len(p))
+    engine.zero(dst2)
+    marker = dst2[:5]
+    for view in engine.cache.values():
+        view[marker] = 7
+    (b,) = engine.step([(p, dst2)], computed=[5 * BS])
+    assert b.told == stored(600) - 5 * BS and not b.failed, (b.told, b.failed)
+    assert engine.same(dst2[5:k], src[5:k]), "the blocks after the local hit must load"
+    assert all(bool((v[marker] == 7).all()) for v in engine.cache.values()), (
+        "blocks vLLM already holds must not be written"
+    )
+    assert not staged, "a load starting inside a chunk must not stage either"
+
+
+def test_a_payload_that_does_not_verify_is_a_load_error(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes copied out of the arena are hashed as they land; a digest that is not the
+    record's (a rogue writer, pages reused after a lease ran out) fails that chunk's blocks."""
+    lay = Layout()
+    p = prompt(2)
+    store(engine, [p], lay)
+    real = shm.accel.scatter_xxh3
+    calls: list[int] = []
+
+    def tampered(*args: Any) -> int:
+        calls.append(1)
+        digest = real(*args)
+        return digest ^ 1 if len(calls) == 2 else digest  # the second chunk's copy
+
+    monkeypatch.setattr(shm.accel, "scatter_xxh3", tampered)
+    dst = lay.take(len(p))
+    (a,) = engine.step([(p, dst)])
+    assert calls, "the verified copy was never used"
+    assert a.failed == set(dst[16:32]), "exactly the second chunk's blocks must be reported"
+
+
+def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) -> None:
+    """After a restart the chunks are on disk only: the request is told load_async, waits
+    while the worker loads it (one AcquireMany for the step), and loads right."""
+    lay = Layout()
+    ps = [prompt(3), prompt(4)]
+    srcs = store(engine, ps, lay)
+    server.stop(signal.SIGTERM)
+    server.start()
+    time.sleep(0.3)
+    before = requests(server)
+    dsts = [lay.take(600) for _ in ps]
+    got = engine.step(list(zip(ps, dsts, strict=True)), wait_s=20)
+    calls = calls_since(server, before)
+    k = stored(600) // BS
+    for a, src, dst in zip(got, srcs, dsts, strict=True):
+        assert a.background, "a hit on disk must load in the background"
+        assert a.told == stored(600) and not a.failed, (a.told, a.failed, engine.breakers())
+        assert engine.same(dst[:k], src[:k]), "a background load put other bytes"
+    assert calls["AcquireMany"] == 1 and calls["Get"] == 0 and calls["Acquire"] == 0, calls
+
+
+class Stall:
+    """Makes the loader's next AcquireMany wait ``seconds`` first (a busy server)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        self.seconds, self.entered, self.left = seconds, threading.Event(), threading.Event()
+        real = Client.acquire_many
+
+        def slow(client: Client, *args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "kvstore-loader" and not self.entered.is_set():
+                self.entered.set()
+                time.sleep(self.seconds)
+                try:
+                    return real(client, *args, **kwargs)
+                finally:
+                    self.left.set()
+            return real(client, *args, **kwargs)
+
+        monkeypatch.setattr(Client, "acquire_many", slow)
+
+
+def background_request(engine: Engine, p: list[int], ids: list[int]) -> Any:
+    """Admit one request that loads in the background; its request object."""
+    req = type("R", (), {"request_id": f"bg-{ids[0]}", "prompt_token_ids": p, "num_tokens": len(p)})
+    n, background = engine.scheduler.get_num_new_matched_tokens(req, 0)
+    assert background and n == stored(len(p)), (n, background)
+    engine.scheduler.update_state_after_alloc(req, Blocks(ids), n)
+    engine._run(step_output([]))
+    return req
+
+
+def disk_only(server: KVServer) -> None:
+    server.stop(signal.SIGTERM)
+    server.start()
+    time.sleep(0.3)
+
+
+def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_after(
+    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lay = Layout()
+    p = prompt(5)
+    store(engine, [p], lay)
+    disk_only(server)
+    stall = Stall(monkeypatch, 1.5)
+    dst = lay.take(len(p))
+    engine.zero(dst)
+    t0 = time.monotonic()
+    req = background_request(engine, p, dst)
+    assert stall.entered.wait(5), "the loader never asked the server"
+    reported: set[str] = set()
+    while not reported and time.monotonic() - t0 < 5:
+        reported, failed = engine._run(step_output([]))
+        time.sleep(0.01)
+    waited = time.monotonic() - t0
+    assert reported == {req.request_id}, "a late load must be reported, not waited for"
+    assert waited < 0.4 + 0.5, f"reported {waited:.2f} s after the start, deadline 0.4 s"
+    assert failed == set(dst[: stored(600) // BS]), "every block to load must be a load error"
+    for view in engine.cache.values():  # vLLM hands the blocks to whoever computes them
+        view[dst] = 3
+    assert stall.left.wait(5)
+    time.sleep(0.2)
+    assert all(bool((v[dst] == 3).all()) for v in engine.cache.values()), (
+        "the load wrote into the blocks after it was given up"
+    )
+    _, work = engine.stats()
+    assert work.get("load_late_requests") == 1, work
+
+
+@pytest.mark.parametrize("how", ["preempted", "aborted"])
+def test_a_preempted_or_aborted_request_stops_its_background_load(
+    how: str, engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Preempted: the blocks are freed at once, vLLM forgets the load (it is not
+    reported). Aborted: vLLM keeps the blocks until the load is reported, which it is in
+    the next step. Either way nothing lands in the blocks afterwards."""
+    lay = Layout()
+    p = prompt(6 if how == "preempted" else 7)
+    store(engine, [p], lay)
+    disk_only(server)
+    stall = Stall(monkeypatch, 1.0)
+    dst = lay.take(len(p))
+    req = background_request(engine, p, dst)
+    assert stall.entered.wait(5), "the loader never asked the server"
+    out = step_output([], preempted={req.request_id} if how == "preempted" else None)
+    if how == "aborted":
+        out.finished_req_ids = {req.request_id}
+    reported, failed = engine._run(out)
+    if how == "preempted":
+        assert not reported, "vLLM does not expect a preempted request's load to be reported"
+    else:
+        assert reported == {req.request_id}, reported
+        assert failed == set(dst[: stored(600) // BS]), failed
+    for view in engine.cache.values():
+        view[dst] = 5
+    assert stall.left.wait(5)
+    time.sleep(0.2)
+    for _ in range(3):
+        again, _ = engine._run(step_output([]))
+        assert not again, f"the {how} request was reported again"
+    assert all(bool((v[dst] == 5).all()) for v in engine.cache.values()), (
+        f"the load of a {how} request wrote into its blocks afterwards"
+    )
+
+
+def test_load_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="load_mode='later': allowed auto, sync, async"):
+        ConnectorConfig(load_mode="later")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="load_deadline_ms must be > 0"):
+        ConnectorConfig(load_deadline_ms=0)
+    assert ConnectorConfig.parse({"load_mode": "async", "load_deadline_ms": "250"}) == (
+        ConnectorConfig(load_mode="async", load_deadline_ms=250)
+    )
+    assert isinstance(KVStoreMeta().preempted, list)
