@@ -69,6 +69,19 @@ Tokens = Sequence[int] | np.ndarray
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
+    # Idle links: a ping every 30 s, with calls in flight or none, keeps a quiet connection
+    # alive through NATs, load balancers and firewalls that drop idle ones, and finds a
+    # peer gone silent within 40 s, so the next call dials again instead of waiting out its
+    # deadline on a dead connection. The server takes pings up to once a second
+    # (server/main.py), so these never get the connection closed for pinging too often.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # What bounds the wait for a ping's answer in grpcio 1.85 (measured: with only
+    # keepalive_timeout_ms, a link that went silent stayed READY for as long as we watched,
+    # every call on it waiting out its deadline; the default of this one is a minute).
+    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # the default, 2, stops pinging a quiet link
 ]
 
 

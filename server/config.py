@@ -84,6 +84,10 @@ class ServerConfig:
     max_namespaces_per_tenant: int = 10_000  # proved namespaces a tenant keeps (oldest forgotten)
     shm: bool = True  # offer the shared-memory data plane to same-host clients
     grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
+    # A connection with no call in flight for this long is closed (a GOAWAY; its client
+    # dials again at its next call): idle remote clients do not hold sockets forever. A
+    # same-host client's Session stream is a call, so its connection is never idle. 0 = never.
+    idle_timeout_s: float = 600.0
     sweep_interval_s: float = 1.0  # how often expired leases and reservations are reclaimed
     log_level: LogLevel = "info"  # debug, info, warning, error
     log_format: LogFormat = "text"  # text or json (one JSON object per line)
@@ -130,6 +134,10 @@ class ServerConfig:
             f"stream_min_bytes_per_s={self.stream_min_bytes_per_s}: must be >= 1",
         )
         _require(self.grace_s >= 0, f"grace_s={self.grace_s}: must be >= 0")
+        _require(
+            self.idle_timeout_s == 0 or self.idle_timeout_s >= 1,
+            f"idle_timeout_s={self.idle_timeout_s}: must be 0 (never) or at least 1 second",
+        )
         _require(
             self.sweep_interval_s > 0, f"sweep_interval_s={self.sweep_interval_s}: must be > 0"
         )

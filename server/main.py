@@ -116,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
         help="do not offer the shared-memory data plane to same-host clients",
     )
     g.add_argument(
+        "--idle-timeout",
+        dest="idle_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"close connections with no call for this long; 0 = never{default('idle_timeout_s')}",
+    )
+    g.add_argument(
         "--sweep-interval",
         dest="sweep_interval_s",
         type=float,
@@ -326,7 +333,24 @@ def _start(
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.so_reuseport", 0),  # else a second server could bind the same port silently
+        # Idle links: clients ping every 30 s, with calls or without (kvstore.sdk's
+        # CHANNEL_OPTIONS); pings are accepted up to once a second, so no client's keepalive
+        # gets its connection closed for pinging too often (GOAWAY "too_many_pings" past the
+        # default floor of 5 minutes). The server pings too, so a client gone silent (a dead
+        # host, a dropped NAT entry) is let go of in 80 s.
+        ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is this string;
+        # "grpc.http2.min_recv_ping_interval_without_data_ms" has no effect (measured with
+        # grpcio 1.85: pings every 1.5 s were refused with it set to 1 s).
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.ping_timeout_ms", 20_000),  # what bounds a ping's wait (kvstore.sdk)
     ]
+    if cfg.idle_timeout_s:
+        # A connection with no call for this long is closed with a GOAWAY; its client
+        # dials again at its next call, which does not fail for it.
+        options.append(("grpc.max_connection_idle_ms", int(cfg.idle_timeout_s * 1000)))
     server = grpc.server(pool, interceptors=interceptors, options=options)
     add_to_server(service, server)
     health_servicer = health.HealthServicer(
