@@ -10,14 +10,20 @@ one kind on 4 MiB chunks:
   Commit: the server checksums the bytes); deleted again, untimed, after the round;
 - ``get``: ``Client.get_into`` of the client's own stored chunk (Acquire: the server
   verifies it; copy out; Release);
+- ``save``: an engine step's save: ``Client.reserve`` of 16 fresh 1 MiB chunks (one
+  ReserveMany), each written into its pages hashed as it is copied, one
+  ``Client.commit`` (CommitMany: the server checks every payload against its
+  checksum); the same bytes per round as ``put``, deleted again, untimed;
 - ``memcpy``, the limit: numpy copies of the same 4 MiB into a touched buffer, by
   the same processes at the same time, i.e. what this machine's cores and memory
   can copy with that much parallelism (on 2 cores it stops growing at 2 clients).
 
 The clients of a round start together (a start time on the shared monotonic
 clock); a round's figure is its bytes over the time from the first client's start
-to the last client's end. The three kinds take turns in a shuffled order within
-every repetition, and the median over repetitions is reported.
+to the last client's end. The kinds take turns in a shuffled order within every
+repetition, and the median over repetitions is reported. The saves are measured
+again against a server writing every chunk through to LMDB, as it does by default
+(``save_l2``: its write-down runs beside the commits).
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ from benchmarks.harness import (
     random_bytes,
     touched,
 )
+from kvstore.testing.server import KVServer
 
 CHUNK = 4 * MiB
 OPS = 4  # operations per client per round
-KINDS = ("memcpy", "put", "get")
+SAVE_CHUNK, SAVE_BATCH = 1 * MiB, 16  # a step's save: 16 chunks of 1 MiB, 16 MiB
+KINDS = ("memcpy", "put", "get", "save")
 START_DELAY_S = 0.05
 LIMIT = "memcpy by as many processes in parallel (aggregate)"
 
@@ -70,6 +78,7 @@ def worker(conn: Connection, url: str, index: int) -> None:
     from kvstore.client import chunk_header
     from kvstore.keys import ROOT as ROOT_KEY
     from kvstore.keys import Namespace
+    from kvstore.types import PutStatus
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     src, dst = random_bytes(CHUNK, index), touched(CHUNK)
@@ -80,6 +89,21 @@ def worker(conn: Connection, url: str, index: int) -> None:
         for i in range(OPS + 1)
     ]
     get_h, put_hs = headers[0], headers[1:]
+    save_ns = Namespace(model="bench-concurrency", dtype="bfloat16", layout=f"save-{index}")
+    save_shape = (256, SAVE_CHUNK // 512)
+    saves = 0  # rounds of saves so far: each saves chunks of its own
+    kept: list[bytes] = []
+
+    def save_headers(r: int) -> list[Any]:
+        first = 256 * SAVE_BATCH * r
+        return [
+            chunk_header(
+                save_ns, ROOT_KEY, np.arange(256) + first + 256 * i, None, "bfloat16", save_shape
+            )
+            for i in range(SAVE_BATCH)
+        ]
+
+    save_src = [src[i * SAVE_CHUNK % CHUNK :][:SAVE_CHUNK] for i in range(SAVE_BATCH)]
     with kvstore.Client(url, shm=True, timeout=120) as client:
         if not client.shm_active or not client.put(get_h, src).ok:
             conn.send(("error", "no shared memory, or the first put failed"))
@@ -91,10 +115,27 @@ def worker(conn: Connection, url: str, index: int) -> None:
             if cmd is None:
                 break
             kind, start_at = cmd
+            if kind.startswith("save"):
+                if kept:  # the last round's, written down by now: their pages are reused
+                    client.delete(kept)
+                    kept = []
+                save_hs = save_headers(saves)
+                saves += 1
             while time.perf_counter() < start_at:
                 time.sleep(0.001)
             t0 = time.perf_counter()
-            for h in put_hs:
+            if kind.startswith("save"):
+                reservations = client.reserve(save_hs)
+                for res, data in zip(reservations, save_src, strict=True):
+                    if isinstance(res, PutStatus):
+                        conn.send(("error", f"client {index}: reserve answered {res}"))
+                        return
+                    res.write(data)  # hashed as it is copied
+                done = client.commit(reservations)  # type: ignore[arg-type]
+                if done != [PutStatus.STORED] * SAVE_BATCH:
+                    conn.send(("error", f"client {index}: commit answered {done}"))
+                    return
+            for h in put_hs if not kind.startswith("save") else ():
                 if kind == "memcpy":
                     np.copyto(dst, src)
                 elif kind == "get":
@@ -105,6 +146,10 @@ def worker(conn: Connection, url: str, index: int) -> None:
             t1 = time.perf_counter()
             if kind == "put":
                 client.delete([h.key for h in put_hs])
+            elif kind == "save":
+                client.delete([h.key for h in save_hs])
+            elif kind == "save_kept":  # left for the write-down, deleted before the next
+                kept = [h.key for h in save_hs]
             elif kind == "get" and not np.array_equal(dst, src):
                 conn.send(("error", f"client {index}: get_into delivered other bytes"))
                 return
@@ -165,26 +210,38 @@ class Clients:
 
 
 # -- the suite -------------------------------------------------------------------------------
-def measure(p: Params, progress: Progress) -> dict[int, dict[str, list[float]]]:
+def measure(
+    p: Params, progress: Progress, *, disk: bool = False
+) -> dict[int, dict[str, list[float]]]:
+    """GB/s of each kind for each number of clients. ``disk``: saves only, against a
+    server that writes every chunk through to LMDB (L2), as it does by default
+    (``save_kept``: the chunks stay until the write-down has copied them, which it does
+    while the next saves come in or after, untimed, before the next round; then they
+    are deleted, so the next round reuses their pages as ``save`` does)."""
+    kinds = ("memcpy", "save_kept") if disk else KINDS
     most = max(p.clients)
     # Every client's stored chunk and one round of puts, twice over (64 KiB pages).
     memory = 2 * most * (OPS + 1) * (CHUNK + 64 * 1024) + 64 * MiB
+    memory += 2 * most * SAVE_BATCH * (SAVE_CHUNK + 64 * 1024)  # a round of saves
     work = Path(tempfile.mkdtemp(prefix="kvstore-concurrency-"))
-    server = ServerProcess(work, memory)
+    server: Any = KVServer(work, "kv", memory=str(memory)) if disk else ServerProcess(work, memory)
     clients: Clients | None = None
     try:
         server.start()
-        clients = Clients(server.url, most)
+        url = server.unix_url if disk else server.url
+        clients = Clients(url, most)
         clients.wait_ready(progress)
         rng = random.Random(0)
         out: dict[int, dict[str, list[float]]] = {}
         for n in p.clients:
-            got: dict[str, list[float]] = {k: [] for k in KINDS}
+            got: dict[str, list[float]] = {k: [] for k in kinds}
             for rep in progress(range(p.reps + 1), desc=f"{n} client(s)", total=p.reps + 1):
-                order = list(KINDS)
+                order = list(kinds)
                 rng.shuffle(order)
                 for kind in order:
                     gbs = clients.round(n, kind)
+                    if kind == "save_kept":
+                        _drained(url)
                     if rep:  # the first repetition warms up
                         got[kind].append(gbs)
             out[n] = got
@@ -192,42 +249,71 @@ def measure(p: Params, progress: Progress) -> dict[int, dict[str, list[float]]]:
     finally:
         if clients is not None:
             clients.close()
-        server.close()
+        if disk:
+            server.stop()
+        else:
+            server.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
-def records(results: dict[int, dict[str, list[float]]]) -> list[Record]:
+def _drained(url: str, timeout: float = 300.0) -> None:
+    """Wait until the server's write-down queue is empty."""
+    import kvstore
+
+    deadline = time.monotonic() + timeout
+    with kvstore.Client(url) as c:
+        while c.stats().pending_writes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the write-down did not drain in {timeout:.0f} s")
+            time.sleep(0.01)
+
+
+def records(
+    results: dict[int, dict[str, list[float]]], l2: dict[int, dict[str, list[float]]] | None = None
+) -> list[Record]:
+    """``l2``: the saves again against a server writing through to LMDB."""
     out: list[Record] = []
     one = median(results[min(results)]["memcpy"])
-    for n, got in results.items():
-        limit = median(got["memcpy"])
-        for kind, what in (
-            ("put", "Client.put (Reserve, copy, Commit)"),
-            ("get", "Client.get_into (Acquire, copy, Release)"),
-        ):
+    runs = [("", results)] + ([("_l2", l2)] if l2 else [])
+    for suffix, res in runs:
+        for n, got in res.items():
+            limit = median(got["memcpy"])
+            for kind, what in (
+                ("put", "Client.put (Reserve, copy, Commit)"),
+                ("get", "Client.get_into (Acquire, copy, Release)"),
+                ("save", "16 x 1 MiB: Client.reserve (ReserveMany), writes hashed, Client.commit"),
+            ):
+                kind_got = got.get("save_kept" if suffix and kind == "save" else kind)
+                if kind_got is None:
+                    continue
+                where = "written through to LMDB" if suffix else "L1 only"
+                out.append(
+                    Record(
+                        f"concurrency.{kind}{suffix}.clients={n}",
+                        median(kind_got),
+                        "GB/s",
+                        limit,
+                        limit_name=LIMIT,
+                        notes=f"{n} client process(es), 16 MiB each per round, shared memory "
+                        f"over one kvstore-server ({where}); {what}; aggregate",
+                    )
+                )
+            if suffix:
+                continue
             out.append(
                 Record(
-                    f"concurrency.{kind}.clients={n}",
-                    median(got[kind]),
-                    "GB/s",
+                    f"concurrency.memcpy.clients={n}",
                     limit,
-                    limit_name=LIMIT,
-                    notes=f"{n} client process(es), {OPS} x {CHUNK // MiB} MiB each per round, "
-                    f"shared memory over one kvstore-server (L1 only); {what}; aggregate",
+                    "GB/s",
+                    one,
+                    limit_name="memcpy by 1 process",
+                    notes="how the limit itself scales with parallel processes on this machine",
                 )
             )
-        out.append(
-            Record(
-                f"concurrency.memcpy.clients={n}",
-                limit,
-                "GB/s",
-                one,
-                limit_name="memcpy by 1 process",
-                notes="how the limit itself scales with parallel processes on this machine",
-            )
-        )
     return out  # fmt: skip
 
 
 def run(quick: bool, progress: Progress) -> list[Record]:
-    return records(measure(Params.make(quick), progress))
+    p = Params.make(quick)
+    l2 = Params((1, 2, 4), p.reps)  # the writers of one host's engines (issue 12)
+    return records(measure(p, progress), measure(l2, progress, disk=True))

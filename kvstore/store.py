@@ -148,6 +148,7 @@ class TieredStore(ReadPath, WriteDownPath):
         key = header.key
         if key in self.index:
             return PutStatus.EXISTS
+        self._writer.writing()
         # Built before the copy: a 1 MiB copy flushes this core's L2, and what runs after
         # it runs from L3 (measured: every step after the copy ~2x slower).
         if self._fallbacks.refused(key):  # L1 refused it a moment ago (a Reserve, say)
@@ -220,8 +221,11 @@ class TieredStore(ReadPath, WriteDownPath):
             self._layouts[header.fingerprint] = layout_of(header)
 
     def _committed(self, header: RecordHeader) -> None:
+        # The entry (the sub-hashes of its tokens) is built before the lock, as put does:
+        # concurrent commits then hold the store's lock only to insert it.
+        prepared = self.index.prepare(header, self.memory.level)
         with self._lock:
-            self._index_locked(header, self.memory.level)
+            self._index_locked(header, self.memory.level, prepared)
         if self.config.write_policy == "write-through":
             self._writer.submit_copy(header.key, tuple(t.level for t in self._lower(1)))
 
@@ -242,6 +246,7 @@ class TieredStore(ReadPath, WriteDownPath):
             return PutStatus.EXISTS
         if self._fallbacks.refused(header.key):
             return PutStatus.FULL  # L1 just refused it: the put that follows goes below
+        self._writer.writing()
         res = self.memory.reserve(
             header, owner=owner, checksum_at_commit=checksum_at_commit, lasting=lasting
         )
@@ -256,6 +261,7 @@ class TieredStore(ReadPath, WriteDownPath):
         """Publish a reservation (``MemoryTier.commit``; ``checksum`` for one made with
         ``checksum_at_commit``)."""
         self._check_open()
+        self._writer.writing()
         with self._lock:
             header = self._reservations.pop(reservation_id, None)
         if header is not None:

@@ -92,26 +92,41 @@ class WriteDownPath:
         return queued
 
     def _run_job(self, job: Job) -> None:
-        header, payload = job.header, None
         remote = self.remote
         held = remote is not None and job.targets == (remote.level,) and not remote.accepting
-        if header is None and held:  # down, or refusing writes: keep the key, skip the read
+        if job.header is None and held:  # down, or refusing writes: keep the key, skip the read
             self._remote_backlog.add(job.key)
             return
-        if header is None:  # a copy: read the bytes from a local tier now
-            blob = self.memory.get(job.key, internal=True)
-            if blob is None:  # evicted from L1 since: its move holds the bytes, or L2 does
-                moving = self._writer.pending_move(job.key)
-                blob = moving[1] if moving is not None else None
-            if blob is None and self.disk is not None and job.targets != (self.disk.level,):
-                blob = self.disk.get(job.key)
-            if blob is None:
-                return  # evicted or deleted since; eviction queued its own move
-            header = parse_header(blob)
-            payload = memoryview(blob)[header.header_size :]
-        else:
+        if job.header is not None:  # a move: the bytes travel with the job
             assert job.blob is not None
-            payload = memoryview(job.blob)[header.header_size :]
+            self._write_down(job, job.header, memoryview(job.blob)[job.header.header_size :])
+            return
+        # A copy, read where it is: the tiers below copy the payload straight out of the
+        # arena under a lease (which verified it), not out of a bytes copy made first (a
+        # 1 MiB allocation and copy a chunk, with the GIL held: they slowed every commit).
+        lease = self.memory.acquire(job.key, payload=True, lasting=True, internal=True)
+        if lease is not None:
+            try:
+                if len(lease.extents) == 1:
+                    start = lease.extents[0][0] + lease.payload_offset
+                    view = self.memory.arena.array[start : start + lease.header.raw_size].data
+                    self._write_down(job, lease.header, view)
+                    return
+            finally:
+                self.memory.release(lease.id)
+        blob = self.memory.get(job.key, internal=True)  # in pieces in the arena, or gone
+        if blob is None:  # evicted from L1 since: its move holds the bytes, or L2 does
+            moving = self._writer.pending_move(job.key)
+            blob = moving[1] if moving is not None else None
+        if blob is None and self.disk is not None and job.targets != (self.disk.level,):
+            blob = self.disk.get(job.key)
+        if blob is None:
+            return  # evicted or deleted since; eviction queued its own move
+        header = parse_header(blob)
+        self._write_down(job, header, memoryview(blob)[header.header_size :])
+
+    def _write_down(self, job: Job, header: RecordHeader, payload: memoryview) -> None:
+        """Write one job's chunk to each of its target tiers, and index where it landed."""
         for level in job.targets:
             if job.key not in self.index:
                 return  # deleted while queued

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,9 +48,32 @@ Runner = Callable[[Job], None]
 
 
 class WriteDown:
-    def __init__(self, run: Runner, budget_bytes: int) -> None:
+    """The write-down thread and its queue.
+
+    Write-downs make way for writers: while the store serves reserves and commits (a
+    client's save in flight: ``writing()`` marks each), a job waits for a quiet moment
+    of ``quiet_s`` before it starts, at most ``max_defer_s``, so a save does not share
+    the server's GIL and cores with the copy of the chunks saved just before it (the
+    copy and LMDB's put take as long as the save itself). Past ``backlog`` queued jobs
+    nothing waits: a writer that never pauses gets the write-down at full speed.
+    """
+
+    def __init__(
+        self,
+        run: Runner,
+        budget_bytes: int,
+        *,
+        quiet_s: float = 0.002,
+        max_defer_s: float = 0.02,
+        backlog: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._run = run
         self._budget = budget_bytes
+        self._quiet_s, self._max_defer_s, self._backlog = quiet_s, max_defer_s, backlog
+        self._clock = clock
+        self._writing_at = -1e18  # when a reserve or commit was last served
+        self.deferred = 0  # jobs that waited for a quiet moment
         self._queue: deque[Job] = deque()
         self._moves: dict[ChunkKey, Job] = {}  # chunks whose only copy is in a queued job
         self._bytes = 0
@@ -116,12 +140,34 @@ class WriteDown:
         self._thread.join(timeout)
         return flushed
 
+    def writing(self) -> None:
+        """A writer's reserve or commit is being served: write-downs wait a moment."""
+        self._writing_at = self._clock()
+
+    def _quiet_locked(self) -> None:
+        """Wait (the queue's lock held, released while waiting) until no writer has been
+        served for ``quiet_s``, at most ``max_defer_s``; not with a backlog, or stopping."""
+        start = self._clock()
+        waited = False
+        while not self._stopping and len(self._queue) < self._backlog:
+            now = self._clock()
+            gap = now - self._writing_at
+            if gap >= self._quiet_s or now - start >= self._max_defer_s:
+                break
+            waited = True
+            self._cv.wait(min(self._quiet_s - gap, self._max_defer_s - (now - start)))
+        if waited:
+            self.deferred += 1
+
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._stopping)
                 if not self._queue:
                     return
+                self._quiet_locked()
+                if not self._queue:  # forgotten (deleted) while it waited
+                    continue
                 job = self._queue.popleft()
                 self._busy += 1
             try:

@@ -11,10 +11,11 @@ import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
 from kvstore.errors import InvalidArgument
-from kvstore.keys import ROOT, Namespace
+from kvstore.keys import ROOT, ChunkKey, Namespace
 from kvstore.records import make_header, parse_header
 from kvstore.store import TieredStore
 from kvstore.types import PutStatus
+from kvstore.writer import WriteDown
 from tests.helpers import FP, make_chain, make_chunk
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -336,3 +337,64 @@ def test_prefetch_into_a_full_l1_does_not_loop(tmp_path: Path) -> None:
         assert s.stats().tiers[1].hits - disk0.hits == 1, "the read re-read what was kept"
     finally:
         s.close()
+
+
+# -- write-down: out of the arena in place, making way for writers ---------------------------
+
+
+def test_write_down_copies_out_of_the_arena_and_verifies_first(tmp_path: Path) -> None:
+    """The write-down reads each chunk where it lies in L1 (a lease, no bytes copy made
+    first) and writes it below only if it verifies: a byte changed in the arena after
+    the commit keeps that chunk out of LMDB, and is counted."""
+    cfg = config(tmp_path, policy="write-back")  # copied down at close, not at once
+    with TieredStore(cfg) as s:
+        chain = put_chain(s, list(range(8000, 8000 + 3 * C)), bpt=256)
+        bad = chain[1][0].key
+        lease = s.acquire(bad)
+        assert lease is not None
+        off = lease.extents[0][0] + lease.payload_offset + 100
+        s.release(lease.id)
+        s.arena.array[off] ^= 0xFF  # a rogue writer on the host
+    with TieredStore(cfg) as s:
+        where = s.contains([h.key for h, _ in chain])
+        assert where == [(2,), (), (2,)], f"only the intact chunks reach LMDB: {where}"
+        blob = s.get(chain[0][0].key)
+        assert blob is not None and blob.endswith(chain[0][1])
+
+
+def test_write_down_makes_way_for_writers_within_bounds() -> None:
+    """While reserves and commits keep coming (``writing``), a queued copy waits for a
+    quiet moment, but never past ``max_defer_s``; with a backlog it does not wait."""
+    ran: list[float] = []
+    wd = WriteDown(lambda job: ran.append(time.monotonic()), 1 << 20, quiet_s=0.2, max_defer_s=5.0)
+    try:
+        t0 = time.monotonic()
+        wd.submit_copy(ChunkKey(b"\x01" * 32), (2,))
+        while time.monotonic() - t0 < 0.5:  # a writer busy for half a second
+            wd.writing()
+            time.sleep(0.005)
+        assert wd.flush(10), "the copy never ran"
+        assert ran[0] - t0 >= 0.5, f"it ran {ran[0] - t0:.3f} s in, while writes went on"
+        assert wd.deferred == 1
+        capped = WriteDown(
+            lambda job: ran.append(time.monotonic()), 1 << 20, quiet_s=0.5, max_defer_s=0.1
+        )
+        try:
+            t1 = time.monotonic()
+            capped.submit_copy(ChunkKey(b"\x02" * 32), (2,))
+            while not capped.flush(0) and time.monotonic() - t1 < 10:
+                capped.writing()  # never quiet
+                time.sleep(0.001)
+            assert 0.1 <= ran[1] - t1 < 5, f"capped at max_defer_s: ran {ran[1] - t1:.3f} s in"
+        finally:
+            capped.stop(5)
+        busy = WriteDown(lambda job: ran.append(time.monotonic()), 1 << 20, backlog=2)
+        try:
+            busy.writing()
+            for i in range(3):
+                busy.submit_copy(ChunkKey(bytes([i + 3]) * 32), (2,))
+            assert busy.flush(10) and busy.deferred <= 1, "a backlog is copied at once"
+        finally:
+            busy.stop(5)
+    finally:
+        wd.stop(5)
