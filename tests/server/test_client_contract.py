@@ -886,6 +886,28 @@ def test_acquire_many_batches_and_release_later(drive: Drive) -> None:
     drive(body, "shm")
 
 
+def test_a_release_of_many_ends_those_still_held(drive: Drive) -> None:
+    """One Release naming a lease the server no longer knows (expired, another session's)
+    ends the others all the same, and says how many; only a Release of none it knows is
+    NotFound. (It used to fail whole, leaving every other lease held until it expired.)"""
+    bpt = 512
+    ns = namespace(f"contract-many-release-{drive.kind}", bpt)
+
+    async def body(kv: Any) -> None:
+        chunks = await _put_batch(kv, ns, 3, bpt, seed=85_000)
+        base = (await kv.stats()).extra["active_leases"]
+        leases = await kv.acquire_many([k for k, _ in chunks])
+        ids = [lease.id for lease in leases]
+        r = await kv._run(core.rpc("Release", pb.ReleaseRequest(lease_ids=[*ids, 987654321]), None))
+        assert r.released == 3, r
+        assert (await kv.stats()).extra["active_leases"] == base, "a lease stayed held"
+        for lease in leases:
+            lease.released = True  # ended by the raw Release above
+        assert await kv.clear(ns) == 3
+
+    drive(body, "shm")
+
+
 def test_acquire_many_says_which_chunks_to_stream(
     drive: Drive, make_server: Callable[..., KVServer]
 ) -> None:
