@@ -22,6 +22,9 @@ vLLM's own ``OffloadingConnector`` is: by role it builds one half and forwards e
   serving, it just computes); any other failure is logged, counted in ``errors``, and
   costs only the request it happened in. Without a url, the client opens the
   engine's private server (``vllm_private``).
+- ``vllm_observe``: what vLLM shows of the connector (``take_events``: BlockStored for
+  planned saves with vLLM's block hashes; ``build_prom_metrics``: the stats as
+  ``vllm:kvstore_*`` counters) and ``reset_cache`` (a new key generation, nothing deleted).
 
 Choices, and why:
 - A step's loads cost a constant number of calls: the workers load the chunks the
@@ -50,6 +53,7 @@ Choices, and why:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -57,14 +61,19 @@ from kvstore.connectors.vllm_client import open_client
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_namespace import engine_namespace
+from kvstore.connectors.vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
 from kvstore.connectors.vllm_scheduler import KVStoreScheduler
 from kvstore.connectors.vllm_worker import KVStoreWorker
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.logger import init_logger
 
 from kvstore.errors import KVStoreError
@@ -110,10 +119,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
         self.connector_scheduler: KVStoreScheduler | None = None
         self.connector_worker: KVStoreWorker | None = None
+        self._events: SaveEvents | None = None  # KV events (vllm_observe), scheduler side
         if worker:
             self.connector_worker = KVStoreWorker(setup, client)
         else:
             self.connector_scheduler = KVStoreScheduler(setup, client)
+            self._events = SaveEvents.of(vllm_config, block_size)
+            if self._events is not None:
+                self.connector_scheduler.on_save = self._events.planned
 
     @property
     def scheduler(self) -> KVStoreScheduler:
@@ -134,6 +147,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._events is not None:
+            self._events.track(request)
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -145,7 +160,23 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._events is not None:
+            self._events.forget(request.request_id)
         return self.scheduler.request_finished(request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._events.take() if self._events is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's prefix-cache reset: a new key generation, nothing deleted (vllm_observe)."""
+        if self.connector_scheduler is None:
+            return None
+        generation = new_generation()
+        self.connector_scheduler.reset_cache(generation)
+        if self._events is not None:
+            self._events.cleared()
+        log.info("kvstore: prefix cache reset; KV stored before it is not loaded again")
+        return True
 
     # --------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -185,6 +216,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

@@ -17,6 +17,7 @@ workers load it in the background and the other requests run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from kvstore.connectors.vllm_meta import (
     SaveSpec,
     Setup,
 )
+from kvstore.connectors.vllm_observe import with_generation
 
 from kvstore.clock import Clock, monotonic
 from kvstore.types import ChunkMatch, TierLevel
@@ -91,6 +93,20 @@ class KVStoreScheduler:
             url.startswith("unix://") or url.startswith(("grpc://127.", "grpc://localhost:"))
         )
         self._always = {"sync": False, "async": True}.get(mode, not local)
+        # vllm_observe's hooks: its KV events learn of every save planned, and a prefix-cache
+        # reset moves every later request to a new key generation.
+        self.on_save: Callable[[str, int, int], None] | None = None
+        self.generation = ""
+
+    def _salt(self, request: Any) -> str:
+        return with_generation(request_salt(request), self.generation)
+
+    def reset_cache(self, generation: str) -> None:
+        """vLLM reset its prefix cache (vllm_observe): later requests look up and store under
+        ``generation``; lookup answers of the old one are dropped."""
+        self.generation = generation
+        self._asked.clear()
+        self._hits.clear()
 
     def _background(self, hit: _Hit, computed: int) -> bool:
         """Load asynchronously: asked to, or a chunk to load is below the server's L1."""
@@ -120,7 +136,7 @@ class KVStoreScheduler:
         now = self._clock()
         hit = self._asked.get(request.request_id)
         if hit is None or now - hit.when >= _ASK_TTL_S:
-            ns = s.ns.for_request(request_salt(request))
+            ns = s.ns.for_request(self._salt(request))
             result = self.client.lookup(
                 ns,
                 tokens,
@@ -142,7 +158,7 @@ class KVStoreScheduler:
         tokens = list(request.prompt_token_ids or [])
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = self._reqs[request.request_id] = _Req(tokens, request_salt(request))
+            r = self._reqs[request.request_id] = _Req(tokens, self._salt(request))
         elif r.waiting:  # allocated again once its background load is over: nothing new
             r.waiting = False
             return
@@ -208,6 +224,8 @@ class KVStoreScheduler:
             meta.saves.append(
                 SaveSpec(rid, r.tokens[:upto], r.salt, r.saved, r.block_ids[: upto // bs])
             )
+            if self.on_save is not None:
+                self.on_save(rid, r.saved, upto)
             r.saved = upto
 
     def _load_spec(self, rid: str, r: _Req, *, background: bool) -> LoadSpec:
