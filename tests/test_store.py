@@ -339,13 +339,12 @@ def test_prefetch_into_a_full_l1_does_not_loop(tmp_path: Path) -> None:
         s.close()
 
 
-# -- write-down: out of the arena in place, making way for writers ---------------------------
+# -- write-down: verified, making way for writers --------------------------------------------
 
 
-def test_write_down_copies_out_of_the_arena_and_verifies_first(tmp_path: Path) -> None:
-    """The write-down reads each chunk where it lies in L1 (a lease, no bytes copy made
-    first) and writes it below only if it verifies: a byte changed in the arena after
-    the commit keeps that chunk out of LMDB, and is counted."""
+def test_write_down_writes_below_only_what_verifies(tmp_path: Path) -> None:
+    """The write-down writes a chunk below only if its L1 bytes verify: a byte changed in
+    the arena after the commit keeps that chunk out of LMDB (and drops the bad copy)."""
     cfg = config(tmp_path, policy="write-back")  # copied down at close, not at once
     with TieredStore(cfg) as s:
         chain = put_chain(s, list(range(8000, 8000 + 3 * C)), bpt=256)
