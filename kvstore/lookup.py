@@ -141,6 +141,7 @@ class KeyChain:
         chunk_tokens: int,
         granularity: int,
         subs_of: int | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         n_chunks = -(-n_tokens // chunk_tokens) if n_tokens > 0 else 0
         if n_tokens < 0 or len(keys) != KEY_BYTES * n_chunks:
@@ -169,13 +170,17 @@ class KeyChain:
         self._subs, self._per, self._subs_of = subs, per, subs_of
         self._tail = tail if n_tokens % chunk_tokens else per  # sub-hash bytes of the last
         self.needs: int | None = None  # set by lookup: the chunk whose sub-hashes it lacked
+        self.fingerprint = fingerprint  # lookup's, if not given here
 
     def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+        # A key stands for tokens of the namespace asked about only if its entry is of that
+        # namespace: the caller hashed the keys, and keys of another namespace match nothing.
+        fp = self.fingerprint
         get = cast(Callable[[bytes], Any], index.entries.get)  # no ChunkKey() call per key
         masks: list[int] = []
         for key in self._keys:
             entry = get(key)
-            if entry is None:
+            if entry is None or entry.fingerprint != fp:
                 return self._keys[: len(masks)], masks, key
             masks.append(entry.tiers)
         return self._keys, masks, None
@@ -219,6 +224,11 @@ def lookup(
         if isinstance(tokens, (TokenChain, KeyChain))
         else TokenChain(fingerprint, cast(Sequence[int], tokens), chunk_tokens)
     )
+    if isinstance(chain, KeyChain):
+        if chain.fingerprint is None:
+            chain.fingerprint = fingerprint
+        elif chain.fingerprint != fingerprint:
+            raise InvalidArgument("the key chain was built for another namespace")
     n, ct = chain.n_tokens, chunk_tokens
     n_chunks = -(-n // ct)
     keys, masks, stop_key = chain.walk(index)
@@ -298,7 +308,7 @@ def _best_sibling(
     best: tuple[ChunkKey, int, int, int] | None = None
     for child in index.children.get(family(parent, fingerprint), ()):
         entry = index.entries.get(child)
-        if entry is None:
+        if entry is None or entry.fingerprint != fingerprint:
             continue
         units = common_units(qsub, entry.subhashes)
         if units and (best is None or units > best[1]):

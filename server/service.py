@@ -97,7 +97,9 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self._info = self._make_info(auth_required)
         self._tenant_info = pb.InfoResponse()  # what tenants see: no shared memory
         self._tenant_info.CopyFrom(self._info)
-        for name in ("shm_path", "shm_size", "boot_id", "shm_inode"):
+        # Tenants look up by token ids: keys a client sends could name another tenant's
+        # chunks (in L3 above all, which the server cannot check by namespace).
+        for name in ("shm_path", "shm_size", "boot_id", "shm_inode", "lookup_by_keys"):
             self._tenant_info.ClearField(name)
 
     def _make_info(self, auth_required: bool) -> pb.InfoResponse:
@@ -286,6 +288,10 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         if ns is not None:
             self.names.remember(fp, ns, request.namespace.ByteSize())
         if request.chunk_keys or request.n_tokens:
+            if tenant is not None:
+                raise Denied(
+                    "tenants look up by token_ids (keys could name another tenant's chunks)"
+                )
             if request.token_ids:
                 raise InvalidArgument("give token_ids or chunk_keys, not both")
             if request.explain:

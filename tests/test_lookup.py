@@ -13,7 +13,7 @@ from kvstore.index import Index
 from kvstore.keys import ChunkKey, Fingerprint, Namespace, token_view
 from kvstore.lookup import KeyChain, lookup
 from kvstore.sdk import lookup_hashes
-from tests.helpers import FP, make_chain
+from tests.helpers import FP, make_chain, make_chunk
 
 C, G = 8, 2  # chunk tokens and granularity for the small cases
 
@@ -254,3 +254,27 @@ def test_key_chains_that_do_not_fit_the_prompt_are_refused() -> None:
     assert r.matched_tokens == 0 and r.stop == "not_stored", r  # (and it needs sub-hashes)
     r = lookup(idx, FP, KeyChain(okeys, 20, osubs, C, G), chunk_tokens=C)
     assert r.matched_tokens == 8 and r.chunks[0].partial, "chunk 0's first 8 tokens agree"
+
+
+def test_a_sibling_of_another_namespace_is_never_matched() -> None:
+    """A chunk of namespace B stored under a chunk of namespace A as its parent (a writer of
+    B that knows A's key can make one: its key is valid for its own parent and namespace)
+    shares A's next tokens: neither feed matches it for A. (It was matched partly by the
+    token ids: A's reader would have loaded B's KV.)"""
+    other = Namespace(model="another-model").fingerprint
+    p = list(range(100, 116))  # A: 2 chunks
+    idx = index_with([p])
+    a0 = make_chain(p, C)[0][0]
+    intruder, _ = make_chunk([*p[8:12], 1, 1, 1, 1], parent=a0.key, fp=other)
+    idx.add(intruder, 1)
+    q = [*p[:12], 1, 1, 7, 7]  # A's chunk 1 shares its first 4 tokens, the intruder 6
+    r = run(idx, q)
+    assert r.matched_tokens == 12, f"A's own chunk 1 matches 4 tokens, nothing more: {r}"
+    assert all(m.key != intruder.key for m in r.chunks), f"B's chunk served to A: {r}"
+    assert by_keys(idx, q) == r
+    bare = KeyChain(lookup_hashes(FP, token_view(q), C, G)[0], len(q), b"", C, G)
+    lookup(idx, FP, bare, chunk_tokens=C)
+    okeys = lookup_hashes(other, token_view(p), C, G)[0]
+    idx.add(make_chain(p, C, fp=other)[0][0], 1)  # B's own chunk 0
+    r = lookup(idx, FP, KeyChain(okeys, len(p), b"", C, G), chunk_tokens=C)
+    assert r.matched_tokens == 0, "keys of B's chunks sent under A's fingerprint name nothing"

@@ -1067,6 +1067,44 @@ def test_put_chunk_proves_a_tenants_namespace_and_retries(
     drive(stranger, plane, server=tenants_server, token=BETA, shm=None)
 
 
+def test_tenants_look_up_by_token_ids(drive: Drive, tenants_server: KVServer) -> None:
+    """A tenant's Info offers no lookup by keys and its client sends token ids (keys a
+    client hashed could name another tenant's chunks, in L3 above all); a tenant's
+    Lookup by chunk_keys is refused. The admin's lookups go by keys."""
+    ns = Namespace(model="contract-tenants-keys", dtype="bfloat16", layout="t", salt="alpha")
+    prompt = tokens(256, 300)
+
+    async def alpha(kv: Any) -> None:
+        assert (await kv.info()).lookup_by_keys is False
+        await kv.put_chunk(ns, ROOT, prompt, payload(256 * 64, 1), "bfloat16", (256, 32))
+        seen: list[tuple[str, Any]] = []
+        _spy(kv, seen)
+        assert (await kv.lookup(ns, prompt)).matched_tokens == 256
+        del _client(kv)._step
+        (req,) = [r for m, r in seen if m == "Lookup"]
+        assert req.token_ids and not req.chunk_keys, "a tenant's client sends token ids"
+        keyed = pb.LookupRequest(
+            fingerprint=ns.fingerprint,
+            chunk_keys=chunk_header(ns, ROOT, prompt, None, "bfloat16", (256, 32)).key,
+            n_tokens=256,
+            namespace=req.namespace,
+        )
+        with pytest.raises(PermissionDenied, match="tenants look up by token_ids"):
+            await kv._run(core.rpc("Lookup", keyed, None))
+
+    drive(alpha, "grpc", server=tenants_server, token=ALPHA, shm=None)
+
+    async def admin(kv: Any) -> None:
+        assert (await kv.info()).lookup_by_keys is True
+        seen: list[tuple[str, Any]] = []
+        _spy(kv, seen)
+        assert (await kv.lookup(ns, prompt)).matched_tokens == 256
+        (req,) = [r for m, r in seen if m == "Lookup"]
+        assert req.chunk_keys and not req.token_ids, "the admin's client sends keys"
+
+    drive(admin, "grpc", server=tenants_server, token=ADMIN, shm=None)
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
