@@ -115,8 +115,8 @@ class TokenChain:
         s = k * self._step
         return sub_hashes(self._tb[s : s + self._step], granularity)
 
-    def missing(self, k: int) -> None:  # never called: every chunk's sub-hashes are known
-        raise AssertionError(f"sub-hashes of chunk {k} of a token prompt are always known")
+    def missing(self, k: int) -> None:
+        """Never called: the sub-hashes of every chunk of token ids are known here."""
 
 
 class KeyChain:
