@@ -130,6 +130,9 @@ class Client(ClientBase):
         self._lock = threading.Lock()
         self._pending: set[grpc.Future] = set()  # Releases sent without waiting
         self._stop = threading.Event()
+        # Set once the server answered the Session's first ping: from then on it drops this
+        # client's holds when the stream ends (before, a killed client's holds only expire).
+        self.session_up = threading.Event()
 
     # -- the transport: each step of a plan as a blocking call ----------------------------
     def _run(self, plan: core.Plan[T]) -> T:
@@ -203,7 +206,7 @@ class Client(ClientBase):
         def run() -> None:
             try:
                 for _ in self._stub.Session(pings(), metadata=self._metadata):
-                    pass
+                    self.session_up.set()
             except grpc.RpcError as e:
                 self._session_ended(e)
 

@@ -45,6 +45,8 @@ def main(url: str, chunk_tokens: int, bytes_per_token: int, tag: str) -> None:
     other = chunk_header_for(ns, tokens(chunk_tokens, 78), bytes_per_token, seed=2)
     r = c._stub.Reserve(pb.ReserveRequest(header=other.pack()), metadata=c._metadata)
     assert r.status == pb.STORED, r
+    # Killed before the server saw the Session, its holds would only expire (lease_ms).
+    assert c.session_up.wait(30), "the server never answered the Session stream"
     print("ready", flush=True)
     time.sleep(120)
 
