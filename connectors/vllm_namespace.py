@@ -46,6 +46,25 @@ def _ranks(worker: bool) -> tuple[int, int, int, int]:
         return 0, 0, 0, 0
 
 
+def _require_attention(group: Any) -> None:
+    """Fail closed on state that is not attention KV: a Mamba or linear-attention layer's
+    cache is one recurrent state per request, not per-token blocks, and loading it as
+    blocks for a prefix would serve KV without the state that goes with it."""
+    spec = group.kv_cache_spec
+    try:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        attention = isinstance(spec, AttentionSpec)
+    except ImportError:  # a vLLM without the class: go by the name
+        attention = "Attention" in type(spec).__name__
+    if not attention:
+        raise ConfigError(
+            f"kvstore stores attention KV only: this model keeps {type(spec).__name__} "
+            "(recurrent state of Mamba or linear-attention layers), which kvstore cannot "
+            "store or restore; run it without the kvstore connector"
+        )
+
+
 def engine_namespace(
     vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
 ) -> EngineNamespace:
@@ -59,6 +78,8 @@ def engine_namespace(
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    for g in groups:
+        _require_attention(g)
     if len(groups) > 1:
         raise ConfigError("kvstore supports one KV-cache group (no hybrid attention models yet)")
     layout = [f"block{cc.block_size}"]
