@@ -345,12 +345,24 @@ def plot(records: Sequence[Record | dict[str, Any]], path: Path, model: str = ""
     return True
 
 
-def run(quick: bool, progress: Progress) -> list[Record]:
+def run(quick: bool, progress: Progress, parts: str = "ttft,loads") -> list[Record]:
+    """The suite: TTFT against ExampleConnector (``ttft``), and the load path's bandwidth
+    and warm TTFT against the compute floor (``loads``, ``benchmarks/connector_loads.py``).
+    ``KVSTORE_BENCH_CONNECTOR=loads`` (or ``ttft``) runs one part only."""
+    import os
+
+    from benchmarks import connector_loads
+
     p = QUICK if quick else FULL
+    todo = set(os.environ.get("KVSTORE_BENCH_CONNECTOR", parts).split(","))
+    out: list[Record] = []
     with scratch("connector") as work:
-        results = measure(p, progress, work)
-    print(f"[connector] {p.describe()}\n" + table(results), file=sys.stderr)
-    out = records(p, results)
-    if not quick and plot(out, PLOT, p.describe()):
-        print(f"[connector] plot: {PLOT}", file=sys.stderr)
+        if "ttft" in todo:
+            results = measure(p, progress, work)
+            print(f"[connector] {p.describe()}\n" + table(results), file=sys.stderr)
+            out += records(p, results)
+            if not quick and plot(out, PLOT, p.describe()):
+                print(f"[connector] plot: {PLOT}", file=sys.stderr)
+        if "loads" in todo:
+            out += connector_loads.run(quick, progress, work)
     return out

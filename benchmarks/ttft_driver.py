@@ -9,7 +9,9 @@ prompt by prompt, so noise from other tenants lands on both alike.
 spec.json: {"model": DIR, "dtype": "bfloat16", "max_model_len": N, "vocab": V,
             "kv_transfer_config": {...} | null, "llm": {extra LLM kwargs}}
 stdin:     one JSON command per line: {"n": tokens, "seed": s} times one prompt
-           (``prompt(n, seed)``), {"quit": true} shuts the engine down.
+           (``prompt(n, seed)``); {"reset": true} empties vLLM's own prefix cache
+           (so that the next run of a prompt loads it through the connector);
+           {"quit": true} shuts the engine down.
 stdout:    vLLM's log, "@@ready {}" once the engine is built, and one line
            "@@ttft {json}" per prompt: seconds, token, logprob, num_cached_tokens.
 
@@ -71,6 +73,9 @@ def main() -> int:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
+        if cmd.get("reset"):
+            emit(MARK_TTFT, {"reset": bool(llm.reset_prefix_cache())})
+            continue
         tokens = TokensPrompt(prompt_token_ids=prompt(int(cmd["n"]), int(cmd["seed"]), vocab))
         t0 = time.perf_counter()
         outs = llm.generate([tokens], params, use_tqdm=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvstore import accel
 from kvstore.errors import InvalidArgument
 
 
@@ -110,7 +111,12 @@ class BlockLayout:
         for base, stride in self._at:
             if first:
                 out += [(base + block_ids[0] * stride, bb)] * first
-            out += [(base + b * stride, bb) for b in block_ids]
+            for b in block_ids:
+                at = base + b * stride
+                if out and out[-1][0] + out[-1][1] == at:  # the next block in memory
+                    out[-1] = (out[-1][0], out[-1][1] + bb)
+                else:
+                    out.append((at, bb))
         return out
 
     def describe(self) -> str:
@@ -131,6 +137,20 @@ class BlockLayout:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A host buffer for chunk bytes: pinned for a CUDA cache, so copies run asynchronously."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def gather_hashed(self, block_ids: Sequence[int], out: Any) -> int | None:
+        """CPU, one allocation: copy the blocks into ``out`` (a writable uint8 array of the
+        payload's size: the reserved arena pages) in one pass, hashed as they land, on
+        this thread; their xxh3_64, or None when the cache is not one host allocation.
+        No torch op, so no intra-op thread pool to contend with other processes for."""
+        pieces = self.pieces(len(block_ids), 0, block_ids)
+        if pieces is None:
+            return None
+        trips, pos = [], 0
+        for at, n in pieces:
+            trips.append((pos, at, n))
+            pos += n
+        return int(accel.scatter_xxh3(out, self.flat, trips, True))
 
     def gather(
         self, block_ids: Sequence[int], out: torch.Tensor, hasher: Any = None

@@ -100,7 +100,8 @@ class Loads:
         self.setup, self.layout, self.client = setup, layout, client
         self.cuda = layout.device.type == "cuda"
         self._pins = PinnedArenas() if self.cuda else None
-        # CUDA: leases whose transfers may still read the arena, released once landed.
+        # Leases to end: on CPU after the step's forward pass (``release_done``: off the
+        # critical path), on CUDA once the transfers reading their pages (the event) landed.
         self._landing: list[tuple[Any, Leased]] = []
         client.before_close.append(self._settle)
 
@@ -192,7 +193,7 @@ class Loads:
     ) -> None:
         if not tasks:
             return
-        self._release_landed()
+        self.release_done()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             return
@@ -221,13 +222,13 @@ class Loads:
                     except Exception as e:  # a bug: this chunk's blocks are recomputed
                         self.client.failed("load", e)
         finally:
-            if events:  # CUDA: the pages are read until the transfers land
-                self._landing.append((events[-1], leased))
-            else:
-                self.client.release_later(leased)
+            # CUDA: the pages are read until the transfers land.
+            self._landing.append((events[-1] if events else None, leased))
         for t in later:
             ticket = tickets[t.spec] if tickets is not None else None
             self._staged(t, None, ticket, deadline, loaded)
+        if tickets is not None:  # a background load: nothing waits on this thread
+            self.release_done()
 
     def _fits(self, t: _Task, lease: LeaseBase) -> bool:
         """The record is of this layout and, for a partial match, of these tokens."""
@@ -323,12 +324,13 @@ class Loads:
         if ticket is not None:
             ticket.loaded.update(t.ids)
 
-    # -- CUDA leases -----------------------------------------------------------------------
-    def _release_landed(self) -> None:
-        """Release the leases whose transfers have landed."""
+    # -- ending leases ----------------------------------------------------------------------
+    def release_done(self) -> None:
+        """End, with one Release not waited for, the leases whose bytes are in the cache
+        (on CUDA: whose transfers have landed). The worker calls it after the forward pass."""
         keep = []
         for event, leased in self._landing:
-            if event.query():
+            if event is None or event.query():
                 self.client.release_later(leased)
             else:
                 keep.append((event, leased))
@@ -337,7 +339,8 @@ class Loads:
     def _settle(self, client: Any) -> None:
         """Before the client (and its arena mapping) goes: let the transfers out of it land."""
         for event, _ in self._landing:
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
         self._landing = []
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ class SaveJob:
     reservation: Reservation | None = None  # written in place: commit it
     staged: bool = False  # a reservation whose bytes are in a host buffer: write, commit
     hasher: Any = None  # xxh3_64 of the payload, fed as the gather wrote it (CPU)
+    checksum: int | None = None  # the payload's xxh3_64, when the gather computed it
 
 
 @dataclass
@@ -223,8 +224,12 @@ class Saves:
             job.buf = into if into is not None else layout.host_buffer(layout.nbytes(c.blocks))
             job.staged = held is not None and into is None
             if into is not None and layout.device.type != "cuda":
-                job.hasher = xxhash.xxh3_64()
-            job.ready = layout.gather(c.ids, job.buf, job.hasher)
+                # From the cache into the pages in one pass, hashed as they land.
+                job.checksum = layout.gather_hashed(c.ids, into.numpy())
+                if job.checksum is None:
+                    job.hasher = xxhash.xxh3_64()
+            if job.checksum is None:
+                job.ready = layout.gather(c.ids, job.buf, job.hasher)
             if into is not None:
                 self._copying[id(job)] = job
         return job
@@ -304,6 +309,8 @@ class Saves:
         finally:
             with self._lock:
                 self._copying.pop(id(job), None)
+        if job.checksum is not None:
+            return job.checksum
         return job.hasher.intdigest() if job.hasher is not None else None
 
     def _settle(self, client: Any) -> None:

@@ -160,6 +160,8 @@ class KVStoreWorker:
 
     # -- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: object) -> None:
+        if self.loads is not None:  # the step's forward pass has run: end its leases
+            self.loads.release_done()
         saves = self.saves
         if not isinstance(meta, KVStoreMeta) or not meta.saves or saves is None:
             return

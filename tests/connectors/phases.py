@@ -8,8 +8,11 @@ writes ``done-N`` after phase N and waits for ``go-N`` before phase N+1.
     python tests/connectors/phases.py --spec spec.json --out out.json [--sync-dir DIR]
 
 spec.json: {"model": DIR, "phases": [[[tok, ...], ...], ...], "kv_transfer_config": {...}|null,
-            "llm": {extra LLM kwargs}, "max_tokens": 8}
-out.json:  {"phases": [{"results": [...], "seconds": s}, ...]}
+            "llm": {extra LLM kwargs}, "max_tokens": 8, "metrics": false}
+out.json:  {"phases": [{"results": [...], "seconds": s, "metrics": {...}}, ...]}
+
+With ``"metrics": true`` vLLM's stats are on and each phase carries vLLM's counters as
+they stand after it (``vllm:num_preemptions``, ``vllm:external_prefix_cache_hits``, ...).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def main() -> int:
     )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("metrics"):
+        kwargs["disable_log_stats"] = False
     kwargs.update(spec.get("llm", {}))
     llm = LLM(**kwargs)
     params = SamplingParams(
@@ -84,7 +89,14 @@ def main() -> int:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        out["phases"].append({"results": _results(outs), "seconds": time.perf_counter() - t0})
+        seconds = time.perf_counter() - t0
+        counters: dict[str, float] = {}
+        if spec.get("metrics"):
+            for m in llm.get_metrics():
+                value = getattr(m, "value", None)
+                if isinstance(value, int | float):
+                    counters[m.name] = counters.get(m.name, 0) + value
+        out["phases"].append({"results": _results(outs), "seconds": seconds, "metrics": counters})
         Path(args.out).write_text(json.dumps(out))
     try:
         llm.llm_engine.engine_core.shutdown()

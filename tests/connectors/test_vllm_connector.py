@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import kvstore
+from kvstore.keys import ROOT, Namespace
 from kvstore.testing.server import KVServer
 from kvstore.testing.tinymodel import make_tiny_llama
 
@@ -47,6 +48,11 @@ E = _rand(700)
 F = _rand(768)  # block aligned: a full hit loads every block and computes one token
 PHASE_STORE = [A, *BATCH[:4]]
 PHASE_HIT = [A, D, *BATCH]
+# Tiers: each prompt stored in its own phase, then one batch hitting all of them.
+T1, T2, T3 = _rand(600), _rand(600), _rand(600)  # end up in L1, in L2 only, in L3 only
+PHASE_TIERS = [[T3], [T2], [T1]]
+MIXED = [T1, T2, T3, _rand(500), T1[:300] + _rand(200), _rand(300), T2 + _rand(100)]
+MIXED_CACHED = [512, 512, 512, 0, 256, 0, 512]
 
 
 def kv_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
@@ -68,7 +74,11 @@ def run_engine(
     llm: dict[str, Any] | None = None,
     sync: Path | None = None,
     between: Any = None,
+    phase_info: list[dict[str, Any]] | None = None,
+    max_tokens: int = 8,
 ) -> list[list[dict[str, Any]]]:
+    """Run one engine over ``phases``; each phase's results. ``phase_info``: filled with
+    each phase's seconds and vLLM counters (vLLM's stats are then on)."""
     spec = work / f"{name}.json"
     out = work / f"{name}.out.json"
     log = work / f"{name}.log"
@@ -79,6 +89,8 @@ def run_engine(
                 "phases": phases,
                 "kv_transfer_config": kv,
                 "llm": llm or {},
+                "metrics": phase_info is not None,
+                "max_tokens": max_tokens,
             }
         )
     )
@@ -105,7 +117,10 @@ def run_engine(
         if proc.poll() is None:
             proc.kill()
     assert rc == 0, f"engine {name} failed (rc={rc}):\n{log.read_text()[-6000:]}"
-    return [p["results"] for p in json.loads(out.read_text())["phases"]]
+    done = json.loads(out.read_text())["phases"]
+    if phase_info is not None:
+        phase_info += [{"seconds": p["seconds"], "metrics": p.get("metrics", {})} for p in done]
+    return [p["results"] for p in done]
 
 
 def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
@@ -128,8 +143,10 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(work: Path) -> Baseline:
-    (store, hit, extra) = run_engine(work, "baseline", [PHASE_STORE, PHASE_HIT, [E, F]], None)
-    return {"store": store, "hit": hit, "E": extra}
+    (store, hit, extra, *tiers, mixed) = run_engine(
+        work, "baseline", [PHASE_STORE, PHASE_HIT, [E, F], *PHASE_TIERS, MIXED], None
+    )
+    return {"store": store, "hit": hit, "E": extra, "tiers": tiers, "mixed": mixed}
 
 
 @pytest.fixture
@@ -165,19 +182,116 @@ def test_prefix_hits_under_chunked_prefill_match_recompute(
     assert all(c == 256 for c in cached[6:]), f"new prompts share the 300-token prefix: {cached}"
     s = stats(server.unix_url)
     assert s.matched_tokens > 0 and s.hits > 0, s
-    assert server.stop() == 0
-    done = [
-        line.split(" requests=", 1)[1]
-        for line in server.log().splitlines()
-        if "stopped in" in line and " requests=" in line
-    ]
-    calls = json.loads(done[-1]) if done else {}
+    calls = stopped_counts(server)
     assert calls.get("ReserveMany", 0) >= 1 and calls.get("Put", 0) == 0, (
         f"saves on the server's host must be written in place into the arena, not put: {calls}"
     )
     assert calls.get("CommitMany", 0) >= 1 and calls.get("Commit", 0) == 0, (
         f"sync saves must commit a step's chunks in one round trip: {calls}"
     )
+
+
+def stopped_counts(server: KVServer) -> dict[str, int]:
+    """Stop the server; the calls it served by method (its last log line says them)."""
+    assert server.stop() == 0
+    done = [
+        line.split(" requests=", 1)[1]
+        for line in server.log().splitlines()
+        if "stopped in" in line and " requests=" in line
+    ]
+    return json.loads(done[-1]) if done else {}
+
+
+def test_one_batch_mixes_l1_l2_l3_hits_misses_and_decodes(
+    work: Path, baseline: Baseline, tmp_path: Path
+) -> None:
+    """T3 is stored, then moved to a second server sharing the Redis (L3): the engine's
+    server holds it in L3 only. T2 is stored, then pushed out of the small L1 (to L2) by
+    other chunks. T1 is stored last (L1). One batch then hits all three, misses, shares a
+    prefix with T1 (part of a chunk) and with T2, under chunked prefill (128-token steps:
+    the loaded requests decode while the others still prefill). L1 hits load in the step,
+    the others in the background (load_async); every output equals the run without kvstore."""
+    from kvstore.testing.redis import RedisServer
+
+    env = {"KVSTORE_REMOTE_CODEC": "raw", "KVSTORE_REMOTE_TIMEOUT_MS": "2000"}
+    redis = RedisServer("redis")
+    near = KVServer(
+        tmp_path / "near", "near", memory="12MiB", args=["--remote", redis.url], env=env
+    )
+    far = KVServer(tmp_path / "far", "far", args=["--remote", redis.url], env=env)
+    moved: dict[str, int] = {}
+
+    def settle(url: str) -> None:  # write-through to L2/L3 done
+        with kvstore.Client(url) as c:
+            deadline = time.monotonic() + 30
+            while c.stats().pending_writes and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def between(i: int) -> None:
+        if i == 1:  # T3: from the engine's server to the far one; in Redis only then
+            settle(near.unix_url)
+            far.start()
+            with kvstore.Client(near.unix_url) as n, kvstore.Client(far.unix_url) as f:
+                keys = [c.key for c in n.list()]
+                records = [n.get(k) for k in keys]
+                assert n.delete(keys) == len(keys)
+                for got in records:
+                    assert got is not None
+                    assert f.put(*got).ok
+                moved["chunks"] = len(keys)
+            assert far.stop() == 0  # drains its write-through to Redis
+        elif i == 2:  # T2 out of the 12 MiB L1: 16 MiB of other chunks
+            settle(near.unix_url)
+            junk = Namespace(model="test/junk", dtype="uint8", layout="junk")
+            payload = bytes(1 << 20)
+            with kvstore.Client(near.unix_url) as c:
+                parent = ROOT
+                for j in range(16):
+                    parent, status = c.put_chunk(junk, parent, [j], payload, "uint8", [1 << 20])
+                    assert status.ok, status
+            settle(near.unix_url)
+        elif i == 3:  # what the engine asks of the server from here on is the mixed batch's
+            with kvstore.Client(near.unix_url) as c:
+                moved["before"] = c.stats().extra["requests"]
+
+    near.start()
+    try:
+        *stored, mixed = run_engine(
+            work,
+            "tiers",
+            [*PHASE_TIERS, MIXED],
+            kv_config(near.unix_url),
+            llm={"max_num_batched_tokens": 128, "max_num_seqs": 8},
+            sync=work / "sync-tiers",
+            between=between,
+        )
+        for i, (got, want) in enumerate(zip(stored, baseline["tiers"], strict=True)):
+            assert_same(got, want, f"storing phase {i + 1}")
+        assert moved.get("chunks") == 2, f"T3 is 2 chunks; moved {moved}"
+        assert_same(mixed, baseline["mixed"], "the mixed batch")
+        cached = [r["num_cached_tokens"] for r in mixed]
+        assert cached == MIXED_CACHED, f"tokens loaded per request {cached}, want {MIXED_CACHED}"
+        with kvstore.Client(near.unix_url) as c:
+            st = c.stats()
+        tiers = {t.name: t for t in st.tiers}
+        assert tiers["disk"].hits > 0 and tiers["remote"].hits > 0, (
+            f"T2 must come from L2 and T3 from L3: {tiers}"
+        )
+        log = (work / "tiers.log").read_text()
+        assert "in the background" in log, "hits below L1 must load in the background"
+        before = moved["before"]
+        calls = {m: n - before.get(m, 0) for m, n in st.extra["requests"].items()}
+        assert calls.get("AcquireMany", 0) >= 1, calls
+        assert not any(calls.get(m) for m in ("Acquire", "Get", "Commit", "Put")), (
+            f"a step's chunks must be leased with one AcquireMany and committed with one "
+            f"CommitMany, not one call each: {calls}"
+        )
+        assert calls.get("Lookup", 0) <= 2 * len(MIXED), f"the workers must not look up: {calls}"
+    finally:
+        for srv in (near, far):
+            if srv.proc is not None and srv.proc.poll() is None:
+                srv.stop(signal.SIGKILL)
+        redis.close()
 
 
 def test_pd_consumer_loads_from_disk_after_restart(

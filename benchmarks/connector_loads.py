@@ -1,0 +1,310 @@
+"""The connector's load path in a vLLM engine: bandwidth into the paged KV cache, and warm
+time to first token against the engine's compute floor (part of the connector suite).
+
+Two kvstore engines (``benchmarks/ttft_driver.py``) on one random Llama share one
+kvstore-server (L1 arena and an LMDB L2): ``auto`` (the default ``load_mode``: an L1
+hit is loaded in the step that computes the rest, a hit on disk in the background)
+and ``async`` (``load_mode: async``: every hit waits while a worker thread loads it).
+vLLM's own prefix cache is on in both, which is how the floor is measured:
+
+- warm: vLLM's prefix cache is emptied (``reset_prefix_cache``), then the prompt runs:
+  its KV comes from kvstore (``n - 1`` of ``n = k * 128 + 1`` tokens), one token is
+  computed.
+- floor: the same prompt again, right after: now every block is in vLLM's own cache,
+  so the same one-token tail is computed and the load takes no time. Same engine, same
+  tail, same scheduling; warm / floor is what loading costs on top of the compute.
+
+Load bandwidth is the connector's own figure (its log line: tokens loaded and the time
+of the load, from the first call to the last byte in the cache, verified) as bytes per
+second, against a single-thread memcpy of the same number of bytes in this process,
+measured between the engine runs. From L2: the server is restarted on its data (L1
+empty, every chunk on disk), and the warm run loads in the background from LMDB; its
+bandwidth is set against a raw LMDB read (a fresh environment in the scratch directory
+holding the same number of values of the same sizes, read back in one transaction,
+page cache warm as the server's is).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.engines import EngineProcess, engine_env, kvstore_connector
+from benchmarks.harness import Progress, Record
+
+DRIVER = "benchmarks.ttft_driver"
+BLOCK = 128
+SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s): let the other engine go idle first
+LOAD_LINE = re.compile(
+    r"kvstore: loaded (\d+) of (\d+) tokens for \d+ request\(s\) in ([\d.]+) ms"
+    r"( in the background)?"
+)
+CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    lengths: tuple[int, ...]  # k * 128 + 1: the warm run and the floor both compute 1 token
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    reps: int
+    l2_reps: int
+    dtype: str = "bfloat16"
+    vocab: int = 1024
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * itemsize
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.lengths) + 2 * BLOCK
+
+    def describe(self) -> str:
+        return (
+            f"random Llama, {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+            f"{self.kv_heads} KV heads, {self.dtype} ({self.kv_bytes_per_token // 1024} KiB "
+            "of KV a token)"
+        )
+
+
+# The issue's model: 8 KiB of KV a token, so 4k tokens are 32 MiB and 16k 128 MiB.
+FULL = LoadParams((4097, 16385), 8, 1024, 16, 4, 5, 3)
+QUICK = LoadParams((1025, 2049), 2, 256, 4, 2, 3, 1)
+
+
+@dataclass
+class Runs:
+    """What one engine measured on one prompt length."""
+
+    warm: list[dict[str, Any]] = field(default_factory=list)
+    floor: list[dict[str, Any]] = field(default_factory=list)
+    l2: list[dict[str, Any]] = field(default_factory=list)
+
+    @staticmethod
+    def median(runs: list[dict[str, Any]], key: str = "seconds") -> float:
+        return statistics.median(r[key] for r in runs)
+
+
+def memcpy_gbps(nbytes: int, reps: int = 5) -> float:
+    """Single-thread memcpy of ``nbytes`` here (numpy's copy is glibc memcpy), GB/s."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # faulted in
+    best = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(best) / 1e9
+
+
+def lmdb_gbps(work: Path, nbytes: int, value_bytes: int, reps: int = 5) -> float:
+    """A raw LMDB read of ``nbytes`` in values of ``value_bytes`` (one transaction, each
+    value copied out, as a reader of the store's records does), GB/s."""
+    import lmdb
+
+    n = max(1, nbytes // value_bytes)
+    path = work / "raw-lmdb"
+    env = lmdb.open(str(path), map_size=2 * n * value_bytes + (64 << 20), max_dbs=2)
+    try:
+        payload = np.random.default_rng(0).integers(0, 255, value_bytes, dtype=np.uint8).tobytes()
+        with env.begin(write=True) as txn:
+            for i in range(n):
+                txn.put(i.to_bytes(8, "big"), payload)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            with env.begin(buffers=True) as txn:
+                total = sum(len(bytes(txn.get(i.to_bytes(8, "big")))) for i in range(n))
+            times.append(time.perf_counter() - t0)
+            assert total == n * value_bytes
+        return n * value_bytes / statistics.median(times) / 1e9
+    finally:
+        env.close()
+
+
+def load_of(run: dict[str, Any]) -> tuple[int, float, bool]:
+    """(tokens, seconds, in the background) of the connector's load in one warm run."""
+    loads = [m for m in map(LOAD_LINE.search, run["log"]) if m]
+    if not loads:
+        raise AssertionError("the connector logged no load: this warm run measured a miss")
+    tokens = sum(int(m.group(1)) for m in loads)
+    asked = sum(int(m.group(2)) for m in loads)
+    if tokens != asked:
+        raise AssertionError(f"the connector loaded {tokens} of {asked} tokens: vLLM recomputed")
+    return tokens, sum(float(m.group(3)) for m in loads) / 1e3, any(m.group(4) for m in loads)
+
+
+def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
+    from kvstore.testing.server import KVServer
+    from kvstore.testing.tinymodel import make_tiny_llama
+
+    model = make_tiny_llama(
+        work / "model-loads", layers=p.layers, hidden=p.hidden, heads=p.heads,
+        kv_heads=p.kv_heads, vocab=p.vocab, max_position_embeddings=p.max_model_len,
+        dtype=p.dtype,
+    )  # fmt: skip
+    stored = sum(p.lengths) + 4 * BLOCK
+    server = KVServer(
+        work / "srv-loads", memory=str(2 * stored * p.kv_bytes_per_token + (64 << 20)),
+        args=["--log-level", "warning"],
+    )  # fmt: skip
+    env = engine_env(2 * p.max_model_len * p.kv_bytes_per_token)
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "7200"
+    engines: dict[str, EngineProcess] = {}
+    out: dict[str, Any] = {"lengths": {}, "memcpy": [], "lmdb": {}}
+    try:
+        server.start()
+        for mode in ("auto", "async"):
+            kv = kvstore_connector(server.unix_url)
+            kv["kv_connector_extra_config"].update(load_mode=mode, retry_after_ms=200)
+            spec = {"model": str(model), "dtype": p.dtype, "max_model_len": p.max_model_len,
+                    "vocab": p.vocab, "kv_transfer_config": kv,
+                    "llm": {"enable_prefix_caching": True}}  # fmt: skip
+            engines[mode] = EngineProcess(f"loads-{mode}", DRIVER, spec, work, env)
+        for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
+            e.wait_ready()
+        for e in engines.values():  # first forward passes, the arena mapping
+            for seed in (990, 991):
+                e.request({"n": 2 * BLOCK + 1, "seed": seed})
+                e.request({"reset": True})
+                e.request({"n": 2 * BLOCK + 1, "seed": seed})
+        last = ""
+
+        def run(name: str, cmd: dict[str, Any]) -> dict[str, Any]:
+            nonlocal last
+            if last and last != name:
+                time.sleep(SETTLE_S)
+            last = name
+            return engines[name].request(cmd)
+
+        for i, n in enumerate(progress(list(p.lengths), desc="prompt lengths")):
+            seed = 500 + i
+            cold = run("auto", {"n": n, "seed": seed})
+            if cold["num_cached_tokens"]:
+                raise AssertionError(f"{n} tokens: the cold run hit ({cold})")
+            runs = {name: Runs() for name in engines}
+            for r in range(p.reps):
+                for name in engines if r % 2 == 0 else reversed(engines):
+                    run(name, {"reset": True})
+                    runs[name].warm.append(run(name, {"n": n, "seed": seed}))
+                    runs[name].floor.append(run(name, {"n": n, "seed": seed}))
+                out["memcpy"].append(memcpy_gbps((n - 1) * p.kv_bytes_per_token))
+            for _ in range(p.l2_reps):
+                server.stop()
+                server.start()  # on its data: L1 empty, every chunk in LMDB
+                for name in engines:  # reconnect (a throwaway prompt), then the retry wait
+                    run(name, {"n": BLOCK + 1, "seed": 900 + len(runs[name].l2)})
+                time.sleep(0.5)
+                run("auto", {"reset": True})
+                runs["auto"].l2.append(run("auto", {"n": n, "seed": seed}))
+            for name, got in runs.items():
+                for w in got.warm + got.floor + got.l2:
+                    if w["token"] != cold["token"]:
+                        raise AssertionError(
+                            f"{name}, {n} tokens: first token {w['token']} != cold "
+                            f"{cold['token']}: the loaded KV is not the computed KV"
+                        )
+            out["lengths"][n] = {"cold": cold, "runs": runs}
+            out["lmdb"][n] = lmdb_gbps(
+                work, (n - 1) * p.kv_bytes_per_token, CHUNK_TOKENS * p.kv_bytes_per_token
+            )
+        return out
+    finally:
+        for e in engines.values():
+            e.close()
+        if server.proc is not None and server.proc.poll() is None:
+            server.stop()
+
+
+def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
+    memcpy = statistics.median(results["memcpy"])
+    out: list[Record] = []
+    for n, got in results["lengths"].items():
+        label = f"{n // 1024}k"
+        runs: dict[str, Runs] = got["runs"]
+        sync, asyn = runs["auto"], runs["async"]
+        loads = [load_of(w) for w in sync.warm]
+        tokens = loads[0][0]
+        nbytes = tokens * p.kv_bytes_per_token
+        load_s = statistics.median(s for _, s, _ in loads)
+        gbps = nbytes / load_s / 1e9
+        l2 = [load_of(w) for w in sync.l2]
+        if any(not bg for _, _, bg in l2):
+            raise AssertionError(f"{n} tokens: a hit from L2 did not load in the background")
+        l2_s = statistics.median(s for _, s, _ in l2)
+        lmdb = results["lmdb"][n]
+        warm, floor = Runs.median(sync.warm), Runs.median(sync.floor)
+        awarm, afloor = Runs.median(asyn.warm), Runs.median(asyn.floor)
+        l2_ttft = Runs.median(sync.l2)
+        mb = nbytes / (1 << 20)
+        out += [
+            Record(f"connector.load.l1_vs_memcpy.{label}", gbps, "GB/s", memcpy, None,
+                   "single-thread memcpy of the same bytes, this process, same run",
+                   "ratio >= 0.5 (aim 0.8)",
+                   f"{tokens} tokens ({mb:.0f} MiB) from L1 into vLLM's paged cache in "
+                   f"{load_s * 1e3:.1f} ms (median of {len(loads)}): one AcquireMany, each "
+                   "chunk copied from the arena into its blocks hashed as it lands"),
+            Record(f"connector.load.l2_vs_lmdb.{label}", nbytes / l2_s / 1e9, "GB/s", lmdb, None,
+                   "raw LMDB read of the same bytes (same value sizes), page cache warm",
+                   "ratio >= 0.5",
+                   f"server restarted on its data (L1 empty): loaded in the background in "
+                   f"{l2_s * 1e3:.1f} ms (median of {len(l2)}); TTFT {l2_ttft * 1e3:.0f} ms"),
+            Record(f"connector.ttft.warm_vs_floor.{label}", warm, "s", floor, None,
+                   "compute floor: same engine, same 1-token tail, prompt in vLLM's own "
+                   "prefix cache (no load)", "ratio <= 1.25",
+                   f"load_mode auto (L1: in the step), median of {len(sync.warm)}: warm "
+                   f"{warm * 1e3:.1f} ms, "
+                   f"floor {floor * 1e3:.1f} ms"),
+            Record(f"connector.ttft.async_vs_sync.{label}", awarm, "s", warm, None,
+                   "warm TTFT with load_mode auto (an L1 hit loaded in the step)", "",
+                   f"load_mode async: warm {awarm * 1e3:.1f} ms (its floor "
+                   f"{afloor * 1e3:.1f} ms), in the step {warm * 1e3:.1f} ms"),
+        ]  # fmt: skip
+    return out
+
+
+def table(p: LoadParams, results: dict[str, Any]) -> str:
+    """The figures as a Markdown table (for docs/performance.md)."""
+    memcpy = statistics.median(results["memcpy"])
+    rows = [
+        "| prompt | KV loaded | L1 load | GB/s (memcpy) | L2 load | GB/s (raw LMDB) | "
+        "floor | warm (in step) | warm (async) | warm from L2 |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, got in results["lengths"].items():
+        runs = got["runs"]
+        sync = runs["auto"]
+        tokens, _, _ = load_of(sync.warm[0])
+        nbytes = tokens * p.kv_bytes_per_token
+        l1 = statistics.median(s for _, s, _ in map(load_of, sync.warm))
+        l2 = statistics.median(s for _, s, _ in map(load_of, sync.l2))
+        rows.append(
+            f"| {n:,} | {nbytes / (1 << 20):.0f} MiB | {l1 * 1e3:.1f} ms | "
+            f"{nbytes / l1 / 1e9:.1f} ({memcpy:.1f}) | {l2 * 1e3:.1f} ms | "
+            f"{nbytes / l2 / 1e9:.1f} ({results['lmdb'][n]:.1f}) | "
+            f"{Runs.median(sync.floor) * 1e3:.0f} ms | {Runs.median(sync.warm) * 1e3:.0f} ms | "
+            f"{Runs.median(runs['async'].warm) * 1e3:.0f} ms | "
+            f"{Runs.median(sync.l2) * 1e3:.0f} ms |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def run(quick: bool, progress: Progress, work: Path) -> list[Record]:
+    import sys
+
+    p = QUICK if quick else FULL
+    results = measure(p, progress, work)
+    print(f"[connector] loads, {p.describe()}\n" + table(p, results), file=sys.stderr)
+    return records(p, results)
