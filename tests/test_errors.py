@@ -73,6 +73,7 @@ SENT_AS = {
     "NotFound": "NOT_FOUND",
     "ResourceExhausted": "RESOURCE_EXHAUSTED",
     "ChunkTooLarge": "RESOURCE_EXHAUSTED",
+    "WrongRole": "INTERNAL",  # the connector: a method of the other half (a bug)
     "ServerError": "INTERNAL",
     "LeaseError": "NOT_FOUND",
     "Denied": "PERMISSION_DENIED",
