@@ -187,7 +187,7 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
             if last and last != name:
                 time.sleep(SETTLE_S)
             last = name
-            return engines[name].request(cmd)
+            return engines[name].request(cmd, settle_s=0.3 if "n" in cmd else 0.0)
 
         for i, n in enumerate(progress(list(p.lengths), desc="prompt lengths")):
             seed = 500 + i
@@ -201,11 +201,11 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
                     runs[name].warm.append(run(name, {"n": n, "seed": seed}))
                     runs[name].floor.append(run(name, {"n": n, "seed": seed}))
                 out["memcpy"].append(memcpy_gbps((n - 1) * p.kv_bytes_per_token))
-            for _ in range(p.l2_reps):
+            for rep in range(p.l2_reps):
                 server.stop()
                 server.start()  # on its data: L1 empty, every chunk in LMDB
-                for name in engines:  # reconnect (a throwaway prompt), then the retry wait
-                    run(name, {"n": BLOCK + 1, "seed": 900 + len(runs[name].l2)})
+                for k, name in enumerate(engines):  # reconnect (a fresh prompt), then wait
+                    run(name, {"n": BLOCK + 1, "seed": 10_000 + 100 * i + 10 * rep + k})
                 time.sleep(0.5)
                 run("auto", {"reset": True})
                 runs["auto"].l2.append(run("auto", {"n": n, "seed": seed}))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,14 +119,18 @@ class EngineProcess:
     def wait_ready(self) -> None:
         self._next(MARK_READY, START_S)
 
-    def request(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def request(self, cmd: dict[str, Any], settle_s: float = 0.0) -> dict[str, Any]:
         """Send one prompt command; its ``@@ttft`` payload, with ``log``: the lines the
-        engine printed meanwhile (the connector's own load timings are among them)."""
+        engine printed meanwhile (the connector's own load timings are among them).
+        ``settle_s``: wait that long after the answer for lines still on their way (the
+        worker process writes its log into the same pipe, after the answer at times)."""
         assert self.proc.stdin is not None
         first = len(self.lines)
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         out = self._next(MARK_TTFT, REQUEST_S)
+        if settle_s:
+            time.sleep(settle_s)
         out["log"] = self.lines[first:]
         return out
 

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.connectors import vllm_blocks
+from kvstore.connectors import vllm_blocks, vllm_loads
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
 
@@ -129,6 +129,27 @@ def test_a_steps_loads_cost_a_constant_number_of_calls(
         "Lookup": count,
         "Stats": 0,
     }, f"{count} requests x 3 chunks loaded in one step cost {calls}"
+
+
+def test_large_batches_are_copied_by_two_threads_into_the_same_places(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch past ``_SPLIT_BYTES`` is copied by the engine's thread and a helper, each
+    chunk whole by one of them: every block lands where it belongs, verified."""
+    monkeypatch.setattr(vllm_loads, "_SPLIT_BYTES", 0)
+    lay = Layout()
+    prompts = [prompt(40 + i) for i in range(3)]
+    srcs = store(engine, prompts, lay)
+    dsts = [lay.take(len(p)) for p in prompts]
+    for d in dsts:
+        engine.zero(d)
+    helper = engine.worker.loads
+    got = engine.step(list(zip(prompts, dsts, strict=True)))
+    assert helper is not None and helper._pool is not None, "the helper thread never copied"
+    k = stored(600) // BS
+    assert all(a.told == stored(600) and not a.failed for a in got), [a.failed for a in got]
+    for src, dst in zip(srcs, dsts, strict=True):
+        assert engine.same(dst[:k], src[:k]), "a block copied by two threads landed wrong"
 
 
 def test_blocks_go_from_the_arena_into_the_cache_without_a_host_buffer(
