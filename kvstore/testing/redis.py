@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.testing.ports import free_port
+from kvstore.testing.procs import freeze, thaw
 
 __all__ = [
     "FLAVORS",
@@ -192,11 +193,11 @@ class RedisServer:
     def pause(self) -> None:
         """SIGSTOP: the server accepts connections (kernel backlog) but never answers."""
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGSTOP)
+            freeze(self.proc)
 
     def resume(self) -> None:
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
+            thaw(self.proc)
 
     def _reap(self) -> None:
         _strong.discard(self)

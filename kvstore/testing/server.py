@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.testing.ports import free_port
+from kvstore.testing.procs import freeze, thaw
 
 __all__ = ["KVServer", "clean_env"]
 
@@ -160,6 +161,16 @@ class KVServer:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(sig)
         return self.wait(timeout)
+
+    def pause(self) -> None:
+        """SIGSTOP, returning once it is stopped: it accepts connections, answers none."""
+        assert self.proc is not None
+        freeze(self.proc)
+
+    def resume(self) -> None:
+        """SIGCONT (wait_ready to know it answers again)."""
+        assert self.proc is not None
+        thaw(self.proc)
 
     def log(self) -> str:
         """The last 6000 characters of the server's log (for failure messages)."""

@@ -174,7 +174,7 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
     if how == "killed":
         server.stop(signal.SIGKILL)  # refused: ServerUnavailable
     else:
-        server.proc.send_signal(signal.SIGSTOP)  # accepts, never answers: DeadlineExceeded
+        server.pause()  # accepts, never answers: DeadlineExceeded
     assert engine.request(DST) == 0, "nothing can be found on an unreachable server"
     assert engine.states() == (BreakerState.OPEN, BreakerState.OPEN), (
         f"a {how} server must open both halves' breakers: {engine.breakers()}"
@@ -190,7 +190,7 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
     if how == "killed":
         server.start()
     else:
-        server.proc.send_signal(signal.SIGCONT)
+        server.resume()
         server.wait_ready()  # answering again, its backlog of timed-out calls done
     clock.advance(RETRY_S / 2)
     assert engine.request(DST) == 0, "within the cooldown the breaker must refuse the call"

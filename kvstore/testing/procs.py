@@ -1,0 +1,44 @@
+"""Stopping a test's child process with SIGSTOP, and knowing it has stopped.
+
+``kill(2)`` returns once the signal is queued, not once the process is stopped: a
+server busy on another core goes on answering for a moment, so a test that sends
+SIGSTOP and at once expects silence races it (a Lookup sent right after SIGSTOP was
+answered in CI). ``freeze`` waits until the kernel reports the process stopped.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["freeze", "thaw"]
+
+
+def _state(pid: int) -> str:
+    # /proc/PID/stat: "pid (comm) S ...": comm may hold spaces and parentheses.
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def freeze(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
+    """SIGSTOP ``proc`` and wait until every one of its threads is stopped."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while True:
+        try:
+            if all(_state(int(t.name)) in "tT" for t in tasks.iterdir()):
+                return
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            if proc.poll() is not None:
+                raise AssertionError(f"process {proc.pid} exited instead of stopping") from None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {proc.pid} not stopped {timeout} s after SIGSTOP")
+        time.sleep(0.002)
+
+
+def thaw(proc: subprocess.Popen[bytes]) -> None:
+    """SIGCONT: the process runs again (callers wait for it to answer as they need)."""
+    proc.send_signal(signal.SIGCONT)
