@@ -254,8 +254,10 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
                    "single-thread memcpy of the same bytes, this process, same run",
                    "ratio >= 0.5 (aim 0.8)",
                    f"{tokens} tokens ({mb:.0f} MiB) from L1 into vLLM's paged cache in "
-                   f"{load_s * 1e3:.1f} ms (median of {len(loads)}): one AcquireMany, each "
-                   "chunk copied from the arena into its blocks hashed as it lands"),
+                   f"{load_s * 1e3:.1f} ms (median of {len(loads)}: "
+                   f"{', '.join(f'{s * 1e3:.1f}' for _, s, _ in sorted(loads, key=lambda x: x[1]))}"
+                   " ms): one AcquireMany, each chunk copied from the arena into its blocks "
+                   "hashed as it lands"),
             Record(f"connector.load.l2_vs_lmdb.{label}", nbytes / l2_s / 1e9, "GB/s", lmdb, None,
                    "raw LMDB read of the same bytes (same value sizes), page cache warm",
                    "ratio >= 0.5",
