@@ -75,9 +75,9 @@ def worker(conn: Connection, url: str, index: int) -> None:
     import numpy as np
 
     import kvstore
-    from kvstore.client import chunk_header
     from kvstore.keys import ROOT as ROOT_KEY
     from kvstore.keys import Namespace
+    from kvstore.sdk.client import chunk_header
     from kvstore.types import PutStatus
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop

@@ -85,7 +85,7 @@ def copy_bandwidth() -> list[dict[str, Any]]:
 
     from kvstore.arena import ArenaView
     from kvstore.config import MemoryConfig
-    from kvstore.tiers.memory import MemoryTier
+    from kvstore.engine.tiers.memory import MemoryTier
 
     records: list[dict[str, Any]] = []
     tier = MemoryTier(MemoryConfig(capacity_bytes=256 << 20))
@@ -138,7 +138,7 @@ def copy_bandwidth() -> list[dict[str, Any]]:
 def _start_server(
     work: Path, memory: str, policy: str = "write-through"
 ) -> tuple[subprocess.Popen[bytes], str]:
-    from kvstore.client import Client
+    from kvstore.sdk.client import Client
 
     sock = work / "kv.sock"
     proc = subprocess.Popen(
@@ -269,10 +269,10 @@ def server_figures(
     import xxhash
     from kvstore.connectors.vllm_blocks import BackgroundSaver
 
-    from kvstore.client import Client
     from kvstore.keys import ROOT as KEY_ROOT
     from kvstore.keys import chunk_key, tokens_to_bytes
     from kvstore.records import make_header
+    from kvstore.sdk.client import Client
 
     layout, nbytes, ns = c.layout, c.nbytes, c.ns
     records: list[dict[str, Any]] = []
@@ -419,8 +419,8 @@ def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[di
     import torch
     from kvstore.connectors.vllm_blocks import PinnedArenas
 
-    from kvstore.client import Client, Reservation, chunk_header
     from kvstore.keys import ROOT as KEY_ROOT
+    from kvstore.sdk.client import Client, Reservation, chunk_header
 
     layout, nbytes, ns = c.layout, c.nbytes, c.ns
     shape = layout.payload_shape(c.per_chunk)
@@ -493,7 +493,7 @@ def arena_load_figures(
     import torch
     import xxhash
 
-    from kvstore.shm import LeaseBase
+    from kvstore.sdk.shm import LeaseBase
 
     layout = c.layout
     targets = [

@@ -45,8 +45,8 @@ from benchmarks.harness import (
 )
 from benchmarks.store import chunk, kv_like
 from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
 from kvstore.records import Codec, RecordHeader, build
-from kvstore.tiers.remote import RemoteTier
 
 FLAVORS = ("redis", "valkey")
 RAW_SET = "raw {lib} SET of the same record bytes"

@@ -14,12 +14,12 @@ persistence) and values of 1, 4, 16 and 64 MiB, the cases take turns
   bytes;
 - ``hiredis``: redis-py with the hiredis C parser (``pip install hiredis``);
 - ``glide``: valkey-glide's sync client (``pip install valkey-glide-sync``: a Rust core);
-- ``resp``: kvstore's own RESP client (``kvstore.tiers.remote_resp``): ``recv_into``
+- ``resp``: kvstore's own RESP client (``kvstore.engine.tiers.remote_resp``): ``recv_into``
   straight into the destination, values sent as the caller's buffer;
 - ``split4-par``: the value cut into 4 keys, each moved by ``resp`` on its own connection
   in its own thread;
 - ``split4-pipe``: the same 4 keys, pipelined on one ``resp`` connection;
-- ``parts-2MiB-w4``: what the tier settled on (``kvstore.tiers.remote_parts``): parts of
+- ``parts-2MiB-w4``: what the tier settled on (``kvstore.engine.tiers.remote_parts``): parts of
   2 MiB on one connection, at most 4 in flight.
 
 A GET lands in the same preallocated destination (``harness.touched``) whatever the
@@ -53,8 +53,8 @@ from benchmarks.harness import (
     touched,
     write_json,
 )
-from kvstore.tiers.remote_parts import PART_BYTES, WINDOW
-from kvstore.tiers.remote_resp import Reader, RespConnection, RespPool
+from kvstore.engine.tiers.remote_parts import PART_BYTES, WINDOW
+from kvstore.engine.tiers.remote_resp import Reader, RespConnection, RespPool
 
 FLAVORS = ("redis", "valkey")
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)

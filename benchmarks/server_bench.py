@@ -206,8 +206,8 @@ class Servers:
 
 
 def _headers(tag: str, src: np.ndarray, n: int) -> list[Any]:
-    from kvstore.client import chunk_header
     from kvstore.keys import ROOT, Namespace
+    from kvstore.sdk.client import chunk_header
 
     ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
     return [
@@ -297,8 +297,8 @@ BATCH = 16  # chunks per batched put
 
 
 def _unsealed(tag: str, src: np.ndarray, n: int) -> list[Any]:
-    from kvstore.client import chunk_header
     from kvstore.keys import ROOT, Namespace
+    from kvstore.sdk.client import chunk_header
 
     ns = Namespace(model="bench", dtype="bfloat16", layout=f"{tag}-{src.size}")
     return [
@@ -394,10 +394,10 @@ def bench_lookup(
     the client's hashing, the request's and the answer's protobuf work, the server's walk
     over an index like the server's)."""
     import kvstore
-    from kvstore.client import chunk_header
     from kvstore.keys import ROOT, Namespace, chunk_keys, token_view
     from kvstore.protocol import lookup_from_pb
-    from kvstore.sdk import lookup_hashes
+    from kvstore.sdk.base import lookup_hashes
+    from kvstore.sdk.client import chunk_header
     from kvstore.v1 import kvstore_pb2 as pb
 
     ns = Namespace(model="bench", dtype="bfloat16", layout="lookup")

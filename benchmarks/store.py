@@ -45,13 +45,13 @@ from benchmarks.harness import (
     touched,
 )
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
-from kvstore.index import Entry, Index
+from kvstore.engine.index import Entry, Index
+from kvstore.engine.lookup import lookup
+from kvstore.engine.store import TieredStore
+from kvstore.engine.tiers.disk import DiskTier
+from kvstore.engine.tiers.memory import MemoryTier
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, chunk_keys, family
-from kvstore.lookup import lookup
 from kvstore.records import Codec, RecordHeader, decode_payload, encode_payload, make_header
-from kvstore.store import TieredStore
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.memory import MemoryTier
 
 NS = Namespace(model="bench-model", dtype="bfloat16", layout="bench")
 FP = NS.fingerprint

@@ -30,7 +30,7 @@ from kvstore.errors import ConfigError, DeadlineExceeded, ServerUnavailable
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import RecordHeader
 from kvstore.retry import CircuitBreaker
-from kvstore.shm import LeaseBase
+from kvstore.sdk.shm import LeaseBase
 from kvstore.types import LookupResult
 
 log = init_logger("vllm.kvstore.connector")
@@ -116,7 +116,7 @@ class BreakerClient:
             return self._client
         if self._closed or not self.breaker.allow():
             return None
-        from kvstore.client import Client
+        from kvstore.sdk.client import Client
 
         client = None
         try:

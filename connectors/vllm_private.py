@@ -54,7 +54,7 @@ log = init_logger("vllm.kvstore.connector")
 
 MAX_SLOTS = 16  # more engines than this at once get a temporary cache (warned about)
 START_TIMEOUT_S = 30.0
-DISK_LOCK_FILE = "kvstore.lock"  # kvstore/tiers/disk.py LOCK_FILE, in DiskConfig's LMDB dir
+DISK_LOCK_FILE = "kvstore.lock"  # kvstore/engine/tiers/disk.py LOCK_FILE, in DiskConfig's LMDB dir
 ENGINE_PREFIX = "engine-"
 
 
@@ -341,7 +341,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _healthy(url: str) -> bool:
-    from kvstore.client import Client
+    from kvstore.sdk.client import Client
 
     try:
         with Client(url, timeout=1.0, shm=False) as c:

@@ -12,17 +12,17 @@ __version__ = "0.1.0"
 __all__ = ["AsyncClient", "Client", "__version__"]
 
 if TYPE_CHECKING:
-    from kvstore.aio import AsyncClient
-    from kvstore.client import Client
+    from kvstore.sdk.aio import AsyncClient
+    from kvstore.sdk.client import Client
 
 
 def __getattr__(name: str) -> Any:
     if name == "Client":
-        from kvstore.client import Client
+        from kvstore.sdk.client import Client
 
         return Client
     if name == "AsyncClient":
-        from kvstore.aio import AsyncClient
+        from kvstore.sdk.aio import AsyncClient
 
         return AsyncClient
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 A record in the arena lives in one or more *extents*, ``(offset, length)`` pairs
 of arena byte offsets, laid out in order: the record's byte ``i`` is found by
-walking the extents. The tier (``kvstore.tiers.memory``) owns the file and the
+walking the extents. The tier (``kvstore.engine.tiers.memory``) owns the file and the
 allocator; other processes on the host map the same file with
 ``ArenaView.open(path)`` and read or write the extents the server hands them,
 so chunk bytes never cross a socket.

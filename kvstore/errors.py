@@ -9,7 +9,7 @@ Every class carries the gRPC status a server answers with when it escapes a call
 (``code``, a ``grpc.StatusCode`` name: this module stays free of grpc), and where
 the code alone does not say which class it was, a ``reason`` sent beside it in the
 call's trailing metadata. ``client_class`` is the one table back: the class a client
-raises for a status. ``kvstore.protocol`` (what a server sends) and ``kvstore.wire``
+raises for a status. ``kvstore.protocol`` (what a server sends) and ``kvstore.sdk.wire``
 (what a client reads back) do the gRPC half.
 """
 

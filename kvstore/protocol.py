@@ -6,7 +6,7 @@ defaults, the batch limits, ``PutStatus`` <-> proto enum, ``keys.Namespace`` <->
 proto ``Namespace``, ``LookupResult``, ``StoreStats`` and ``ChunkView`` <-> their
 messages, the raw payload frames of Put and Get, and the gRPC status a server
 sends for each kvstore error. What only a client needs (reading a failed call
-back into an error, the Info and Namespaces views) is the SDK's, ``kvstore.wire``.
+back into an error, the Info and Namespaces views) is the SDK's, ``kvstore.sdk.wire``.
 """
 
 from __future__ import annotations

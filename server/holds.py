@@ -15,8 +15,8 @@ import logging
 import threading
 from collections import Counter
 
+from kvstore.engine.store import TieredStore
 from kvstore.errors import NotFound, ResourceExhausted, StoreClosed
-from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.server")
 

@@ -333,7 +333,7 @@ def _start(
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.so_reuseport", 0),  # else a second server could bind the same port silently
-        # Idle links: clients ping every 30 s, with calls or without (kvstore.sdk's
+        # Idle links: clients ping every 30 s, with calls or without (kvstore.sdk.base's
         # CHANNEL_OPTIONS); pings are accepted up to once a second, so no client's keepalive
         # gets its connection closed for pinging too often (GOAWAY "too_many_pings" past the
         # default floor of 5 minutes). The server pings too, so a client gone silent (a dead
@@ -345,7 +345,7 @@ def _start(
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.http2.ping_timeout_ms", 20_000),  # what bounds a ping's wait (kvstore.sdk)
+        ("grpc.http2.ping_timeout_ms", 20_000),  # what bounds a ping's wait (kvstore.sdk.base)
     ]
     if cfg.idle_timeout_s:
         # A connection with no call for this long is closed with a GOAWAY; its client
@@ -426,7 +426,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     token = cfg.read_token()
     tenant_tokens = cfg.read_tenants(token)
     tls = cfg.read_tls()
-    from kvstore.store import TieredStore
+    from kvstore.engine.store import TieredStore
 
     from .metrics import Metrics
     from .service import KVStoreService

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.engine.store import TieredStore
 from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.server.metrics")
 

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kvstore.engine.store import TieredStore
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import ChunkKey
 from kvstore.protocol import MAX_RESERVE_BATCH, status_of, status_to_pb
 from kvstore.records import RecordHeader
-from kvstore.store import TieredStore
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from kvstore import __version__, accel
+from kvstore.engine.store import TieredStore
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
@@ -45,7 +46,6 @@ from kvstore.protocol import (
     unframe,
 )
 from kvstore.records import FORMAT_VERSION, RecordHeader, check_put, parse_header
-from kvstore.store import TieredStore
 from kvstore.types import ChunkView, LookupResult, NamespaceMatch, PutStatus, TierLevel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

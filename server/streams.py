@@ -25,11 +25,11 @@ import grpc
 import xxhash
 
 from kvstore.arena import Reservation, spans
+from kvstore.engine.store import TieredStore
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import ChunkKey
 from kvstore.protocol import frame, unframe
 from kvstore.records import RecordHeader, parse_header
-from kvstore.store import TieredStore
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 

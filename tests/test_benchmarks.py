@@ -249,7 +249,7 @@ def test_kvstore_bench_suite_runs_the_same_suite(tmp_path: Path) -> None:
     """`kvstore bench --suite` is `python -m benchmarks`, found from any directory."""
     js = tmp_path / "records.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--json", "bench", "--suite", "store", "--quick",
+        [sys.executable, "-m", "kvstore.cli.main", "--json", "bench", "--suite", "store", "--quick",
          "--no-save", "--no-progress", "--out", str(js)],
         cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )  # fmt: skip

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.client import Client
 from kvstore.keys import ROOT, ChunkKey, Namespace
+from kvstore.sdk.client import Client
 from kvstore.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,7 +41,7 @@ PROMPT = list(range(1000, 1064))  # four chunks
 NS_A = Namespace("cli-model-a", dtype="float16", layout="test")
 NS_B = Namespace("cli-model-b", dtype="float16", layout="test")
 _SCRIPT = Path(sys.executable).with_name("kvstore")
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvstore.cli"]
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvstore.cli.main"]
 
 
 @dataclass
@@ -144,7 +144,7 @@ def call(
     server: Server, *args: str, stdin: str | None = None, url: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``kvstore.cli.main`` in this process against ``server`` (or ``url``)."""
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     argv = [*args, "--url", url or server.url]
@@ -197,7 +197,7 @@ def failed(r: subprocess.CompletedProcess[str], code: int = 1) -> str:
 
 
 def test_help_documents_every_option() -> None:
-    from kvstore.cli import build_parser
+    from kvstore.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

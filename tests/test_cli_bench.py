@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _CLI = (
     "import sys\n"
     "import kvstore\n"
-    "from kvstore.cli import main\n"
+    "from kvstore.cli.main import main\n"
     "print('kvstore from:', kvstore.__file__, file=sys.stderr)\n"
     "rc = main(sys.argv[1:])\n"
     "leaked = sorted(m for m in sys.modules if m == 'benchmarks' or m.startswith('benchmarks.'))\n"

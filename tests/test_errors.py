@@ -22,20 +22,20 @@ import pytest
 
 import kvstore
 from kvstore import errors
-from kvstore.client import chunk_header
 from kvstore.keys import ROOT, Namespace
 from kvstore.protocol import ERROR_REASON_HEADER, error_trailers, status_of
+from kvstore.sdk.client import chunk_header
+from kvstore.sdk.wire import error_from_status
 from kvstore.testing.server import KVServer
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import error_from_status
 from tests.server.helpers import payload, tokens
 
 
 def _all_error_classes() -> list[type[errors.KVStoreError]]:
     # Import every module that defines one, so __subclasses__ sees them all.
-    for module in ("kvstore.cli_format", "kvstore.server.main", "kvstore.server.tenants"):
+    for module in ("kvstore.cli.format", "kvstore.server.main", "kvstore.server.tenants"):
         importlib.import_module(module)
     out: list[type[errors.KVStoreError]] = []
     todo: list[type[errors.KVStoreError]] = [errors.KVStoreError]

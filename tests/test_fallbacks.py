@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
-from kvstore.store import TieredStore
+from kvstore.engine.store import TieredStore
 from kvstore.types import PutStatus
 from tests.helpers import make_chunk
 

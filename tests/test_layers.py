@@ -11,12 +11,12 @@ import subprocess
 import sys
 
 ENGINE = (
-    "kvstore.store",
-    "kvstore.index",
-    "kvstore.lookup",
-    "kvstore.writer",
-    "kvstore.fallback",
-    "kvstore.tiers",
+    "kvstore.engine.store",
+    "kvstore.engine.index",
+    "kvstore.engine.lookup",
+    "kvstore.engine.writer",
+    "kvstore.engine.fallback",
+    "kvstore.engine.tiers",
 )
 
 
@@ -32,7 +32,7 @@ def _loaded(code: str) -> list[str]:
 
 
 def test_a_client_loads_no_engine_module() -> None:
-    loaded = _loaded("import kvstore; kvstore.Client; kvstore.AsyncClient; import kvstore.cli")
+    loaded = _loaded("import kvstore; kvstore.Client; kvstore.AsyncClient; import kvstore.cli.main")
     engine = [m for m in loaded if m.startswith(ENGINE)]
     assert not engine, f"importing the SDK loaded the engine: {engine}"
     assert "lmdb" not in loaded and "redis" not in loaded, "the SDK loaded a tier's backend"
@@ -40,7 +40,7 @@ def test_a_client_loads_no_engine_module() -> None:
 
 def test_the_package_loads_nothing_from_tests_or_benchmarks() -> None:
     loaded = _loaded(
-        "import kvstore.cli, kvstore.server.main, kvstore.connectors.vllm_config, "
+        "import kvstore.cli.main, kvstore.server.main, kvstore.connectors.vllm_config, "
         "kvstore.testing.server, kvstore.testing.redis, kvstore.testing.mix"
     )
     outside = [m for m in loaded if m.split(".")[0] in ("tests", "benchmarks")]

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.engine.index import Index
+from kvstore.engine.lookup import KeyChain, lookup
 from kvstore.errors import InvalidArgument
-from kvstore.index import Index
 from kvstore.keys import ChunkKey, Fingerprint, Namespace, token_view
-from kvstore.lookup import KeyChain, lookup
-from kvstore.sdk import lookup_hashes
+from kvstore.sdk.base import lookup_hashes
 from tests.helpers import FP, make_chain, make_chunk
 
 C, G = 8, 2  # chunk tokens and granularity for the small cases
@@ -33,7 +33,7 @@ def run(idx: Index, q: list[int], **kw):  # type: ignore[no-untyped-def]
 
 def by_keys(idx: Index, q: list[int], **kw):  # type: ignore[no-untyped-def]
     """``run``, fed the way a client sends the prompt: its keys and every chunk's
-    sub-hashes, hashed by the SDK (``kvstore.sdk.lookup_hashes``), no token ids."""
+    sub-hashes, hashed by the SDK (``kvstore.sdk.base.lookup_hashes``), no token ids."""
     fp = kw.pop("fp", FP)
     keys, sub = lookup_hashes(fp, token_view(q), C, idx.granularity)
     chain = KeyChain(keys, len(q), sub, C, idx.granularity)

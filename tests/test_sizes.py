@@ -49,7 +49,7 @@ def test_config_rejects_what_is_not_a_size(text: str) -> None:
 
 
 def test_cli_bench_size_is_binary() -> None:
-    from kvstore.cli import build_parser
+    from kvstore.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--size", "64M"])
     assert args.size == MIB_64, f"kvstore bench --size 64M parsed as {args.size:,} bytes"
@@ -57,7 +57,7 @@ def test_cli_bench_size_is_binary() -> None:
 
 
 def test_cli_bench_bad_size_says_what_is_allowed() -> None:
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:

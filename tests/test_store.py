@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
+from kvstore.engine.store import TieredStore
+from kvstore.engine.writer import WriteDown
 from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, ChunkKey, Namespace
 from kvstore.records import make_header, parse_header
-from kvstore.store import TieredStore
 from kvstore.types import PutStatus
-from kvstore.writer import WriteDown
 from tests.helpers import FP, make_chain, make_chunk
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig, StoreConfig
+from kvstore.engine.store import TieredStore
 from kvstore.records import parse_header
-from kvstore.store import TieredStore
 from kvstore.testing.redis import RedisServer
 from tests.helpers import FP, make_chain
 

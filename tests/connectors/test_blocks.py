@@ -17,10 +17,10 @@ import pytest
 import torch
 from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout
 
-from kvstore.client import Client
 from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import make_header
+from kvstore.sdk.client import Client
 from kvstore.testing.server import KVServer
 from kvstore.types import PutStatus
 
@@ -123,8 +123,8 @@ def test_blocks_gathered_straight_into_a_reservation(device: str, client: Client
     import xxhash
     from kvstore.connectors.vllm_blocks import PinnedArenas
 
-    from kvstore.client import Reservation
-    from kvstore.sdk import unsealed_header
+    from kvstore.sdk.base import unsealed_header
+    from kvstore.sdk.client import Reservation
 
     layout = BlockLayout(make_cache(device, "LBNHC"))
     picked = [5, 9, 2, 33]

@@ -25,10 +25,10 @@ pytest.importorskip("vllm")
 
 from kvstore.connectors.vllm_blocks import BlockLayout
 
-from kvstore.client import Client
 from kvstore.clock import FakeClock
 from kvstore.retry import BreakerState
-from kvstore.shm import LeaseBase
+from kvstore.sdk.client import Client
+from kvstore.sdk.shm import LeaseBase
 from kvstore.testing.server import KVServer
 from tests.connectors.halves import BS, Engine
 

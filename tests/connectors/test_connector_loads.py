@@ -25,9 +25,9 @@ from kvstore.connectors import vllm_blocks, vllm_loads
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
 
-from kvstore import shm
-from kvstore.client import Client
 from kvstore.errors import ConfigError
+from kvstore.sdk import shm
+from kvstore.sdk.client import Client
 from kvstore.testing.server import KVServer
 from tests.connectors.halves import BS, Blocks, Engine, step_output
 

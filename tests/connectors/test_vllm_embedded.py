@@ -171,7 +171,14 @@ def test_restart_loads_what_the_last_engine_stored_and_two_at_once_do_not_mix(
             paths[n] = disk.detail["path"]
         assert paths == {n: str(slots / f"slot-{n}" / "lmdb") for n in (0, 1)}, paths
         cli = subprocess.run(
-            [sys.executable, "-m", "kvstore.cli", "--url", f"unix://{run}/vllm-1.sock", "stats"],
+            [
+                sys.executable,
+                "-m",
+                "kvstore.cli.main",
+                "--url",
+                f"unix://{run}/vllm-1.sock",
+                "stats",
+            ],
             capture_output=True,
             text=True,
             check=False,

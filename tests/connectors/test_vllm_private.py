@@ -96,7 +96,7 @@ def test_slots_for_concurrent_engines_and_a_restart_finds_its_own(
         assert status.name == "STORED", status
     # The CLI reaches a running engine's store at the fixed socket.
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--url", url_a, "--json", "stats"],
+        [sys.executable, "-m", "kvstore.cli.main", "--url", url_a, "--json", "stats"],
         capture_output=True,
         text=True,
         check=False,

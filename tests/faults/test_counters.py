@@ -13,7 +13,7 @@ from pathlib import Path
 
 import kvstore
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
-from kvstore.store import TieredStore
+from kvstore.engine.store import TieredStore
 from kvstore.testing.server import KVServer
 from tests.helpers import FP, make_chain
 from tests.server.helpers import namespace, put_chain, tokens

@@ -232,7 +232,7 @@ def valid_header(draw: st.DrawFn) -> tuple[bytes, bytes]:
     toks = draw(st.lists(st.integers(100_000, 2**31), min_size=16, max_size=16))
     key = chunk_key(ROOT, NS.fingerprint, tokens_to_bytes(toks))
     data = payload_for(key, 1024)
-    h = kvstore.client.chunk_header(NS, ROOT, toks, data, "bfloat16", (16, 32))
+    h = kvstore.sdk.client.chunk_header(NS, ROOT, toks, data, "bfloat16", (16, 32))
     return h.pack(), data.tobytes()
 
 
@@ -658,7 +658,7 @@ def test_fuzz_cli_arguments(server: KVServer, record: Callable[..., Any]) -> Non
     """Argument lists built from the CLI's own commands and options with junk values: exit 0,
     1 or 2 with a message, never a traceback. (bench is left out: a fuzzed size could ask for
     gigabytes; clear never gets --yes without --all being refused or a namespace.)"""
-    from kvstore.cli import main
+    from kvstore.cli.main import main
 
     results: Counter[int] = Counter()
     problems: list[str] = []

@@ -3,7 +3,7 @@ that drops quiet connections, and then call again.
 
 The seed's TorchDistributedPipe died when producer and consumer sat idle for a while (no
 heartbeat). kvstore's clients ping every 30 s with calls or without (gRPC keepalive,
-``kvstore.sdk.CHANNEL_OPTIONS``), and the server takes pings once a second and closes
+``kvstore.sdk.base.CHANNEL_OPTIONS``), and the server takes pings once a second and closes
 connections idle past ``idle_timeout_s``. Scaled down here: the tests keep the SDK's
 options and shorten only its ping interval (the server's policy is the real one), so a
 release that drops the keepalive options fails them.
@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import kvstore
-import kvstore.sdk
+import kvstore.sdk.base
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.keys import ROOT, Namespace
 from kvstore.testing.ports import free_port
@@ -51,7 +51,7 @@ def scaled_options(keepalive: bool) -> list[tuple[str, Any]]:
     """The SDK's channel options with its ping interval shortened (keepalive=True), or
     without any keepalive option (the control)."""
     out = []
-    for k, v in kvstore.sdk.CHANNEL_OPTIONS:
+    for k, v in kvstore.sdk.base.CHANNEL_OPTIONS:
         if not keepalive and ("ping" in k or "keepalive" in k):
             continue
         if k == "grpc.keepalive_time_ms":
@@ -219,7 +219,7 @@ def _watch_idle(channel: grpc.Channel) -> list[grpc.ChannelConnectivity]:
 def test_client_idle_past_the_server_idle_timeout(
     srv: KVServer, monkeypatch: pytest.MonkeyPatch, record: Callable[..., Any]
 ) -> None:
-    monkeypatch.setattr(kvstore.sdk, "CHANNEL_OPTIONS", scaled_options(True))
+    monkeypatch.setattr(kvstore.sdk.base, "CHANNEL_OPTIONS", scaled_options(True))
     calls = bad = 0
     with kvstore.Client(srv.tcp_url, shm=False, timeout=CALL_S) as kv:
         c, b = _round(kv, 0)
@@ -252,7 +252,7 @@ def test_breaker_client_idle_past_the_server_idle_timeout(
     from kvstore.connectors.vllm_client import BreakerClient
     from kvstore.connectors.vllm_config import ConnectorConfig
 
-    monkeypatch.setattr(kvstore.sdk, "CHANNEL_OPTIONS", scaled_options(True))
+    monkeypatch.setattr(kvstore.sdk.base, "CHANNEL_OPTIONS", scaled_options(True))
     cfg = ConnectorConfig(url=srv.tcp_url, shm="off", timeout_ms=int(CALL_S * 1000))
     bc = BreakerClient(cfg, cfg.url, role="scheduler")
     with kvstore.Client(srv.tcp_url, shm=False) as kv:
@@ -278,7 +278,7 @@ def test_client_behind_a_relay_that_forgets_quiet_connections(
     monkeypatch: pytest.MonkeyPatch,
     record: Callable[..., Any],
 ) -> None:
-    monkeypatch.setattr(kvstore.sdk, "CHANNEL_OPTIONS", scaled_options(keepalive))
+    monkeypatch.setattr(kvstore.sdk.base, "CHANNEL_OPTIONS", scaled_options(keepalive))
     with kvstore.Client(relay.url, shm=False, timeout=CALL_S) as kv:
         calls, bad = _round(kv, 0)
         states = _watch_idle(kv._channel)
@@ -318,7 +318,7 @@ def test_client_behind_a_relay_that_forgets_quiet_connections(
 def test_client_whose_relay_freezes_every_connection(
     relay: Relay, quiet_srv: KVServer, monkeypatch: pytest.MonkeyPatch, record: Callable[..., Any]
 ) -> None:
-    monkeypatch.setattr(kvstore.sdk, "CHANNEL_OPTIONS", scaled_options(True))
+    monkeypatch.setattr(kvstore.sdk.base, "CHANNEL_OPTIONS", scaled_options(True))
     with kvstore.Client(relay.url, shm=False, timeout=CALL_S) as kv:
         calls, bad = _round(kv, 0)
         relay.freeze()

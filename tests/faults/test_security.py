@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.client import chunk_header
 from kvstore.errors import KVStoreError, ServerUnavailable, Unauthenticated
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
 from kvstore.protocol import SERVICE_NAME
+from kvstore.sdk.client import chunk_header
 from kvstore.testing.mix import payload_for
 from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb

@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.client import Client
 from kvstore.keys import ROOT, ChunkKey, Namespace
 from kvstore.records import RecordHeader
+from kvstore.sdk.client import Client
 
 NS = Namespace(model="server-test", dtype="bfloat16", layout="L2-H4-D64", device="cpu")
 
@@ -63,7 +63,7 @@ def chunk_header_for(
     ns: Namespace, toks: np.ndarray, bytes_per_token: int, seed: int, parent: ChunkKey = ROOT
 ) -> RecordHeader:
     """The header of a chunk whose payload is ``payload(len(toks) * bpt, seed)``."""
-    from kvstore.client import chunk_header
+    from kvstore.sdk.client import chunk_header
 
     data = payload(len(toks) * bytes_per_token, seed)
     return chunk_header(ns, parent, toks, data, "bfloat16", shape_for(len(toks), bytes_per_token))

@@ -1,6 +1,6 @@
 """One contract suite, run against both clients: ``kvstore.Client`` and ``kvstore.AsyncClient``.
 
-Both drive the same operations of the client core (``kvstore.client_core``), so they
+Both drive the same operations of the client core (``kvstore.sdk.client_core``), so they
 must answer alike: each test is one coroutine body, run by ``asyncio.run`` against
 an ``AsyncClient`` as it is and against a ``Client`` behind ``Awaited`` (its calls made
 awaitable, nothing else changed), the way tests/tiers/test_contract.py runs one suite
@@ -25,10 +25,7 @@ import pytest
 import xxhash
 
 import kvstore
-from kvstore import client_core as core
-from kvstore import client_writes as writes
 from kvstore.arena import ArenaView
-from kvstore.client import chunk_header
 from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
@@ -38,7 +35,10 @@ from kvstore.errors import (
     PermissionDenied,
 )
 from kvstore.keys import ROOT, Namespace
-from kvstore.shm import AsyncReservation, LeaseBase, ReservationBase
+from kvstore.sdk import client_core as core
+from kvstore.sdk import client_writes as writes
+from kvstore.sdk.client import chunk_header
+from kvstore.sdk.shm import AsyncReservation, LeaseBase, ReservationBase
 from kvstore.testing.server import KVServer
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
@@ -713,7 +713,7 @@ def test_a_reservation_of_another_client_is_refused(drive: Drive) -> None:
     h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))
     with kvstore.Client(drive.server.unix_url, shm=True) as other:
         (foreign,) = other.reserve([h])
-        assert isinstance(foreign, kvstore.client.Reservation)
+        assert isinstance(foreign, kvstore.sdk.client.Reservation)
 
         async def body(kv: Any) -> None:
             with pytest.raises(InvalidArgument, match="another client"):
@@ -927,7 +927,7 @@ def test_acquire_many_says_which_chunks_to_stream(
             ns, big, tokens(16, 7000), payload(16 * 24 * 1024, 3), "bfloat16", (16, 12 * 1024)
         )
         got = await kv.acquire_many([big, b"\x0d" * 32, small])
-        assert got[0] is kvstore.client.USE_GET, f"a chunk L1 cannot lend: {got[0]!r}"
+        assert got[0] is kvstore.sdk.client.USE_GET, f"a chunk L1 cannot lend: {got[0]!r}"
         assert got[1] is None, "a miss"
         assert isinstance(_unwrap(got[2]), LeaseBase) and got[2].header.key == small
         assert await kv.release_many([got[2]]) == 1

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 import kvstore
-from kvstore import client_core as core
 from kvstore.errors import NotFound
 from kvstore.keys import ROOT
+from kvstore.sdk import client_core as core
 from kvstore.testing.server import KVServer, clean_env
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

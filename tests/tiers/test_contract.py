@@ -1,4 +1,4 @@
-"""One contract suite, run against every tier (kvstore/tiers/base.py states the contract).
+"""One contract suite, run against every tier (kvstore/engine/tiers/base.py states the contract).
 
 Tiers: L1 shared memory, L2 LMDB, L3 Redis, L3 Valkey, L3 Valkey cluster (3 nodes).
 Each harness knows how to build its tier with a given capacity and how to damage
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig
+from kvstore.engine.tiers.base import Tier
 from kvstore.errors import StoreClosed
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import Codec, parse_header, verify
 from kvstore.testing.redis import RedisServer, ServerCluster
-from kvstore.tiers.base import Tier
 from kvstore.types import PutStatus
 from tests.helpers import FP, make_chain, make_chunk
 
@@ -64,7 +64,7 @@ def _remote_harness(
     counter = iter(range(10**6))
 
     def make(capacity: int) -> Tier:
-        from kvstore.tiers.remote import RemoteTier
+        from kvstore.engine.tiers.remote import RemoteTier
 
         # A fresh prefix per tier: tests share the server but never each other's keys.
         cfg = RemoteConfig(
@@ -88,7 +88,7 @@ def _remote_harness(
 
 def _harness(kind: str) -> Harness:
     if kind == "memory":
-        from kvstore.tiers.memory import MemoryTier
+        from kvstore.engine.tiers.memory import MemoryTier
 
         return Harness(
             kind,
@@ -96,7 +96,7 @@ def _harness(kind: str) -> Harness:
             _flip_memory,
         )
     if kind == "disk":
-        from kvstore.tiers.disk import DiskTier
+        from kvstore.engine.tiers.disk import DiskTier
 
         root = Path(tempfile.mkdtemp(prefix="kvs-contract-"))
         n = iter(range(10**6))

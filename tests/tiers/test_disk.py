@@ -22,10 +22,10 @@ import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.config import DiskConfig, KiB, MiB
+from kvstore.engine.tiers.disk import DiskTier
 from kvstore.errors import StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.records import Codec, RecordHeader, encode, make_header, verify
-from kvstore.tiers.disk import DiskTier
 from kvstore.types import PutStatus
 from tests.helpers import FP, make_chunk
 
@@ -313,7 +313,7 @@ def test_reads_do_not_write_until_flush(open_tier) -> None:
 KILL_CHILD = """
     import sys
     from kvstore.config import DiskConfig, MiB
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.engine.tiers.disk import DiskTier
     from tests.tiers.test_disk import chunk
     t = DiskTier(DiskConfig(capacity_bytes=256 * MiB), sys.argv[1])
     for i in range(int(sys.argv[2]), 100000):
@@ -456,7 +456,7 @@ def test_scan_delete_and_clear_by_fingerprint(open_tier) -> None:
 HOLD_CHILD = """
     import sys
     from kvstore.config import DiskConfig, MiB
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.engine.tiers.disk import DiskTier
     t = DiskTier(DiskConfig(capacity_bytes=MiB), sys.argv[1])
     print("ready", flush=True)
     sys.stdin.readline()
@@ -483,7 +483,7 @@ FULL_CHILD = """
     import resource, signal, sys
     from kvstore.config import DiskConfig, MiB
     from kvstore.errors import TierError
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.engine.tiers.disk import DiskTier
     from tests.tiers.test_disk import chunk
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
     t = DiskTier(DiskConfig(capacity_bytes=64 * MiB), sys.argv[1])

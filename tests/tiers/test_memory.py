@@ -23,10 +23,10 @@ import xxhash
 from kvstore.arena import ArenaView, Extent, PageAllocator, spans
 from kvstore.clock import FakeClock
 from kvstore.config import MemoryConfig
+from kvstore.engine.tiers.memory import LeaseError, MemoryTier, ReadLease, Reservation
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, StoreClosed, TierError
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, encode_payload, make_header, verify
-from kvstore.tiers.memory import LeaseError, MemoryTier, ReadLease, Reservation
 from kvstore.types import PutStatus
 
 PAGE = 4096

@@ -19,12 +19,12 @@ import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
+from kvstore.engine.tiers.remote_client import parse_url, redact
 from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierUnavailable
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, decode_payload, encode, verify
 from kvstore.testing.redis import RedisServer, ServerCluster, available, free_port
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.remote_client import parse_url, redact
 from kvstore.types import PutStatus
 
 BACKENDS = ["redis", "valkey", "valkey-cluster"]

@@ -19,11 +19,11 @@ import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
+from kvstore.engine.tiers.remote_guard import TRAILER_BYTES, TRAILER_TAG
 from kvstore.errors import ConfigError
 from kvstore.records import encode, verify
 from kvstore.testing.redis import RedisServer, ServerCluster
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.remote_guard import TRAILER_BYTES, TRAILER_TAG
 from kvstore.types import PutStatus
 from tests.tiers.test_remote import BACKENDS, FP, Backend, config, make_tier, raw_client, record
 from tests.tiers.test_remote import pytestmark as pytestmark  # needs both servers
@@ -60,7 +60,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "kvstore.tiers.remote" and r.levelno == logging.WARNING
+        if r.name == "kvstore.engine.tiers.remote" and r.levelno == logging.WARNING
     ]
 
 
@@ -71,7 +71,7 @@ def test_noreplicas_degrades_holds_writes_back_and_recovers(
     solo: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = FakeClock()
-    caplog.set_level(logging.WARNING, "kvstore.tiers.remote")
+    caplog.set_level(logging.WARNING, "kvstore.engine.tiers.remote")
     with make_tier(solo.url, clock, failure_threshold=2, cooldown_ms=1000) as tier:
         h0, p0, _ = record(seed=300)
         assert tier.put(h0, p0) is PutStatus.STORED
@@ -117,7 +117,7 @@ def test_noreplicas_degrades_holds_writes_back_and_recovers(
 def test_foreign_value_under_a_bookkeeping_key_is_a_refusal(
     solo: RedisServer, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.tiers.remote")
+    caplog.set_level(logging.WARNING, "kvstore.engine.tiers.remote")
     capacity = 1 << 20 if name == "used" else 0
     with make_tier(solo.url, failure_threshold=3, capacity_bytes=capacity) as tier:
         p = tier.config.prefix
@@ -145,7 +145,7 @@ def test_foreign_value_under_a_bookkeeping_key_is_a_refusal(
 def test_replica_and_acl_refusals_degrade_with_a_hint(
     solo: RedisServer, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.tiers.remote")
+    caplog.set_level(logging.WARNING, "kvstore.engine.tiers.remote")
     with RedisServer(solo.flavor) as other:
         if how == "read-only replica":
             other.cli("REPLICAOF", "127.0.0.1", str(solo.port))
@@ -238,7 +238,7 @@ def test_sealed_records_round_trip_and_plain_servers_still_read_them(
 def test_forged_record_is_refused_with_the_key_and_served_without(
     backend: Backend, keyed: tuple[RemoteTier, RemoteTier], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "kvstore.tiers.remote")
+    caplog.set_level(logging.WARNING, "kvstore.engine.tiers.remote")
     a, b = keyed
     reported: list[bytes] = []
     a.on_corrupt = reported.append

@@ -1,6 +1,6 @@
 """Big records in L3: stored in parts behind a manifest, read straight into the caller's
-buffer, found whole or not at all (kvstore.tiers.remote_parts), over kvstore's own RESP
-client (kvstore.tiers.remote_resp, remote_values), against real servers: Redis and Valkey,
+buffer, found whole or not at all (kvstore.engine.tiers.remote_parts), over kvstore's own RESP
+client (kvstore.engine.tiers.remote_resp, remote_values), against real servers: Redis and Valkey,
 standalone and cluster."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
+from kvstore.engine.tiers.remote_parts import MANIFEST_TAG, PART_BYTES, part_names
+from kvstore.engine.tiers.remote_resp import RespConnectionError, RespError, RespPool
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, make_header
 from kvstore.testing.redis import RedisServer, ServerCluster
-from kvstore.tiers.remote import RemoteTier
-from kvstore.tiers.remote_parts import MANIFEST_TAG, PART_BYTES, part_names
-from kvstore.tiers.remote_resp import RespConnectionError, RespError, RespPool
 from kvstore.types import PutStatus
 from tests.tiers.test_remote import FP, Backend, make_tier, raw_client
 from tests.tiers.test_remote import pytestmark as pytestmark  # needs both servers

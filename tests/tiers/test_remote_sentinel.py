@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
 from kvstore.testing.redis import SentinelGroup
-from kvstore.tiers.remote import RemoteTier
 from kvstore.types import PutStatus
 from tests.tiers.test_remote import pytestmark as pytestmark  # needs both servers
 from tests.tiers.test_remote import record

@@ -1,7 +1,7 @@
 """The ``kvstore`` CLI's arguments: every command, its options and their checks.
 
-``kvstore.cli`` runs the commands; the values are checked here, as argparse reads
-them, by the ``arg_*`` types of ``kvstore.cli_format`` (sizes by the one
+``kvstore.cli.main`` runs the commands; the values are checked here, as argparse reads
+them, by the ``arg_*`` types of ``kvstore.cli.format`` (sizes by the one
 ``kvstore.config.parse_size``), so a bad value exits 2 with a message before any
 call is made.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from kvstore import __version__
-from kvstore import cli_format as fmt
+from kvstore.cli import format as fmt
 
 # -- the parser --------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ Errors. A connection that fails or times out raises ``RespConnectionError`` (a
 ``ConnectionError``, so an ``OSError``: the tier counts it as the remote being
 down); an error reply raises ``RespError`` (``RespOOM`` for ``OOM``), with the
 reply's first word in ``word`` (``MOVED``/``ASK`` redirect cluster calls, see
-``kvstore.tiers.remote_fast``).
+``kvstore.engine.tiers.remote_fast``).
 
 Connections live in a ``RespPool`` per server address, shared by threads: a call
 takes an idle connection (or opens one) and gives it back when the reply was

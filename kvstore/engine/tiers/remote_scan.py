@@ -1,5 +1,5 @@
 """Listing and bulk removal in the remote tier: scan, clear, delete, pin, the byte
-counter and kvstore-side eviction. ``kvstore.tiers.remote`` has the contract."""
+counter and kvstore-side eviction. ``kvstore.engine.tiers.remote`` has the contract."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
+from kvstore.engine.tiers.base import ChunkInfo
+from kvstore.engine.tiers.remote_base import RemoteBase
+from kvstore.engine.tiers.remote_parts import HEAD_GUESS
 from kvstore.errors import CorruptRecord, TierError
 from kvstore.keys import KEY_BYTES, ROOT, ChunkKey
 from kvstore.records import RecordHeader, parse_header
-from kvstore.tiers.base import ChunkInfo
-from kvstore.tiers.remote_base import RemoteBase
-from kvstore.tiers.remote_parts import HEAD_GUESS
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 Every command asks the server through the SDK (``kvstore.Client``), builds one
 JSON-able document, and prints it either as aligned tables for a person
-(``kvstore/cli_format.py``) or, with ``--json``, as one JSON document for a
+(``kvstore/cli/format.py``) or, with ``--json``, as one JSON document for a
 script. Building the document first keeps the two outputs in step.
 
 Expected failures (server unreachable, wrong token, a refused ``clear``) print
@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvstore import __version__, accel, cli_bench
-from kvstore import cli_format as fmt
-from kvstore import cli_render as render
-from kvstore.cli_format import CLIError, Doc
-from kvstore.cli_parser import build_parser
+from kvstore import __version__, accel
+from kvstore.cli import bench as cli_bench
+from kvstore.cli import format as fmt
+from kvstore.cli import render as render
+from kvstore.cli.format import CLIError, Doc
+from kvstore.cli.parser import build_parser
 from kvstore.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -35,7 +36,7 @@ from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Fingerprint, Namespace
 from kvstore.types import tier_label
 
 if TYPE_CHECKING:
-    from kvstore.client import Client
+    from kvstore.sdk.client import Client
 
 EXIT_OK, EXIT_ERROR = 0, 1  # and 2: argparse, for bad arguments
 
@@ -44,7 +45,7 @@ EXIT_OK, EXIT_ERROR = 0, 1  # and 2: argparse, for bad arguments
 
 
 def _client(args: argparse.Namespace, shm: bool | None = None) -> Client:
-    from kvstore.client import Client
+    from kvstore.sdk.client import Client
 
     return Client(args.url, token=args.token, timeout=args.timeout, shm=shm)
 

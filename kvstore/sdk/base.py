@@ -1,11 +1,11 @@
 """What the blocking and the asyncio clients share: URLs, frames, requests, arena checks.
 
-``kvstore.client.Client`` and ``kvstore.aio.AsyncClient`` differ only in how they
+``kvstore.sdk.client.Client`` and ``kvstore.sdk.aio.AsyncClient`` differ only in how they
 wait. Their state and settings (``ClientBase``), which URL means what, when shared
 memory can be used, how a Get stream is put back together and how requests are
 built live here; the operations themselves are written once in
-``kvstore.client_core`` and ``kvstore.client_writes``; leases and reservations in
-the arena are ``kvstore.shm``.
+``kvstore.sdk.client_core`` and ``kvstore.sdk.client_writes``; leases and reservations in
+the arena are ``kvstore.sdk.shm``.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ from kvstore.records import (
     make_header,
     parse_header,
 )
-from kvstore.shm import prefault
+from kvstore.sdk.shm import prefault
+from kvstore.sdk.wire import NamespaceInfo, ServerInfo, error_from_rpc
 from kvstore.sockets import untrusted_reason
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import NamespaceInfo, ServerInfo, error_from_rpc
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.sdk.client")
 
 NamespaceLike = Namespace | Fingerprint | bytes
 Tokens = Sequence[int] | np.ndarray

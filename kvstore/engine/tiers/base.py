@@ -138,7 +138,7 @@ class Tier(ABC):
             except Exception:  # the store's bookkeeping must not break a read
                 import logging
 
-                logging.getLogger("kvstore.tiers").exception("on_corrupt callback failed")
+                logging.getLogger("kvstore.engine.tiers").exception("on_corrupt callback failed")
 
     # -- lifecycle ----------------------------------------------------------
     def close(self) -> None:

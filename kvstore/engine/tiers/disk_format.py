@@ -20,9 +20,9 @@ import xxhash
 
 from kvstore import accel
 from kvstore.config import MiB
+from kvstore.engine.tiers.base import copy_into
 from kvstore.errors import CorruptRecord, InvalidArgument, TierError
 from kvstore.records import Codec, RecordHeader, decode_payload, parse_header, verify
-from kvstore.tiers.base import copy_into
 
 # meta value: version, flags, hits, record size, last access (wall ms), access seq,
 # then an xxh3_64 of everything else, then the record header without its padding.

@@ -1,5 +1,5 @@
 """The plumbing of the remote tier: the one way to the network, key names, record values
-in and out (whole or in parts), removal. ``kvstore.tiers.remote`` has the contract."""
+in and out (whole or in parts), removal. ``kvstore.engine.tiers.remote`` has the contract."""
 
 from __future__ import annotations
 
@@ -11,19 +11,15 @@ from typing import Any, TypeVar
 
 from kvstore.clock import Clock, monotonic
 from kvstore.config import RemoteConfig
-from kvstore.errors import ConfigError, CorruptRecord, TierError, TierUnavailable
-from kvstore.keys import ROOT, ChunkKey
-from kvstore.records import Codec, RecordHeader, decode_payload, parse_header
-from kvstore.retry import CircuitBreaker, Retry
-from kvstore.tiers.base import Tier, copy_into
-from kvstore.tiers.remote_client import (
+from kvstore.engine.tiers.base import Tier, copy_into
+from kvstore.engine.tiers.remote_client import (
     client_classes,
     parse_sentinel,
     parse_url,
     redact,
     sentinel_primary,
 )
-from kvstore.tiers.remote_guard import (
+from kvstore.engine.tiers.remote_guard import (
     ForgedRecord,
     RateLimitedLog,
     RecordSeal,
@@ -31,7 +27,7 @@ from kvstore.tiers.remote_guard import (
     Refused,
     open_value,
 )
-from kvstore.tiers.remote_parts import (
+from kvstore.engine.tiers.remote_parts import (
     Manifest,
     check,
     into_sink,
@@ -44,8 +40,12 @@ from kvstore.tiers.remote_parts import (
     split,
     whole,
 )
-from kvstore.tiers.remote_resp import RespError, RespOOM, Sink
-from kvstore.tiers.remote_values import LibraryPlane, ValuePlane
+from kvstore.engine.tiers.remote_resp import RespError, RespOOM, Sink
+from kvstore.engine.tiers.remote_values import LibraryPlane, ValuePlane
+from kvstore.errors import ConfigError, CorruptRecord, TierError, TierUnavailable
+from kvstore.keys import ROOT, ChunkKey
+from kvstore.records import Codec, RecordHeader, decode_payload, parse_header
+from kvstore.retry import CircuitBreaker, Retry
 from kvstore.types import TierLevel, TierStats
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """Text in and out for the ``kvstore`` CLI: argument values and token ids in; human
 sizes, ages, aligned tables and JSON documents out.
 
-Kept apart from ``kvstore/cli.py`` so the commands read as "ask the server,
+Kept apart from ``kvstore/cli/main.py`` so the commands read as "ask the server,
 build a document, render it", and so the formatting rules (what a person sees
 versus what a script parses) live in one place. Nothing here talks to a server.
 """

@@ -9,15 +9,15 @@ their results, then returns the operation's result. A step is one of
     ReleaseLater(lease_ids)               -> None; a Release sent without waiting for it
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
 
-``kvstore.client.Client`` drives a plan with blocking calls (``run_blocking``),
-``kvstore.aio.AsyncClient`` with awaits, as redis-py writes its commands once for
+``kvstore.sdk.client.Client`` drives a plan with blocking calls (``run_blocking``),
+``kvstore.sdk.aio.AsyncClient`` with awaits, as redis-py writes its commands once for
 both of its clients. What a plan decides is then the same in both: the request,
 how the reply is read, shared memory or stream, the fallbacks (a lease that may
 have expired, a corrupt read, a chunk L1 cannot take) and the retries (a tenant's
 namespace not proved yet). A step that fails is thrown into the plan as the
-kvstore error of its status (``kvstore.wire.error_from_rpc``): plans see only
+kvstore error of its status (``kvstore.sdk.wire.error_from_rpc``): plans see only
 kvstore errors. The writes (put, put_chunk, reserve, commit) are in
-``kvstore.client_writes``.
+``kvstore.sdk.client_writes``.
 
 A transport provides, besides the steps: ``_session_alive()`` and starting the
 Session stream once ``setup_plane`` has mapped an arena (a thread, or a task).
@@ -41,11 +41,11 @@ from kvstore.protocol import (
     stats_from_pb,
 )
 from kvstore.records import RecordHeader, parse_header
-from kvstore.sdk import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike, Tokens
-from kvstore.shm import USE_GET, LeaseBase, UseGet
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike, Tokens
+from kvstore.sdk.shm import USE_GET, LeaseBase, UseGet
+from kvstore.sdk.wire import NamespaceInfo, ServerInfo, info_from_pb
 from kvstore.types import ChunkView, LookupResult, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import NamespaceInfo, ServerInfo, info_from_pb
 
 T = TypeVar("T")
 L = TypeVar("L", bound=LeaseBase)

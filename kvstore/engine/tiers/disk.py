@@ -55,17 +55,8 @@ import lmdb
 
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import DiskConfig, MiB
-from kvstore.errors import CorruptRecord, InvalidArgument, TierError
-from kvstore.keys import ChunkKey
-from kvstore.records import (
-    FIXED_BYTES,
-    Codec,
-    RecordHeader,
-    transcode_parts,
-    verify,
-)
-from kvstore.tiers.base import ChunkInfo, Tier
-from kvstore.tiers.disk_format import (
+from kvstore.engine.tiers.base import ChunkInfo, Tier
+from kvstore.engine.tiers.disk_format import (
     DATA_FILE,
     META_FIXED,
     Entry,
@@ -76,6 +67,15 @@ from kvstore.tiers.disk_format import (
     lock_directory,
     pack_meta,
     parse_meta,
+)
+from kvstore.errors import CorruptRecord, InvalidArgument, TierError
+from kvstore.keys import ChunkKey
+from kvstore.records import (
+    FIXED_BYTES,
+    Codec,
+    RecordHeader,
+    transcode_parts,
+    verify,
 )
 from kvstore.types import PutStatus, TierLevel, TierStats
 

@@ -1,8 +1,8 @@
 """The store's write-down: eviction moving chunks to the tier below, copies of
 write-through, and copies the remote refused while it was down, queued again.
 
-A mixin of ``kvstore.store.TieredStore`` (``WriteDownPath``), split out of it as
-``kvstore.store_reads`` is; the jobs run on the writer's thread (``kvstore.writer``).
+A mixin of ``kvstore.engine.store.TieredStore`` (``WriteDownPath``), split out of it as
+``kvstore.engine.store_reads`` is; the jobs run on the writer's thread (``kvstore.engine.writer``).
 Eviction callbacks run with the evicting tier's lock held: they take the store's
 lock, never the reverse (the store's docstring).
 """
@@ -14,16 +14,16 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvstore.fallback import Fallbacks
-from kvstore.index import Index, layout_of, tier_levels
+from kvstore.engine.fallback import Fallbacks
+from kvstore.engine.index import Index, layout_of, tier_levels
+from kvstore.engine.tiers.base import Tier
+from kvstore.engine.tiers.memory import MemoryTier
+from kvstore.engine.writer import Backlog, Job, WriteDown
 from kvstore.keys import ChunkKey, Fingerprint
 from kvstore.records import RecordHeader, parse_header
-from kvstore.tiers.base import Tier
-from kvstore.tiers.memory import MemoryTier
 from kvstore.types import PutStatus
-from kvstore.writer import Backlog, Job, WriteDown
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 
 REMOTE_BACKLOG_KEYS = 100_000  # chunks remembered for the remote while it is down (32 B each)
 

@@ -76,10 +76,10 @@ from kvstore.arena import (
 )
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
+from kvstore.engine.tiers.base import ChunkInfo, Tier
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
 from kvstore.records import Codec, RecordHeader, check_put, parse_header, transcode_parts
-from kvstore.tiers.base import ChunkInfo, Tier
 from kvstore.types import PutStatus, TierLevel, TierStats
 
 __all__ = ["LeaseError", "MemoryTier", "ReadLease", "Reservation"]

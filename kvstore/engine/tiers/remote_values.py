@@ -3,7 +3,7 @@
 The control side of the tier (bookkeeping hashes and sets, scans, pipelines,
 cluster topology, sentinel discovery) stays with redis-py / valkey-py. The
 record values themselves, the only big things the tier moves, go through
-``kvstore.tiers.remote_resp`` (``GET`` into the caller's buffer, ``SET NX`` from
+``kvstore.engine.tiers.remote_resp`` (``GET`` into the caller's buffer, ``SET NX`` from
 the caller's buffers), to the one server that owns the key:
 
 - standalone: the URL's host, port, credentials and database;
@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from kvstore.tiers.remote_parts import WINDOW
-from kvstore.tiers.remote_resp import (
+from kvstore.engine.tiers.remote_parts import WINDOW
+from kvstore.engine.tiers.remote_resp import (
     Arg,
     RespConnection,
     RespConnectionError,

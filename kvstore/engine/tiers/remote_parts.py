@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.engine.tiers.remote_guard import TRAILER_BYTES, TRAILER_TAG, ForgedRecord, RecordSeal
+from kvstore.engine.tiers.remote_resp import Reader, Sink
 from kvstore.errors import CorruptRecord
 from kvstore.records import Codec, RecordHeader, parse_header
-from kvstore.tiers.remote_guard import TRAILER_BYTES, TRAILER_TAG, ForgedRecord, RecordSeal
-from kvstore.tiers.remote_resp import Reader, Sink
 
 PART_BYTES = 2 * 1024 * 1024  # payloads larger than this are stored in parts of this size
 WINDOW = 4  # parts in flight on one connection

@@ -4,9 +4,9 @@
   when evicted (write-back). Whatever the policy, a chunk evicted from a tier
   moves to the next lower tier when that tier exists and lacks it.
 - get searches top-down; a hit below L1 is promoted into L1 (the read path,
-  ``kvstore.store_reads``, prefetch included); eviction and copies move chunks
-  down (``kvstore.store_writedown``).
-- lookup is partial prefix matching over all tiers (kvstore.lookup).
+  ``kvstore.engine.store_reads``, prefetch included); eviction and copies move chunks
+  down (``kvstore.engine.store_writedown``).
+- lookup is partial prefix matching over all tiers (kvstore.engine.lookup).
 - the store is the only writer of the index. Its lock guards the index only:
   tiers are never called while holding it (tier locks may be held when it is
   taken, by eviction callbacks), which keeps the lock order acyclic.
@@ -24,19 +24,19 @@ import numpy as np
 from kvstore.arena import ArenaView
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
+from kvstore.engine.fallback import Fallbacks
+from kvstore.engine.index import Entry, Index, layout_of, tier_levels
+from kvstore.engine.store_reads import ReadPath
+from kvstore.engine.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
+from kvstore.engine.tiers.base import Tier
+from kvstore.engine.tiers.memory import MemoryTier, Reservation
+from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
-from kvstore.fallback import Fallbacks
-from kvstore.index import Entry, Index, layout_of, tier_levels
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.records import RecordHeader, check_put, make_header
-from kvstore.store_reads import ReadPath
-from kvstore.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
-from kvstore.tiers.base import Tier
-from kvstore.tiers.memory import MemoryTier, Reservation
 from kvstore.types import ChunkView, PutStatus, StoreStats
-from kvstore.writer import Backlog, Prefetcher, WriteDown
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.engine.store")
 
 PREFETCH_THREADS = 2  # LMDB reads and L3 round trips overlap; more would fight the RPC threads
 
@@ -58,11 +58,11 @@ class TieredStore(ReadPath, WriteDownPath):
         self.memory = memory or MemoryTier(cfg.memory, clock=clock)
         try:
             if disk is None and cfg.disk.enabled:
-                from kvstore.tiers.disk import DiskTier
+                from kvstore.engine.tiers.disk import DiskTier
 
                 disk = DiskTier(cfg.disk, cfg.data_dir, clock=clock)
             if remote is None and cfg.remote.url:
-                from kvstore.tiers.remote import RemoteTier
+                from kvstore.engine.tiers.remote import RemoteTier
 
                 remote = RemoteTier(cfg.remote, clock=clock)
         except BaseException:

@@ -2,7 +2,7 @@
 ``--json`` prints, a progress bar, and the explanation of where a lookup stopped.
 
 The helpers they share (human sizes and ages, tables, namespaces) and the text in
-(argument types, token ids) are ``kvstore.cli_format``'s. Nothing here talks to a server.
+(argument types, token ids) are ``kvstore.cli.format``'s. Nothing here talks to a server.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvstore.cli_format import (
+from kvstore.cli.format import (
     describe_namespace,
     human_age,
     human_bytes,

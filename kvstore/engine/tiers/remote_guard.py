@@ -34,7 +34,7 @@ from kvstore.errors import CorruptRecord, TierError
 from kvstore.records import RecordHeader, parse_header, verify
 from kvstore.retry import BreakerState, CircuitBreaker
 
-log = logging.getLogger("kvstore.tiers.remote")
+log = logging.getLogger("kvstore.engine.tiers.remote")
 
 LOG_EVERY_S = 30.0  # one warning per kind of trouble in this long, with a count of the rest
 TRAILER_TAG = b"KVSMAC01"  # the trailer's magic; its last two digits are its version

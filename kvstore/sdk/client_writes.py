@@ -1,4 +1,4 @@
-"""The writes of the client core (``kvstore.client_core``): put, put_chunk, and writing
+"""The writes of the client core (``kvstore.sdk.client_core``): put, put_chunk, and writing
 in place in the server's arena (same host only): ``reserve`` a batch in one round
 trip, write each payload into its pages, commit them one by one (``finish``) or
 together (``commit``).
@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 import numpy as np
 import xxhash
 
-from kvstore.client_core import NEED_ARENA, PUT, Call, Plan, info, lookup
 from kvstore.errors import InvalidArgument, KVStoreError, NamespaceNotRegistered, ServerError
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
-from kvstore.sdk import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens, chunk_header
-from kvstore.shm import ReservationBase
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens, chunk_header
+from kvstore.sdk.client_core import NEED_ARENA, PUT, Call, Plan, info, lookup
+from kvstore.sdk.shm import ReservationBase
+from kvstore.sdk.wire import error_from_code
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.wire import error_from_code
 
 R = TypeVar("R", bound=ReservationBase)
 

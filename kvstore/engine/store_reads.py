@@ -2,10 +2,10 @@
 once and what they hold promoted into L1, lookups, and prefetch (promotion ahead of
 the reads).
 
-A mixin of ``kvstore.store.TieredStore`` (``ReadPath``), split out so that neither
+A mixin of ``kvstore.engine.store.TieredStore`` (``ReadPath``), split out so that neither
 module grows past what one sitting reads; it works on the store's tiers, index and
 locks, declared below for the type checker, under the lock order of the store's
-docstring. A read that misses L1 takes one decision (``kvstore.fallback``): the tier
+docstring. A read that misses L1 takes one decision (``kvstore.engine.fallback``): the tier
 below is read once, L1 offered the record once, and if L1 cannot take it now the
 record is kept a moment for the follow-up read.
 """
@@ -20,15 +20,15 @@ import numpy as np
 
 from kvstore.clock import Clock
 from kvstore.config import StoreConfig
-from kvstore.fallback import Fallbacks
-from kvstore.index import Entry, Index, layout_of, tier_levels
+from kvstore.engine.fallback import Fallbacks
+from kvstore.engine.index import Entry, Index, layout_of, tier_levels
+from kvstore.engine.lookup import KeyChain, RemoteView, lookup
+from kvstore.engine.tiers.base import Tier, copy_into
+from kvstore.engine.tiers.memory import MemoryTier, ReadLease
+from kvstore.engine.writer import Prefetcher, WriteDown
 from kvstore.keys import ChunkKey, Fingerprint
-from kvstore.lookup import KeyChain, RemoteView, lookup
 from kvstore.records import Codec, RecordHeader, header_size, parse_header, transcode_parts
-from kvstore.tiers.base import Tier, copy_into
-from kvstore.tiers.memory import MemoryTier, ReadLease
 from kvstore.types import LookupResult, PutStatus, TierLevel
-from kvstore.writer import Prefetcher, WriteDown
 
 
 class ReadPath:
@@ -227,7 +227,7 @@ class ReadPath:
         count: bool = True,
         local: bool = False,
     ) -> LookupResult:
-        """The longest stored prefix of ``tokens`` in this namespace (kvstore.lookup).
+        """The longest stored prefix of ``tokens`` in this namespace (kvstore.engine.lookup).
 
         ``count=False``: a repeat of a lookup already counted (Stats count a request once);
         ``local``: only what this host's tiers hold (no round trip to the remote).
@@ -264,7 +264,7 @@ class ReadPath:
         each, of an ``n_tokens`` prompt) and each chunk's ``keys.sub_hashes`` at this
         store's granularity, concatenated, or only chunk ``sub_hashes_of``'s (empty: none),
         as a client hashes them instead of sending the token ids: the same walk and rules
-        (``kvstore.lookup.KeyChain``). Also the chunk whose sub-hashes the partial match
+        (``kvstore.engine.lookup.KeyChain``). Also the chunk whose sub-hashes the partial match
         needed and did not get (the answer then counts whole chunks, and is not counted
         in the stats: the caller asks again), or None."""
         self._check_open()
@@ -299,7 +299,7 @@ class ReadPath:
         them in L1. How many were queued. Never waits: chunks in L1 already, or being
         promoted, are skipped, and past the prefetcher's byte budget (bytes queued or
         running) the rest are left to the reads. A chunk L1 refuses (full of pinned or
-        leased pages) is offered once (``kvstore.fallback``): not again while that
+        leased pages) is offered once (``kvstore.engine.fallback``): not again while that
         refusal stands, and its record is kept for the read that follows."""
         self._check_open()
         l1 = 1 << self.memory.level

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-from kvstore import cli_format as fmt
-from kvstore import cli_render as render
-from kvstore.cli_format import CLIError, Doc
+from kvstore.cli import format as fmt
+from kvstore.cli import render as render
+from kvstore.cli.format import CLIError, Doc
 from kvstore.keys import ChunkKey, Namespace
 
 SUITE_MODULE = "benchmarks"  # run as `python -m benchmarks` from the checkout's root
@@ -141,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> Doc:
     from kvstore.types import PutStatus
 
     size, count = args.size, args.count
-    from kvstore.client import Client
+    from kvstore.sdk.client import Client
 
     with Client(args.url, token=args.token, timeout=args.timeout, shm=args.shm) as c:
         info = c.info()

@@ -24,8 +24,8 @@ raises ``kvstore.errors`` classes: ``ServerUnavailable``, ``Unauthenticated``,
 ``DeadlineExceeded``, ``ResourceExhausted``, ``ServerError``. Misses are ``None``,
 not exceptions.
 
-Each method is one operation of the client core (``kvstore.client_core``,
-``kvstore.client_writes``), written once for this client and ``AsyncClient``;
+Each method is one operation of the client core (``kvstore.sdk.client_core``,
+``kvstore.sdk.client_writes``), written once for this client and ``AsyncClient``;
 this module is the blocking transport that drives them: each step a direct call.
 """
 
@@ -42,13 +42,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore import client_core as core
-from kvstore import client_writes as writes
 from kvstore.arena import ArenaView
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
-from kvstore.sdk import (
+from kvstore.sdk import client_core as core
+from kvstore.sdk import client_writes as writes
+from kvstore.sdk.base import (
     GET_METHOD,
     PUT_METHOD,
     ClientBase,
@@ -59,11 +59,11 @@ from kvstore.sdk import (
     namespace_fingerprint,
     parse_url,
 )
-from kvstore.shm import USE_GET, Lease, Reservation, UseGet, prefault
+from kvstore.sdk.shm import USE_GET, Lease, Reservation, UseGet, prefault
+from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import NamespaceInfo, ServerInfo
 
 __all__ = [
     "USE_GET",
@@ -78,7 +78,7 @@ __all__ = [
     "prefault",
 ]
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.sdk.client")
 
 T = TypeVar("T")
 

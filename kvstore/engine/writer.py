@@ -29,7 +29,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 
-log = logging.getLogger("kvstore.writer")
+log = logging.getLogger("kvstore.engine.writer")
 
 
 @dataclass

@@ -4,11 +4,11 @@ URLs: ``redis://``, ``rediss://`` and ``unix://`` use the ``redis`` client,
 ``valkey://`` and ``valkeys://`` the ``valkey`` client; ``?cluster=1`` (or
 ``cluster=true``) selects the cluster client; ``redis+sentinel://h:p[,h:p...]/service``
 (``valkey+sentinel://``) asks those sentinels for the service's primary
-(kvstore.tiers.remote_client). kvstore's own query parameters are removed before
+(kvstore.engine.tiers.remote_client). kvstore's own query parameters are removed before
 the URL reaches the client library.
 
 Two clients. Record values, the only big things the tier moves, go over kvstore's
-own RESP client (kvstore.tiers.remote_resp, routed by kvstore.tiers.remote_values):
+own RESP client (kvstore.engine.tiers.remote_resp, routed by kvstore.engine.tiers.remote_values):
 ``GET`` received straight into the caller's buffer and verified there, ``SET NX``
 sent from the caller's buffers, to the server that owns the key (the cluster
 node of its slot, following ``MOVED``/``ASK``; the sentinels' current primary).
@@ -20,7 +20,7 @@ raw 32-byte keys as set members and hash fields, to keep them small):
 
     c:<key>           string  the whole record: packed header + payload in config.codec
                               (+ MAC trailer); for a payload over 2 MiB, its manifest
-    p:{<key>}:<i>     string  part i of a payload over 2 MiB (kvstore.tiers.remote_parts)
+    p:{<key>}:<i>     string  part i of a payload over 2 MiB (kvstore.engine.tiers.remote_parts)
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
@@ -85,7 +85,7 @@ TierError (the server refused), chained to the client's exception.
 Refusals (an error reply: WRONGTYPE, NOREPLICAS, READONLY, NOPERM) are not
 outages and leave the breaker alone, so reads go on; they are counted, logged
 (rate-limited) and make the tier degraded, and puts that keep being refused
-open a write breaker of their own (kvstore.tiers.remote_guard).
+open a write breaker of their own (kvstore.engine.tiers.remote_guard).
 
 Authentication. With ``auth_key_file`` every record written carries an HMAC
 trailer, and a record read without a valid one is a counted (``corrupt`` and
@@ -100,14 +100,14 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.engine.tiers.remote_client import redact
+from kvstore.engine.tiers.remote_guard import Refused
+from kvstore.engine.tiers.remote_scan import RemoteListing
+from kvstore.engine.tiers.remote_values import ValuePlane
 from kvstore.errors import InvalidArgument, TierError
 from kvstore.keys import KEY_BYTES, ROOT, ChunkKey, Fingerprint, chunk_key
 from kvstore.records import RecordHeader, parse_header, transcode_parts
 from kvstore.retry import BreakerState
-from kvstore.tiers.remote_client import redact
-from kvstore.tiers.remote_guard import Refused
-from kvstore.tiers.remote_scan import RemoteListing
-from kvstore.tiers.remote_values import ValuePlane
 from kvstore.types import PutStatus, TierStats
 
 

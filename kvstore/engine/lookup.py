@@ -27,8 +27,8 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from kvstore import accel
+from kvstore.engine.index import FASTEST, Index
 from kvstore.errors import InvalidArgument
-from kvstore.index import FASTEST, Index
 from kvstore.keys import (
     KEY_BYTES,
     ROOT,

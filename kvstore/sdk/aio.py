@@ -1,6 +1,6 @@
 """The asyncio SDK of kvstore-server: ``kvstore.AsyncClient``.
 
-The same methods as ``kvstore.Client`` (see ``kvstore.client`` for URLs, the
+The same methods as ``kvstore.Client`` (see ``kvstore.sdk.client`` for URLs, the
 two data planes, deadlines and errors), as coroutines over ``grpc.aio``:
 
     async with kvstore.AsyncClient("grpc://127.0.0.1:50551") as kv:
@@ -8,7 +8,7 @@ two data planes, deadlines and errors), as coroutines over ``grpc.aio``:
         header, data = await kv.get(key)
 
 Each method runs the same operation of the client core as ``Client``'s
-(``kvstore.client_core``, ``kvstore.client_writes``); this module is the asyncio
+(``kvstore.sdk.client_core``, ``kvstore.sdk.client_writes``); this module is the asyncio
 transport that drives it, each step awaited. What differs is only what must be
 awaited: ``acquire`` gives an ``AsyncLease`` (``await lease.release()``, ``async
 with``) and ``reserve`` ``AsyncReservation``s (``await res.commit()``).
@@ -30,28 +30,28 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore import client_core as core
-from kvstore import client_writes as writes
 from kvstore.arena import ArenaView
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
-from kvstore.sdk import GET_METHOD, PUT_METHOD, ClientBase, NamespaceLike, Tokens
-from kvstore.shm import USE_GET, AsyncLease, AsyncReservation, UseGet
+from kvstore.sdk import client_core as core
+from kvstore.sdk import client_writes as writes
+from kvstore.sdk.base import GET_METHOD, PUT_METHOD, ClientBase, NamespaceLike, Tokens
+from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, UseGet
+from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import NamespaceInfo, ServerInfo
 
 __all__ = ["USE_GET", "AsyncClient", "AsyncLease", "AsyncReservation", "UseGet"]
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.sdk.client")
 
 T = TypeVar("T")
 
 
 class AsyncClient(ClientBase):
-    """An asyncio client of kvstore-server. See ``kvstore.client`` for the semantics."""
+    """An asyncio client of kvstore-server. See ``kvstore.sdk.client`` for the semantics."""
 
     def __init__(
         self,
