@@ -43,7 +43,7 @@ def checkout(start: Path | None = None) -> Path | None:
     a regular install (site-packages) is not.
     """
     here = (start or Path.cwd()).resolve()
-    for root in (*(here, *here.parents), Path(__file__).resolve().parents[1]):
+    for root in (*(here, *here.parents), Path(__file__).resolve().parents[2]):
         if _is_checkout(root):
             return root
     return None
@@ -96,7 +96,7 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
     if root is None:
         raise CLIError(
             f"the benchmark suites live in kvstore's source checkout ({SUITE_MODULE}/ beside "
-            f"kvstore/), not in the installed package ({Path(__file__).parent}), and "
+            f"kvstore/), not in the installed package ({Path(__file__).parents[1]}), and "
             f"{Path.cwd()} is not inside one: run `kvstore bench --suite` (or `python -m "
             "benchmarks`) from the checkout"
         )
