@@ -247,6 +247,8 @@ def stats_to_pb(
         hits=stats.hits,
         puts=stats.puts,
         rejected_puts=stats.rejected_puts,
+        dropped=stats.dropped,
+        drops_deferred=stats.drops_deferred,
         active_leases=active_leases,
         uptime_s=uptime_s,
         requests=requests or {},
@@ -296,6 +298,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> StoreStats:
         hits=msg.hits,
         puts=msg.puts,
         rejected_puts=msg.rejected_puts,
+        dropped=msg.dropped,
+        drops_deferred=msg.drops_deferred,
         extra={
             "active_leases": msg.active_leases,
             "uptime_s": msg.uptime_s,

@@ -152,4 +152,6 @@ class StoreStats:
     hits: int = 0
     puts: int = 0
     rejected_puts: int = 0
+    dropped: int = 0  # chunks deleted by consumers' drops (kvstore.engine.store_drops)
+    drops_deferred: int = 0  # drops that waited for other leases to end
     extra: dict[str, Any] = field(default_factory=dict)

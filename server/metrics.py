@@ -57,6 +57,8 @@ _STORE_COUNTERS = (
     "hits",
     "puts",
     "rejected_puts",
+    "dropped",
+    "drops_deferred",
     "write_failures",
 )
 

@@ -1,6 +1,7 @@
 """The shared-memory data plane of the servicer: Reserve -> write -> Commit, Acquire ->
-read -> Release, in batches (ReserveMany, CommitMany, AcquireMany, a Release of many),
-and the Session stream that keeps a client's holds alive.
+read -> Release, in batches (ReserveMany, CommitMany, AcquireMany, a Release of many,
+which may also drop the chunks a consumer loaded: ``TieredStore.drop``), and the
+Session stream that keeps a client's holds alive.
 
 A mixin of ``server.service.KVStoreService`` (``SharedMemoryPlane``), split out of it;
 the servicer's state and argument helpers it uses are declared below for the type
@@ -49,6 +50,8 @@ class SharedMemoryPlane:
         def _owner(self, context: grpc.ServicerContext, named: str = "") -> str: ...
         def _key(self, raw: bytes, what: str = "key") -> ChunkKey: ...
         def _keys(self, raws: Any) -> list[ChunkKey]: ...
+        def _tenant(self, context: grpc.ServicerContext) -> str | None: ...
+        def _visible(self, tenant: str | None, key: ChunkKey) -> bool: ...
         def _header(self, raw: bytes) -> RecordHeader: ...
         def _moved(self, direction: str, plane: str, nbytes: int) -> None: ...
 
@@ -186,13 +189,30 @@ class SharedMemoryPlane:
     ) -> pb.ReleaseResponse:
         owner = self._owner(context)
         ids = list(dict.fromkeys(request.lease_ids))
+        drops = self._drop_keys(request, context)  # checked before anything is released
         mine = [i for i in ids if self._holds_lease(i, owner)]
-        if ids and not mine:
+        if ids and not mine and not request.drop_keys:
             self.holds.claim_leases(ids, owner)  # raises NotFound naming them
         # A batch (release_many) releases what is still the caller's; the ones that are
         # not (expired, another session's) are left out of ``released``, as is a lease
         # the tier found expired: what the client read through it may be garbage.
-        return pb.ReleaseResponse(released=sum(self.store.release(i) for i in mine))
+        # Leases that ran out do not stop the drops: the chunks were loaded either way.
+        released = sum(self.store.release(i) for i in mine)
+        dropped, deferred = self.store.drop(drops) if drops else (0, 0)
+        return pb.ReleaseResponse(released=released, dropped=dropped, drop_deferred=deferred)
+
+    def _drop_keys(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> list[ChunkKey]:
+        """The chunks a Release drops: those the caller may see, as Delete's (a tenant's
+        own namespaces; another tenant's chunk is a miss, never deleted)."""
+        if len(request.drop_keys) > MAX_RESERVE_BATCH:
+            raise InvalidArgument(
+                f"{len(request.drop_keys)} drop_keys in one Release; at most {MAX_RESERVE_BATCH}"
+            )
+        tenant = self._tenant(context)
+        keys = self._keys(request.drop_keys)
+        return [k for k in keys if self._visible(tenant, k)]
 
     def _holds_lease(self, lease_id: int, owner: str) -> bool:
         try:

@@ -116,6 +116,8 @@ def cmd_stats(args: argparse.Namespace) -> Doc:
         "hits",
         "puts",
         "rejected_puts",
+        "dropped",
+        "drops_deferred",
     ):
         doc[name] = getattr(s, name)
     doc.update(s.extra)

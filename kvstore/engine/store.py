@@ -7,6 +7,8 @@
   ``kvstore.engine.store_reads``, prefetch included); eviction and copies move chunks
   down (``kvstore.engine.store_writedown``).
 - lookup is partial prefix matching over all tiers (kvstore.engine.lookup).
+- drop deletes what a consumer loaded once no one else holds it
+  (``kvstore.engine.store_drops``).
 - the store is the only writer of the index. Its lock guards the index only:
   tiers are never called while holding it (tier locks may be held when it is
   taken, by eviction callbacks), which keeps the lock order acyclic.
@@ -26,6 +28,7 @@ from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
 from kvstore.engine.fallback import Fallbacks
 from kvstore.engine.index import Entry, Index, layout_of, tier_levels
+from kvstore.engine.store_drops import DropPath
 from kvstore.engine.store_reads import ReadPath
 from kvstore.engine.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
 from kvstore.engine.tiers.base import Tier
@@ -41,7 +44,7 @@ log = logging.getLogger("kvstore.engine.store")
 PREFETCH_THREADS = 2  # LMDB reads and L3 round trips overlap; more would fight the RPC threads
 
 
-class TieredStore(ReadPath, WriteDownPath):
+class TieredStore(ReadPath, WriteDownPath, DropPath):
     def __init__(
         self,
         config: StoreConfig | None = None,
@@ -87,6 +90,8 @@ class TieredStore(ReadPath, WriteDownPath):
             "hits": 0,
             "puts": 0,
             "rejected_puts": 0,
+            "dropped": 0,
+            "drops_deferred": 0,
         }
         for tier in self.tiers:
             tier.on_evict = self._evict_callback(tier)
@@ -474,12 +479,15 @@ class TieredStore(ReadPath, WriteDownPath):
 
     def release_owner(self, owner: str) -> int:
         """Drop every L1 lease and reservation of ``owner`` (``MemoryTier.release_owner``)."""
-        return self.memory.release_owner(owner)
+        n = self.memory.release_owner(owner)
+        self._drop_due()
+        return n
 
     def upkeep(self) -> int:
         """What must happen now and then, whoever runs the store: expired leases and
         reservations reclaimed, copies the remote refused queued again once it takes
         writes. Returns how many holds were reclaimed. A server calls it periodically."""
         reclaimed = self.memory.sweep()
+        self._drop_due()  # dropped chunks whose last hold expired, or was an in-process read
         self.retry_remote()
         return reclaimed

@@ -53,6 +53,7 @@ class ReadPath:
         def _touch(self, key: ChunkKey) -> None: ...
         def _begin(self, key: ChunkKey) -> None: ...
         def _end(self, key: ChunkKey) -> bool: ...
+        def _drop_due(self) -> int: ...
 
     def acquire(
         self, key: ChunkKey, owner: str = "", *, payload: bool = True, lasting: bool = False
@@ -104,7 +105,9 @@ class ReadPath:
         return lease
 
     def release(self, lease_id: int) -> bool:
-        return self.memory.release(lease_id)
+        released = self.memory.release(lease_id)
+        self._drop_due()  # a dropped chunk this lease was the last hold on goes now
+        return released
 
     # -- reads ----------------------------------------------------------------
     def get(self, key: ChunkKey, *, count: bool = True) -> bytes | None:

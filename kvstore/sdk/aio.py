@@ -129,8 +129,7 @@ class AsyncClient(ClientBase):
                 raise self._error(e, "Get") from e
             return None
         if type(step) is core.ReleaseLater:
-            request = pb.ReleaseRequest(lease_ids=list(step.lease_ids))
-            task = asyncio.get_running_loop().create_task(self._release_quietly(request))
+            task = asyncio.get_running_loop().create_task(self._release_quietly(step.request()))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
             return None
@@ -323,9 +322,23 @@ class AsyncClient(ClientBase):
         ``Client.release_many``)."""
         return await self._run(core.release_many(leases, timeout))
 
-    async def release_later(self, leases: Sequence[AsyncLease]) -> None:
-        """``release_many`` not waiting for the answer: a task of this loop sends it."""
-        await self._run(core.release_later(leases))
+    async def release_later(
+        self, leases: Sequence[AsyncLease], *, drop: Sequence[bytes] = ()
+    ) -> None:
+        """``release_many`` not waiting for the answer: a task of this loop sends it
+        (``drop``: chunks dropped in the same Release, see ``Client.drop``)."""
+        await self._run(core.release_later(leases, drop))
+
+    async def drop(
+        self,
+        keys: Sequence[bytes],
+        *,
+        release: Sequence[AsyncLease] = (),
+        timeout: float | None = None,
+    ) -> core.Dropped:
+        """Drop chunks once loaded, ending ``release`` in the same Release (see
+        ``Client.drop``)."""
+        return await self._run(core.drop(keys, release, timeout))
 
     async def get(
         self, key: bytes, *, timeout: float | None = None

@@ -162,7 +162,7 @@ class Client(ClientBase):
         if type(step) is core.ReleaseLater:
             try:
                 fut = self._stub.Release.future(
-                    pb.ReleaseRequest(lease_ids=list(step.lease_ids)),
+                    step.request(),
                     timeout=self.timeout,
                     metadata=self._metadata,
                 )
@@ -353,11 +353,25 @@ class Client(ClientBase):
         released already are skipped."""
         return self._run(core.release_many(leases, timeout))
 
-    def release_later(self, leases: Sequence[Lease]) -> None:
+    def release_later(self, leases: Sequence[Lease], *, drop: Sequence[bytes] = ()) -> None:
         """``release_many`` without waiting for the answer (a Release sent in the
         background; ``close`` lets it land). For leases whose bytes were verified as
-        they were copied, or read before their ``valid_until``."""
-        self._run(core.release_later(leases))
+        they were copied, or read before their ``valid_until``. ``drop``: chunks to drop
+        in the same Release, as ``drop`` does."""
+        self._run(core.release_later(leases, drop))
+
+    def drop(
+        self,
+        keys: Sequence[bytes],
+        *,
+        release: Sequence[Lease] = (),
+        timeout: float | None = None,
+    ) -> core.Dropped:
+        """Drop chunks a consumer loaded once (the seed's drop_select), ending the
+        leases ``release`` in the same call: each chunk is deleted from every tier now
+        or, while another lease holds it, once the last lease on it ends (its holder
+        reads it to the end). Keys not stored and other tenants' chunks are skipped."""
+        return self._run(core.drop(keys, release, timeout))
 
     def get(self, key: bytes, *, timeout: float | None = None) -> tuple[RecordHeader, bytes] | None:
         """The chunk's header and raw payload, or None on a miss."""

@@ -6,7 +6,7 @@ their results, then returns the operation's result. A step is one of
     Call(method, request, timeout)        -> the reply message of a unary (or Put) RPC
     GetStream(request, timeout, sink)     -> None; each message of the Get stream went to sink
     NEED_ARENA                            -> the mapped arena, or None: the data plane to use
-    ReleaseLater(lease_ids)               -> None; a Release sent without waiting for it
+    ReleaseLater(lease_ids, drop_keys)    -> None; a Release sent without waiting for it
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
 
 ``kvstore.sdk.client.Client`` drives a plan with blocking calls (``run_blocking``),
@@ -28,10 +28,10 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from kvstore.arena import ArenaView, as_u8
-from kvstore.errors import KVStoreError, NotFound, ServerError
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ServerError
 from kvstore.keys import token_view
 from kvstore.protocol import (
     MAX_RESERVE_BATCH,
@@ -95,6 +95,18 @@ class ReleaseLater:
     it land."""
 
     lease_ids: tuple[int, ...]
+    drop_keys: tuple[bytes, ...] = ()  # chunks to drop once released (``drop``)
+
+    def request(self) -> pb.ReleaseRequest:
+        return pb.ReleaseRequest(lease_ids=self.lease_ids, drop_keys=self.drop_keys)
+
+
+class Dropped(NamedTuple):
+    """What one Release with drops did."""
+
+    released: int  # leases the server still held
+    dropped: int  # chunks deleted from every tier now
+    deferred: int  # chunks other leases hold: deleted from every tier when the last ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,11 +272,33 @@ def release_many(leases: Sequence[LeaseBase], timeout: float | None) -> Plan[int
     return int(r.released)
 
 
-def release_later(leases: Sequence[LeaseBase]) -> Plan[None]:
-    """End many leases with one Release not waited for (off the caller's critical path)."""
-    ids = _ending(leases)
-    if ids:
-        yield ReleaseLater(tuple(ids))
+def release_later(leases: Sequence[LeaseBase], drop: Sequence[bytes] = ()) -> Plan[None]:
+    """End many leases with one Release not waited for (off the caller's critical path),
+    dropping the chunks ``drop`` names in the same call (see ``drop``)."""
+    ids, keys = _ending(leases), _drop_keys(drop)
+    if ids or keys:
+        yield ReleaseLater(tuple(ids), keys)
+
+
+def drop(
+    keys: Sequence[bytes], leases: Sequence[LeaseBase], timeout: float | None
+) -> Plan[Dropped]:
+    """End ``leases`` and drop the chunks ``keys`` names, in one Release: each chunk is
+    deleted from every tier now, or, while another lease holds it, once the last one
+    ends (it stays readable for that holder). Keys not stored, or of chunks the caller
+    may not see (another tenant's), are skipped."""
+    ids, drop_keys = _ending(leases), _drop_keys(keys)
+    if not ids and not drop_keys:
+        return Dropped(0, 0, 0)
+    r = yield Call("Release", pb.ReleaseRequest(lease_ids=ids, drop_keys=drop_keys), timeout)
+    return Dropped(int(r.released), int(r.dropped), int(r.drop_deferred))
+
+
+def _drop_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
+    out = tuple(dict.fromkeys(bytes(k) for k in keys))
+    if len(out) > MAX_RESERVE_BATCH:  # one Release: the server's bound, said here first
+        raise InvalidArgument(f"{len(out)} chunks to drop in one call; at most {MAX_RESERVE_BATCH}")
+    return out
 
 
 def _ending(leases: Sequence[LeaseBase]) -> builtins.list[int]:

@@ -336,16 +336,22 @@ class AcquireManyResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "drop_keys")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROP_KEYS_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    drop_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., drop_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "dropped", "drop_deferred")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROP_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     released: int
-    def __init__(self, released: _Optional[int] = ...) -> None: ...
+    dropped: int
+    drop_deferred: int
+    def __init__(self, released: _Optional[int] = ..., dropped: _Optional[int] = ..., drop_deferred: _Optional[int] = ...) -> None: ...
 
 class SessionPing(_message.Message):
     __slots__ = ("owner",)
@@ -458,7 +464,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., level: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., healthy: _Optional[bool] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("chunks", "namespaces", "tiers", "pending_writes", "pending_bytes", "write_failures", "lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts", "active_leases", "uptime_s", "requests")
+    __slots__ = ("chunks", "namespaces", "tiers", "pending_writes", "pending_bytes", "write_failures", "lookups", "lookup_tokens", "matched_tokens", "gets", "hits", "puts", "rejected_puts", "active_leases", "uptime_s", "requests", "dropped", "drops_deferred")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +488,8 @@ class StatsResponse(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPS_DEFERRED_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     namespaces: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -498,7 +506,9 @@ class StatsResponse(_message.Message):
     active_leases: int
     uptime_s: int
     requests: _containers.ScalarMap[str, int]
-    def __init__(self, chunks: _Optional[int] = ..., namespaces: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    dropped: int
+    drops_deferred: int
+    def __init__(self, chunks: _Optional[int] = ..., namespaces: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., write_failures: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., puts: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[int] = ..., requests: _Optional[_Mapping[str, int]] = ..., dropped: _Optional[int] = ..., drops_deferred: _Optional[int] = ...) -> None: ...
 
 class ChunkInfo(_message.Message):
     __slots__ = ("key", "fingerprint", "parent", "n_tokens", "raw_size", "dtype", "tiers", "pinned", "created_ms", "last_access_ms", "hits")

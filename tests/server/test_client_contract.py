@@ -39,6 +39,7 @@ from kvstore.sdk import client_core as core
 from kvstore.sdk import client_writes as writes
 from kvstore.sdk.client import chunk_header
 from kvstore.sdk.shm import AsyncReservation, LeaseBase, ReservationBase
+from kvstore.testing.redis import RedisServer, available
 from kvstore.testing.server import KVServer
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
@@ -1103,6 +1104,163 @@ def test_tenants_look_up_by_token_ids(drive: Drive, tenants_server: KVServer) ->
         assert req.chunk_keys and not req.token_ids, "the admin's client sends keys"
 
     drive(admin, "grpc", server=tenants_server, token=ADMIN, shm=None)
+
+
+# -- drops (a consumer's one-shot load: the seed's drop_select) --------------------------------
+
+
+def _dropped(stats: Any) -> tuple[int, int]:
+    return stats.dropped, stats.drops_deferred
+
+
+async def _gone(kv: Any, keys: list[bytes], what: str) -> None:
+    """Until no tier holds ``keys`` (a drop that waited for a Session to end lands a
+    moment after the client closed)."""
+    deadline = time.monotonic() + 10
+    while (found := await kv.exists(keys)) != [()] * len(keys):
+        assert time.monotonic() < deadline, f"{what}: still stored: {found}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.skipif(not available("redis"), reason="redis-server is not installed")
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_drop_deletes_loaded_chunks_from_every_tier_in_one_release(
+    drive: Drive, plane: str, make_server: Callable[..., KVServer]
+) -> None:
+    """Chunks written through to L2 and L3, loaded (leases on shm, Get over gRPC) and
+    dropped: one Release for all of them (no Delete), each gone from L1, LMDB and Redis,
+    the lookup finds nothing, Stats counts them; a key not stored is skipped."""
+    bpt = 512
+    ns = namespace(f"contract-drop-{drive.kind}-{plane}", bpt)
+    with RedisServer("redis") as redis:
+        srv = make_server("drops", args=["--remote", redis.url, "--chunk-tokens", "64"]).start()
+
+        async def body(kv: Any) -> None:
+            chunks = await _put_batch(kv, ns, 3, bpt, seed=90_000) if plane == "shm" else []
+            if plane == "grpc":
+                parent = ROOT
+                for i in range(3):
+                    data = payload(64 * bpt, 90_000 + i)
+                    parent, st = await kv.put_chunk(
+                        ns, parent, tokens(64, 90_000 + 64 * i), data, "bfloat16", (64, bpt // 2)
+                    )
+                    assert st == PutStatus.STORED, st
+                    chunks.append((parent, data))
+            keys = [k for k, _ in chunks]
+            prompt = tokens(192, 90_000)
+            deadline = time.monotonic() + 20
+            while (where := await kv.exists(keys)) != [(1, 2, 3)] * 3:  # written through
+                assert time.monotonic() < deadline, f"not written down to L2 and L3: {where}"
+                await asyncio.sleep(0.05)
+            assert (await kv.lookup(ns, prompt)).matched_tokens == 192
+            in_redis = [k for k in redis.cli("KEYS", "*").split() if ":c:" in k]
+            assert len(in_redis) == 3, f"Redis's chunk records: {in_redis}"
+            before = await kv.stats()
+            if plane == "shm":
+                leases = await kv.acquire_many(keys)
+                for lease, (_, data) in zip(leases, chunks, strict=True):
+                    out = np.empty_like(data)
+                    assert lease.read_verified(out) and np.array_equal(out, data)
+            else:
+                leases = []
+                for key, data in chunks:
+                    got = await kv.get(key)
+                    assert got is not None and got[1] == data.tobytes()
+            r = await kv.drop([*keys, b"\x0d" * 32], release=leases)
+            if plane == "shm":
+                assert r == core.Dropped(3, 3, 0), f"{plane}: {r}"
+            else:  # a Get's own lease may end a moment after its last piece arrived
+                assert r.released == 0 and r.dropped + r.deferred == 3, r
+                await _gone(kv, keys, "dropped after the Get streams ended")
+            assert all(lease.released for lease in leases)
+            after = await kv.stats()
+            assert await kv.exists(keys) == [()] * 3, "a dropped chunk is still in some tier"
+            left = [k for k in redis.cli("KEYS", "*").split() if ":c:" in k]
+            assert left == [], f"Redis still holds dropped chunks: {left}"
+            assert (await kv.lookup(ns, prompt)).matched_tokens == 0
+            assert await kv.get(keys[0]) is None
+            counts = _delta(_requests(after), _requests(before), "Release", "Delete")
+            assert counts == {"Release": 1, "Delete": 0}, f"drops must cost one Release: {counts}"
+            assert _dropped(after) == (3, 0), _dropped(after)
+            assert after.extra["active_leases"] == 0, "a lease of the drop stayed held"
+
+        drive(body, plane, server=srv)
+        assert srv.stop() == 0, srv.log()
+
+
+def test_a_chunk_another_client_holds_is_dropped_when_its_last_lease_ends(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """Both sides of a drop: the dropper's chunk that nobody else holds goes at once; the
+    ones another client leased before the drop stay stored and readable for it (its
+    bytes verify, the chunk can even be leased again meanwhile) and go from every tier
+    when its last lease ends: released, or dropped with its Session when it closes."""
+    bpt = 512
+    ns = namespace(f"contract-drop-held-{drive.kind}", bpt)
+    srv = make_server("drops-held").start()
+
+    async def body(kv: Any) -> None:
+        chunks = await _put_batch(kv, ns, 3, bpt, seed=95_000)
+        keys = [k for k, _ in chunks]
+        deadline = time.monotonic() + 20
+        while (where := await kv.exists(keys)) != [(1, 2)] * 3:  # the write-down is done
+            assert time.monotonic() < deadline, f"not written down to L2: {where}"
+            await asyncio.sleep(0.05)
+        with kvstore.Client(srv.unix_url, shm=True, timeout=30) as holder:
+            held = holder.acquire_many(keys[1:])  # another engine's load, under way
+            mine = await kv.acquire_many(keys)
+            r = await kv.drop(keys, release=mine)
+            assert r == core.Dropped(3, 1, 2), f"one free, two held by the other client: {r}"
+            assert await kv.exists(keys) == [(), (1, 2), (1, 2)], "held chunks must stay"
+            for lease, (_, data) in zip(held, chunks[1:], strict=True):
+                out = np.empty_like(data)
+                assert lease.read_verified(out), "a held chunk's bytes changed under its lease"
+                assert np.array_equal(out, data), "a held chunk reads other bytes after a drop"
+            again = holder.acquire(keys[1])  # still stored: it can be leased again
+            assert again is not None, "a chunk whose drop waits is still stored"
+            assert holder.release_many([held[0]]) == 1
+            assert await kv.exists(keys[1:2]) == [(1, 2)], "the second lease still holds it"
+            again.release()
+            await _gone(kv, keys[1:2], "released by its last holder")
+            assert await kv.exists(keys[2:]) == [(1, 2)], "the other held chunk went too early"
+            assert _dropped(await kv.stats()) == (2, 2)
+        await _gone(kv, keys[2:], "its holder closed (the Session's leases dropped)")
+        stats = await kv.stats()
+        assert _dropped(stats) == (3, 2), _dropped(stats)
+        assert stats.chunks == 0 and stats.extra["active_leases"] == 0, stats
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
+def test_a_tenant_drops_only_chunks_of_its_own_namespaces(
+    drive: Drive, tenants_server: KVServer
+) -> None:
+    """A tenant's drop (streamed: tenants have no leases) of another tenant's chunk is a
+    miss, as its Delete is: the chunk stays and its owner still reads it; the owner's
+    own drop deletes it."""
+    ns = Namespace(model="contract-drop-tenants", dtype="bfloat16", layout="t", salt="alpha")
+    data = payload(16 * 64, 12)
+
+    async def alpha_puts(kv: Any) -> bytes:
+        key, status = await kv.put_chunk(ns, ROOT, tokens(16, 9), data, "bfloat16", (16, 32))
+        assert status is PutStatus.STORED, status
+        return bytes(key)
+
+    key = drive(alpha_puts, "grpc", server=tenants_server, token=ALPHA, shm=None)
+
+    async def beta_drops(kv: Any) -> None:
+        assert await kv.drop([key]) == core.Dropped(0, 0, 0), "beta dropped alpha's chunk"
+
+    drive(beta_drops, "grpc", server=tenants_server, token=BETA, shm=None)
+
+    async def alpha_drops(kv: Any) -> None:
+        got = await kv.get(key)
+        assert got is not None and got[1] == data.tobytes(), "alpha's chunk went"
+        assert await kv.drop([key]) == core.Dropped(0, 1, 0)
+        assert await kv.get(key) is None
+
+    drive(alpha_drops, "grpc", server=tenants_server, token=ALPHA, shm=None)
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -98,6 +98,7 @@ class _Entry:
     pinned: bool = False
     refs: int = 0  # read leases + in-process reads: the pages must not move
     deleted: bool = False  # out of the index; pages go back when refs reaches 0
+    drop: bool = False  # a consumer dropped it while others held it: due when refs reaches 0
     hits: int = 0
     last_access_ms: int = 0
 
@@ -151,6 +152,7 @@ class MemoryTier(Tier):
         self._reservations: dict[int, _Hold] = {}
         self._leases: dict[int, _Hold] = {}
         self._expiry: list[tuple[float, int]] = []  # (expires_at, id); stale after renew
+        self._due: dict[ChunkKey, _Entry] = {}  # dropped chunks whose last hold ended
         self._rng = rng or random.SystemRandom()  # hold ids: unguessable unless injected
         self._evicting_pages = 0
         self._used_bytes = 0
@@ -271,6 +273,8 @@ class MemoryTier(Tier):
         entry.refs -= 1
         if entry.refs == 0 and entry.deleted:
             self._free_locked(entry)
+        elif entry.refs == 0 and entry.drop:
+            self._due[entry.header.key] = entry
 
     def _publish(self, entry: _Entry) -> PutStatus:
         """Make a fully written record visible, unless the key won the race elsewhere."""
@@ -722,6 +726,33 @@ class MemoryTier(Tier):
             self._remove_locked(entry)
             return True
 
+    def mark_drop(self, key: ChunkKey) -> int | None:
+        """A consumer's drop of a chunk: None if this tier does not hold it, 0 if nothing
+        holds it (the store deletes it from every tier now), else how many holds (leases,
+        in-process reads) it waits for. Such a chunk stays readable and can be leased
+        again meanwhile; once the last hold ends it is handed to ``take_dropped``. The
+        tier does not delete it itself: the store removes it from every tier and the
+        index, which a tier must not reach from under its own lock."""
+        with self._lock:
+            self._check_open()
+            entry = self._chunks.get(key)
+            if entry is None:
+                return None
+            if entry.refs == 0:
+                return 0
+            entry.drop = True
+            return entry.refs
+
+    def take_dropped(self) -> list[ChunkKey]:
+        """The dropped chunks whose last hold has ended since the last call and that
+        nobody leased again since (an evicted one too: it moved down, and the store
+        deletes it from every tier)."""
+        if not self._due:  # the common case, read without the lock: a release with no drop
+            return []
+        with self._lock:
+            due, self._due = self._due, {}
+            return [k for k, e in due.items() if e.refs == 0 and self._chunks.get(k) in (e, None)]
+
     def clear(self, fingerprint: bytes | None = None) -> int:
         with self._lock:
             self._check_open()
@@ -769,6 +800,7 @@ class MemoryTier(Tier):
                     "active_leases": len(self._leases),
                     "reservations": len(self._reservations),
                     "deleted_while_leased": len(pending),
+                    "drops_waiting": sum(1 for e in self._chunks.values() if e.drop),
                     "evicting_pages": self._evicting_pages,
                     "expired": self._expired,
                     "internal_reads": self._internal_reads,
