@@ -22,10 +22,17 @@ empty, every chunk on disk), and the warm run loads in the background from LMDB;
 bandwidth is set against a raw LMDB read (a fresh environment in the scratch directory
 holding the same number of values of the same sizes, read back in one transaction,
 page cache warm as the server's is).
+
+Decodes around a load: with the server restarted again (the longest prompt on disk
+only), the ``auto`` engine runs ``itl_decodes`` decoding requests; once each has
+``ITL_BEFORE`` tokens, the longest prompt joins the batch and is loaded in the
+background from LMDB. The decodes' inter-token gaps (one engine step each) from its
+arrival to its first token are set against their gaps before it arrived, same run.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import statistics
 import time
@@ -57,6 +64,8 @@ class LoadParams:
     kv_heads: int
     reps: int
     l2_reps: int
+    itl_reps: int  # loads of the longest prompt from L2 while decodes run
+    itl_decodes: int = 4
     dtype: str = "bfloat16"
     vocab: int = 1024
 
@@ -78,8 +87,9 @@ class LoadParams:
 
 
 # The issue's model: 8 KiB of KV a token, so 4k tokens are 32 MiB and 16k 128 MiB.
-FULL = LoadParams((4097, 16385), 8, 1024, 16, 4, 5, 3)
-QUICK = LoadParams((1025, 2049), 2, 256, 4, 2, 3, 1)
+FULL = LoadParams((4097, 16385), 8, 1024, 16, 4, 5, 3, 3)
+QUICK = LoadParams((1025, 2049), 2, 256, 4, 2, 3, 1, 1)
+ITL_BEFORE, ITL_AFTER = 24, 12  # decode steps before the load joins, after its first token
 
 
 @dataclass
@@ -124,8 +134,10 @@ def lmdb_gbps(work: Path, nbytes: int, value_bytes: int, reps: int = 5) -> float
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
+            total = 0
             with env.begin(buffers=True) as txn:
-                total = sum(len(bytes(txn.get(i.to_bytes(8, "big")))) for i in range(n))
+                for i in range(n):
+                    total += len(bytes(txn.get(i.to_bytes(8, "big")) or b""))
             times.append(time.perf_counter() - t0)
             assert total == n * value_bytes
         return n * value_bytes / statistics.median(times) / 1e9
@@ -163,7 +175,7 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "7200"
     engines: dict[str, EngineProcess] = {}
-    out: dict[str, Any] = {"lengths": {}, "memcpy": [], "lmdb": {}}
+    out: dict[str, Any] = {"lengths": {}, "memcpy": [], "lmdb": {}, "itl": []}
     try:
         server.start()
         for mode in ("auto", "async"):
@@ -171,7 +183,8 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
             kv["kv_connector_extra_config"].update(load_mode=mode, retry_after_ms=200)
             spec = {"model": str(model), "dtype": p.dtype, "max_model_len": p.max_model_len,
                     "vocab": p.vocab, "kv_transfer_config": kv,
-                    "llm": {"enable_prefix_caching": True}}  # fmt: skip
+                    "llm": {"enable_prefix_caching": True,
+                            "max_num_seqs": p.itl_decodes + 4}}  # fmt: skip
             engines[mode] = EngineProcess(f"loads-{mode}", DRIVER, spec, work, env)
         for e in progress(list(engines.values()), desc="starting 2 vLLM engines"):
             e.wait_ready()
@@ -220,12 +233,78 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
             out["lmdb"][n] = lmdb_gbps(
                 work, (n - 1) * p.kv_bytes_per_token, CHUNK_TOKENS * p.kv_bytes_per_token
             )
+        n, seed = max(p.lengths), 500 + p.lengths.index(max(p.lengths))
+        cold_token = out["lengths"][n]["cold"]["token"]
+        for rep in progress(range(p.itl_reps), desc="decodes around a load from L2"):
+            server.stop()
+            server.start()  # L1 empty: the long prompt is on disk only
+            for k, name in enumerate(engines):
+                run(name, {"n": BLOCK + 1, "seed": 30_000 + 10 * rep + k})
+            time.sleep(0.5)
+            run("auto", {"reset": True})
+            cmd = {
+                "decodes": p.itl_decodes,
+                "decode_n": BLOCK + 1,
+                "seed": 40_000 + 100 * rep,
+                "before": ITL_BEFORE,
+                "after": ITL_AFTER,
+                "load_n": n,
+                "load_seed": seed,
+            }
+            res = run("auto", {"itl": cmd})
+            if res.get("token") != cold_token:
+                raise AssertionError(
+                    f"decodes around a load: first token {res.get('token')} "
+                    f"!= cold {cold_token}: the loaded KV is wrong"
+                )
+            out["itl"].append(res)  # fmt: skip
         return out
     finally:
         for e in engines.values():
             e.close()
         if server.proc is not None and server.proc.poll() is None:
             server.stop()
+
+
+def itl_gaps(run: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """The decodes' inter-token gaps (s): before the load request joined (the first two
+    steps left out: the decodes' own prefills), and from its arrival to its first token."""
+    steps, added, done = run["steps"], run["added"], run["done"]
+    gaps = [(b, b - a) for a, b in itertools.pairwise(steps)]
+    before = [g for t, g in gaps[2:] if t <= added]
+    during = [g for t, g in gaps if added < t <= done + 1e-6]
+    if not before or not during:
+        raise AssertionError(f"decodes around a load: {len(before)} gaps before, "
+                             f"{len(during)} during: nothing to compare")  # fmt: skip
+    return before, during
+
+
+def itl_records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
+    runs = results["itl"]
+    if not runs:
+        return []
+    n = max(p.lengths)
+    loads = [load_of(r) for r in runs]
+    if any(not bg for _, _, bg in loads):
+        raise AssertionError("decodes around a load: the load from L2 was not in the background")
+    before = [statistics.mean(itl_gaps(r)[0]) for r in runs]
+    during = [statistics.mean(itl_gaps(r)[1]) for r in runs]
+    worst = [max(itl_gaps(r)[1]) for r in runs]
+    mid = [statistics.median(itl_gaps(r)[1]) for r in runs]
+    window = [r["done"] - r["added"] for r in runs]
+    ms = lambda xs: ", ".join(f"{x * 1e3:.0f}" for x in sorted(xs))  # noqa: E731
+    return [
+        Record(f"connector.itl.during_l2_load.{n // 1024}k", statistics.median(during), "s",
+               statistics.median(before), None,
+               "the same decodes' mean inter-token latency before the load request joined",
+               "ratio <= 1.2",
+               f"{p.itl_decodes} decodes running; a {n}-token prompt on kvstore's disk only "
+               f"(server restarted, L1 empty) joins: loaded in the background in "
+               f"{statistics.median(s for _, s, _ in loads) * 1e3:.0f} ms, first token after "
+               f"{statistics.median(window) * 1e3:.0f} ms (median of {len(runs)}); mean ITL "
+               f"during that window {ms(during)} ms vs before {ms(before)} ms; longest gap "
+               f"during {ms(worst)} ms; median gap during {ms(mid)} ms"),
+    ]  # fmt: skip
 
 
 def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
@@ -309,4 +388,4 @@ def run(quick: bool, progress: Progress, work: Path) -> list[Record]:
     p = QUICK if quick else FULL
     results = measure(p, progress, work)
     print(f"[connector] loads, {p.describe()}\n" + table(p, results), file=sys.stderr)
-    return records(p, results)
+    return records(p, results) + itl_records(p, results)
