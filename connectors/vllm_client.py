@@ -64,6 +64,7 @@ class Leased(NamedTuple):
 
     client: Any
     items: list[Any]
+    drop: tuple[bytes, ...] = ()  # chunks dropped in the Release that ends the leases
 
 
 class BreakerClient:
@@ -274,12 +275,28 @@ class BreakerClient:
 
     def release_later(self, leased: Leased) -> None:
         """End a batch's leases with one Release that nobody waits for (their bytes were
-        verified as they were copied, so one that ran out meanwhile served no wrong KV)."""
+        verified as they were copied, so one that ran out meanwhile served no wrong KV),
+        dropping ``leased.drop`` in the same call."""
         leases = [x for x in leased.items if isinstance(x, LeaseBase) and not x.released]
-        if not leases or leased.client is not self._client or leased.client.arena is None:
-            return  # that client was closed since: the server dropped its leases with it
+        if leased.client is not self._client or leased.client.arena is None:
+            # That client was closed since: the server dropped its leases with it.
+            self.drop_later(leased.drop)
+            return
+        if not leases and not leased.drop:
+            return
         try:
-            leased.client.release_later(leases)
+            leased.client.release_later(leases, drop=leased.drop)
+        except Exception as e:
+            self.failed("release", e)
+
+    def drop_later(self, keys: Sequence[bytes]) -> None:
+        """Drop chunks this engine loaded (drop_after_load) with one Release that nobody
+        waits for: deleted from every tier, or once the last lease on them ends."""
+        client = self._connect() if keys else None
+        if client is None:
+            return  # the server is out of reach: the chunks age out as any other
+        try:
+            client.release_later([], drop=keys)
         except Exception as e:
             self.failed("release", e)
 

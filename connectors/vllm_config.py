@@ -60,6 +60,11 @@ class ConnectorConfig:
     # private server only, without data_dir: false keeps L2 in a temporary directory,
     # removed when the engine stops (every start then begins with an empty cache)
     persist: bool = True
+    # a consumer deletes the chunks it loaded from the server once their load landed (a
+    # one-shot P/D transfer that should not occupy the cache); a chunk another client
+    # or request holds a lease on stays until the last lease ends. A request overrides
+    # it with kv_transfer_params {"kvstore": {"drop_after_load": true|false}}
+    drop_after_load: bool = False
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("unix://", "grpc://", "grpcs://")):
@@ -87,6 +92,11 @@ class ConnectorConfig:
             )
         if self.save_buffer_bytes <= 0:
             raise ConfigError("kv_connector_extra_config.save_buffer must be > 0 (e.g. 1GiB)")
+        if self.drop_after_load and not self.load:
+            raise ConfigError(
+                "kv_connector_extra_config: drop_after_load=true drops what this engine "
+                "loads, and load=false loads nothing: drop one of them"
+            )
 
     @property
     def save_buffer_bytes(self) -> int:
@@ -107,3 +117,25 @@ class ConnectorConfig:
     @property
     def shm_flag(self) -> bool | None:
         return {"auto": None, "on": True, "off": False}[self.shm]
+
+
+def drop_after_load(kv_transfer_params: Any, default: bool) -> bool:
+    """Whether a request's loaded chunks are dropped: its ``kv_transfer_params``
+    ``{"kvstore": {"drop_after_load": true|false}}`` (the JSON body of an OpenAI request,
+    or ``SamplingParams.extra_args["kv_transfer_params"]``), else the engine's
+    ``drop_after_load``. Raises ConfigError, saying what is allowed, for a value of
+    another type (the scheduler logs it and keeps the engine's setting)."""
+    params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
+    ours = params.get("kvstore")
+    if ours is None:
+        return default
+    if not isinstance(ours, Mapping) or not set(ours) <= {"drop_after_load"}:
+        raise ConfigError(
+            f'kv_transfer_params["kvstore"]={ours!r}: expected {{"drop_after_load": true|false}}'
+        )
+    value = ours.get("drop_after_load", default)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f'kv_transfer_params["kvstore"]["drop_after_load"]={value!r}: expected true or false'
+        )
+    return value

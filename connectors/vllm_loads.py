@@ -131,8 +131,9 @@ class Loads:
                 self.client.failed("load", e)
                 outs[i].failed.update(spec.block_ids)
         loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
+        drops = dropped_keys(specs, tasks)
         try:
-            self._fetch(tasks, tickets, deadline, loaded)
+            self._fetch(tasks, tickets, deadline, loaded, drops)
         except Exception as e:  # a bug: every block not loaded yet is recomputed
             self.client.failed("load", e)
         bs = self.setup.block_size
@@ -196,6 +197,7 @@ class Loads:
         tickets: Sequence[Ticket] | None,
         deadline: float | None,
         loaded: set[tuple[int, int]],
+        drops: frozenset[bytes] = frozenset(),
     ) -> None:
         if not tasks:
             return
@@ -207,11 +209,14 @@ class Loads:
             for t in tasks:
                 ticket = tickets[t.spec] if tickets is not None else None
                 self._staged(t, None, ticket, deadline, loaded)
+            self.client.drop_later([k for k in dict.fromkeys(t.key for t in tasks) if k in drops])
             return
         keys = list(dict.fromkeys(t.key for t in tasks))  # requests sharing a prefix
         leased = self.client.acquire_many(keys, left)
         if leased is None:
             return  # the server is down: every block is reported
+        # Dropped in the Release that ends the leases, once the bytes are in the cache.
+        leased = leased._replace(drop=tuple(k for k in keys if k in drops))
         lent = dict(zip(keys, leased.items, strict=True))
         arena = leased.client.arena
         later: list[_Task] = []
@@ -390,3 +395,16 @@ class Loads:
 def _fence(ticket: Ticket | None) -> contextlib.AbstractContextManager[bool]:
     """The ticket's fence around one copy (True: go ahead), or none for a load in the step."""
     return ticket.copying() if ticket is not None else contextlib.nullcontext(True)
+
+
+def dropped_keys(specs: Sequence[LoadSpec], tasks: Sequence[_Task]) -> frozenset[bytes]:
+    """drop_after_load: the chunks a batch loads for requests that asked to drop them,
+    less those another request of the batch loads without asking, and less records a
+    request matched only a prefix of (another prompt's, whose own consumer may still be
+    about to load it)."""
+    drop = {
+        t.key
+        for t in tasks
+        if specs[t.spec].drop and (not t.check or t.first + len(t.ids) >= t.stored)
+    }
+    return frozenset(drop - {t.key for t in tasks if not specs[t.spec].drop})

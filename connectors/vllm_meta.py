@@ -55,6 +55,7 @@ class LoadSpec:
     chunks: tuple[ChunkRef, ...] = ()
     fingerprint: bytes = b""
     background: bool = False  # an asynchronous load: reported through get_finished
+    drop: bool = False  # drop_after_load: its chunks are dropped from the server once loaded
 
 
 @dataclass

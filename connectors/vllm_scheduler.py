@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.connectors.vllm_client import BreakerClient
+from kvstore.connectors.vllm_config import drop_after_load
 from kvstore.connectors.vllm_meta import (
     ChunkRef,
     KVStoreMeta,
@@ -31,11 +32,15 @@ from kvstore.connectors.vllm_meta import (
     Setup,
 )
 from kvstore.connectors.vllm_observe import with_generation
+from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
+from kvstore.errors import ConfigError
 from kvstore.types import ChunkMatch, TierLevel
 
 _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
+
+log = init_logger("vllm.kvstore.connector")
 
 
 @dataclass
@@ -49,6 +54,7 @@ class _Req:
     load: tuple[int, int] | None = None  # (start, end) tokens to load in the next step
     hit: _Hit | None = None  # what the lookup found, for the load
     waiting: bool = False  # an asynchronous load was sent: vLLM allocates for it again
+    drop: bool = False  # drop_after_load: the workers drop the chunks it loaded
 
 
 @dataclass(frozen=True)
@@ -153,12 +159,24 @@ class KVStoreScheduler:
         self._hits[request.request_id] = (num_computed_tokens, hit, background)
         return hit.matched - num_computed_tokens, background
 
+    def _drop(self, request: Any) -> bool:
+        """Whether the chunks this request loads are dropped once loaded: its
+        kv_transfer_params, else the engine's drop_after_load."""
+        default = self.setup.cfg.drop_after_load
+        try:
+            return drop_after_load(getattr(request, "kv_transfer_params", None), default)
+        except ConfigError as e:  # a bad request must not stop the engine
+            log.warning("kvstore: request %s: %s; using %s", request.request_id, e, default)
+            return default
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         s = self.setup
         tokens = list(request.prompt_token_ids or [])
         r = self._reqs.get(request.request_id)
         if r is None:
-            r = self._reqs[request.request_id] = _Req(tokens, self._salt(request))
+            r = self._reqs[request.request_id] = _Req(
+                tokens, self._salt(request), drop=self._drop(request)
+            )
         elif r.waiting:  # allocated again once its background load is over: nothing new
             r.waiting = False
             return
@@ -206,6 +224,8 @@ class KVStoreScheduler:
             elif nb:
                 r.block_ids.extend(nb[0])  # running: appended blocks only
             self._plan(meta, rid, r, cached.num_computed_tokens[i], scheduler_output)
+        for spec in meta.loads:  # drop_after_load: the workers drop its chunks once loaded
+            spec.drop = self._reqs[spec.req_id].drop if spec.req_id in self._reqs else False
         return meta
 
     def _plan(self, meta: KVStoreMeta, rid: str, r: _Req, computed: int, so: Any) -> None:

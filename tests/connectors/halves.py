@@ -90,7 +90,10 @@ class Engine:
         config = ConnectorConfig(**settings)
         sched = BreakerClient(config, url, role="scheduler", clock=clock)
         work = BreakerClient(config, url, role="worker", clock=clock)
-        setup = Setup(config, NS, BS, sched.chunk_tokens(BS), producer=True, consumer=True)
+        # save=False / load=False: a kv_consumer / kv_producer, as the facade derives it
+        setup = Setup(
+            config, NS, BS, sched.chunk_tokens(BS), producer=config.save, consumer=config.load
+        )
         self.scheduler = KVStoreScheduler(setup, sched, clock=clock)
         self.worker = KVStoreWorker(setup, work, clock=clock)
         self.cache = make_cache("cpu", "LBHNC", blocks=blocks, block_size=BS)
@@ -104,18 +107,25 @@ class Engine:
         wait_s: float = 30.0,
         between: Any = None,
         computed: list[int] | None = None,
+        params: list[dict[str, Any] | None] | None = None,
     ) -> list[Admitted]:
         """Admit (prompt, block ids) requests in one step, run them to the end of their
         prefill (loads, saves) and finish them. ``computed``: tokens each already has in
         vLLM's own prefix cache (block aligned). ``between(engine, admitted)`` runs after
-        the first step, while background loads may be in flight."""
+        the first step, while background loads may be in flight. ``params``: each
+        request's ``kv_transfer_params``."""
         local = computed or [0] * len(prompts)
         reqs, out = [], []
-        for tokens, _ in prompts:
+        for (tokens, _), kv_params in zip(prompts, params or [None] * len(prompts), strict=True):
             self._n += 1
             rid = f"req-{self._n}"
             reqs.append(
-                SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_tokens=len(tokens))
+                SimpleNamespace(
+                    request_id=rid,
+                    prompt_token_ids=tokens,
+                    num_tokens=len(tokens),
+                    kv_transfer_params=kv_params,
+                )
             )
         now, waiting = [], []
         for req, (tokens, ids), have in zip(reqs, prompts, local, strict=True):
