@@ -12,6 +12,13 @@ finds it. Then the original request goes to the decode engine, which loads the
 prompt's KV instead of computing it, and its answer (streamed or not) is relayed
 as it arrives. A failed prefill is logged and costs only speed: the decode
 engine then computes the prompt itself. Standard library only.
+
+With ``--drop-after-load`` the decode request carries
+``kv_transfer_params: {"kvstore": {"drop_after_load": true}}``: once the decode engine
+has loaded the prompt's KV, the connector deletes those chunks from the server (a
+one-shot transfer that does not occupy the cache; a chunk another request still holds
+a lease on goes when that lease ends). The same can be set for every request on the
+decode engine (``drop_after_load`` in its ``kv_connector_extra_config``).
 """
 
 from __future__ import annotations
@@ -71,6 +78,15 @@ class Upstream:
             raise
 
 
+def decode_body(req: dict[str, Any]) -> bytes:
+    """The request as the decode engine gets it with --drop-after-load: the original, with
+    the connector's drop asked for in ``kv_transfer_params`` (other keys there kept)."""
+    params = req.get("kv_transfer_params")
+    params = dict(params) if isinstance(params, dict) else {}
+    params["kvstore"] = {"drop_after_load": True}
+    return json.dumps(dict(req, kv_transfer_params=params)).encode()
+
+
 def prefill_body(path: str, req: dict[str, Any]) -> bytes:
     """The request as the prefill engine gets it: one token, no streaming, one choice."""
     out = dict(req, max_tokens=1, stream=False, n=1)
@@ -86,6 +102,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "kvstore-pd-proxy"
     prefill: Upstream
     decode: Upstream
+    drop_after_load = False  # --drop-after-load
 
     def do_GET(self) -> None:
         if self.path.split("?")[0] in PASSTHROUGH:
@@ -105,6 +122,8 @@ class Handler(BaseHTTPRequestHandler):
             req = None
         if isinstance(req, dict):  # anything else: the decode engine answers with its error
             self._prefill(path, req)
+            if self.drop_after_load:
+                body = decode_body(req)
         self._relay("POST", body)
 
     def _forward_headers(self) -> dict[str, str]:
@@ -201,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         default=300.0,
         help="seconds to wait on an engine (connect, or between two reads)",
     )
+    ap.add_argument(
+        "--drop-after-load",
+        action="store_true",
+        help="ask the decode engine's connector to delete the prompt's KV from kvstore "
+        "once loaded (kv_transfer_params kvstore.drop_after_load)",
+    )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     logging.basicConfig(
@@ -208,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     Handler.prefill = Upstream(args.prefill, args.timeout)
     Handler.decode = Upstream(args.decode, args.timeout)
+    Handler.drop_after_load = args.drop_after_load
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     host, port = str(args.host), server.server_address[1]

@@ -2,7 +2,8 @@
 
 The stubs record every request they get and answer as ``vllm serve`` would (a
 completion JSON, or an SSE stream when ``stream`` is true). The real P/D data
-path through kvstore, with two vLLM engines, is tested in test_vllm_connector.py.
+path through kvstore, with two vLLM engines, is tested in test_vllm_connector.py
+(test_pd_consumer_loads_from_disk_after_restart, drop_after_load included).
 """
 
 from __future__ import annotations
@@ -363,3 +364,21 @@ def test_passthrough_errors_and_keep_alive(
         "/v1/completions",
         "/v1/completions",
     ], [s.path for s in dec.seen]
+
+
+def test_drop_after_load_asks_the_decode_engine_to_drop_what_it_loaded(
+    stubs: Callable[..., Stub], proxy: Callable[..., Proxy]
+) -> None:
+    """With --drop-after-load the decode request carries kv_transfer_params
+    {"kvstore": {"drop_after_load": true}} (what the connector reads; other keys there
+    kept), the prefill's does not; without the flag decode gets the body byte for byte."""
+    pre, dec = stubs("prefill"), stubs("decode")
+    p = proxy(pre.url, dec.url, "--drop-after-load")
+    req = {**COMPLETION, "kv_transfer_params": {"other": 1}}
+    status, _, body = p.post("/v1/completions", req)
+    assert status == 200 and body == dec.completion(), (status, body)
+    want = {**req, "kv_transfer_params": {"other": 1, "kvstore": {"drop_after_load": True}}}
+    assert dec.seen[0].json() == want, f"decode must be asked to drop: {dec.seen[0].json()}"
+    assert pre.seen[0].json()["kv_transfer_params"] == {"other": 1}, "the prefill keeps its KV"
+    status, _, body = p.post("/v1/completions", b"{not json")
+    assert status == 400 and dec.seen[1].body == b"{not json", "a bad body goes as it came"
