@@ -64,7 +64,9 @@ class ServeParams:
     prompts: int  # requests per run
     output_len: int
     random_len: int  # prompt of the no-reuse workload
-    reps: int  # runs of each configuration
+    reps_on: int  # runs of (a) and of (b), each; (e) reruns every one of them
+    reps_off: int  # runs of (c) and of (d)
+    reps_random: int  # runs of the no-reuse workload, with and without kvstore
     kv_cache_gib: int  # vLLM's own cache (VLLM_CPU_KVCACHE_SPACE)
     dtype: str = "bfloat16"
     vocab: int = 1024
@@ -87,8 +89,8 @@ class ServeParams:
         )
 
 
-FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 2, 2)
-QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1)
+FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 5, 3, 4, 2)
+QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1, 1, 1)
 METRIC = re.compile(
     r"^(vllm:(?:external_)?prefix_cache_(?:hits|queries))_total\{[^}]*\} ([\d.e+]+)$"
 )
@@ -267,33 +269,38 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
         work / "model", layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
         vocab=p.vocab, max_position_embeddings=p.max_model_len, dtype=p.dtype,
     )  # fmt: skip
-    stored = 4 * p.reps * p.prompts * (p.prefix_len + p.suffix_len + p.random_len)
+    per_prefix_run = p.num_prefixes * p.prefix_len + p.prompts * p.suffix_len
+    stored = (p.reps_on + p.reps_off) * per_prefix_run + p.reps_random * p.prompts * p.random_len
+    stored = stored * 3 // 2  # the warm-ups, and room so that nothing is evicted
     server = KVServer(work / "srv", memory=str(stored * p.kv_bytes_per_token + (256 << 20)),
                       args=["--log-level", "warning"])  # fmt: skip
     load = workloads(p)
     runs: Runs = {}
-    seeds = [100 + r for r in range(p.reps)]
+    seeds = [100 + r for r in range(p.reps_on)]
+    loads: dict[str, list[float]] = {}
     t0 = time.monotonic()
     try:
         server.start()
         phases = progress(["cache on", "cache off"], desc="serving phases")
         for phase in phases:
+            loads[phase] = list(os.getloadavg())
             if phase == "cache on":
                 with engines(p, model, work, server.unix_url, True, ["alone", "kv"]) as s:
                     take_turns(s, runs, model, load["prefix"], seeds, work)
                     s["kv"].close()
                     with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
-                        take_turns(s2, runs, model, load["prefix"], seeds[:1], work, ".restart")
+                        take_turns(s2, runs, model, load["prefix"], seeds, work, ".restart")
             else:
                 with engines(p, model, work, server.unix_url, False, ["alone", "kv"]) as s:
-                    take_turns(s, runs, model, load["prefix"], [s + 50 for s in seeds], work,
-                               ".nocache")  # fmt: skip
-                    take_turns(s, runs, model, load["random"], [s + 80 for s in seeds], work,
-                               ".random")  # fmt: skip
+                    off = [150 + r for r in range(p.reps_off)]
+                    take_turns(s, runs, model, load["prefix"], off, work, ".nocache")
+                    rand = [180 + r for r in range(p.reps_random)]
+                    take_turns(s, runs, model, load["random"], rand, work, ".random")
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()
-    return {"runs": runs, "seconds": time.monotonic() - t0, "load": os.getloadavg()}
+    loads["end"] = list(os.getloadavg())
+    return {"runs": runs, "seconds": time.monotonic() - t0, "load": loads}
 
 
 def _med(runs: list[dict[str, Any]], key: str) -> float:
@@ -302,7 +309,17 @@ def _med(runs: list[dict[str, Any]], key: str) -> float:
 
 def _spread(runs: list[dict[str, Any]], key: str, scale: float = 1.0, unit: str = "") -> str:
     vals = sorted(r[key] * scale for r in runs)
-    return ", ".join(f"{v:.3g}{unit}" for v in vals)
+    return ", ".join(f"{_num(v)}{unit}" for v in vals)
+
+
+def _range(runs: list[dict[str, Any]], key: str, unit: str = "") -> str:
+    """Median (min-max): the spread of a configuration's runs on this noisy machine."""
+    vals = [r[key] for r in runs]
+    return f"{_num(statistics.median(vals))}{unit} ({_num(min(vals))}-{_num(max(vals))})"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _hits(runs: list[dict[str, Any]], p: ServeParams) -> str:
@@ -328,6 +345,9 @@ METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_
            ("median_ttft_ms", "ms"))  # fmt: skip
 
 
+COLD = "vLLM alone, prefix cache on, the same workloads, each new to it (cold)"
+
+
 def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
     runs: Runs = res["runs"]
     out: list[Record] = []
@@ -341,16 +361,18 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
                 f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
                 f"{_hits(runs[case], p)}",
             ))  # fmt: skip
-    restart, cold = runs["kv2.restart"], runs["alone"][:1]
+    restart, cold = runs["kv2.restart"], runs["alone"]
     out.append(Record(
         "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
         _med(cold, "mean_ttft_ms"), None,
-        "vLLM alone, cold (its first run of the same workload, prefix cache on)", "ratio < 1",
-        f"a new engine against the kvstore-server the stopped one filled; {_hits(restart, p)}",
+        COLD, "ratio < 1",
+        f"medians of {len(restart)} runs: a new engine (b's stopped) against the kvstore-server "
+        f"b filled, running b's workloads again: {_spread(restart, 'mean_ttft_ms')} ms; "
+        f"alone: {_spread(cold, 'mean_ttft_ms')} ms; {_hits(restart, p)}",
     ))  # fmt: skip
     out.append(Record(
         "serving.restart.request_throughput", _med(restart, "request_throughput"), "req/s",
-        _med(cold, "request_throughput"), None, "vLLM alone, cold (same run as above)", "",
+        _med(cold, "request_throughput"), None, COLD, "",
         "the restarted engine's request throughput",
     ))  # fmt: skip
     return out
@@ -373,9 +395,9 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
         base = limits.get(name)
         cells = ["", "", "", ""]
         if base:
-            b = runs[base][:1] if name == "kv2.restart" else runs[base]
+            b = runs[base]
             cells = [
-                f"({short[base]}{', 1st run' if name == 'kv2.restart' else ''})",
+                f"({short[base]})",
                 f"{_med(rs, 'request_throughput') / _med(b, 'request_throughput'):.3f}",
                 f"{_med(rs, 'mean_ttft_ms') / _med(b, 'mean_ttft_ms'):.3f}",
                 f"{_med(rs, 'mean_tpot_ms') / _med(b, 'mean_tpot_ms'):.3f}",
@@ -383,20 +405,28 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
         own = statistics.median(r.get("prefix_cache_hits", 0) for r in rs)
         ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in rs)
         rows.append(
-            f"| {label} | {len(rs)} | {_spread(rs, 'request_throughput')} | "
-            f"{_spread(rs, 'mean_ttft_ms', unit=' ms')} | {_spread(rs, 'mean_tpot_ms', unit=' ms')}"
+            f"| {label} | {len(rs)} | {_range(rs, 'request_throughput')} | "
+            f"{_range(rs, 'mean_ttft_ms', ' ms')} | {_range(rs, 'mean_tpot_ms', ' ms')}"
             f" | {' | '.join(cells)} | {own:.0f} / {ext:.0f} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def fmt_loads(loads: dict[str, list[float]]) -> str:
+    """The 1/5/15-minute load averages at the start of each phase and at the end."""
+    return "; ".join(f"{k}: {' / '.join(f'{x:.1f}' for x in v)}" for k, v in loads.items())
 
 
 def run(quick: bool, progress: Progress) -> list[Record]:
     p = QUICK if quick else FULL
     with scratch("serving") as work:
         res = measure(p, progress, work)
-        print(f"[serving] {p.describe()}; {res['seconds']:.0f} s, load at the end "
-              f"{' / '.join(f'{x:.1f}' for x in res['load'])}\n{table(p, res)}",
+        print(f"[serving] {p.describe()}; {res['seconds']:.0f} s; load averages at "
+              f"{fmt_loads(res['load'])}\n{table(p, res)}",
               file=sys.stderr)  # fmt: skip
         if os.environ.get("KVSTORE_BENCH_SERVING_JSON"):
-            Path(os.environ["KVSTORE_BENCH_SERVING_JSON"]).write_text(json.dumps(res["runs"]))
-        return records(p, res)
+            Path(os.environ["KVSTORE_BENCH_SERVING_JSON"]).write_text(json.dumps(res))
+        out = records(p, res)
+        for r in out:
+            r.notes += f"; load averages (1/5/15 min) at {fmt_loads(res['load'])}"
+        return out
