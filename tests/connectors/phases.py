@@ -8,7 +8,8 @@ writes ``done-N`` after phase N and waits for ``go-N`` before phase N+1.
     python tests/connectors/phases.py --spec spec.json --out out.json [--sync-dir DIR]
 
 spec.json: {"model": DIR, "phases": [[[tok, ...], ...], ...], "kv_transfer_config": {...}|null,
-            "llm": {extra LLM kwargs}, "max_tokens": 8, "metrics": false}
+            "llm": {extra LLM kwargs}, "max_tokens": 8, "metrics": false,
+            "kv_transfer_params": [{...}|null per phase]}
 out.json:  {"phases": [{"results": [...], "seconds": s, "metrics": {...}}, ...]}
 
 With ``"metrics": true`` vLLM's stats are on and each phase carries vLLM's counters as
@@ -77,7 +78,14 @@ def main() -> int:
     )
     out: dict[str, Any] = {"phases": []}
     sync = Path(args.sync_dir) if args.sync_dir else None
+    # Per phase, every request's kv_transfer_params (what an OpenAI request's body carries).
+    per_phase = spec.get("kv_transfer_params") or []
     for i, prompts in enumerate(spec["phases"]):
+        kv_params = per_phase[i] if i < len(per_phase) else None
+        phase_params = params
+        if kv_params is not None:
+            phase_params = params.clone()
+            phase_params.extra_args = {"kv_transfer_params": kv_params}
         if sync is not None and i > 0:
             (sync / f"done-{i}").write_text("")
             deadline = time.monotonic() + 600
@@ -87,7 +95,7 @@ def main() -> int:
                 time.sleep(0.1)
         t0 = time.perf_counter()
         outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], phase_params, use_tqdm=False
         )
         seconds = time.perf_counter() - t0
         counters: dict[str, float] = {}

@@ -76,9 +76,11 @@ def run_engine(
     between: Any = None,
     phase_info: list[dict[str, Any]] | None = None,
     max_tokens: int = 8,
+    transfer_params: list[dict[str, Any] | None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Run one engine over ``phases``; each phase's results. ``phase_info``: filled with
-    each phase's seconds and vLLM counters (vLLM's stats are then on)."""
+    each phase's seconds and vLLM counters (vLLM's stats are then on).
+    ``transfer_params``: per phase, the kv_transfer_params of its requests."""
     spec = work / f"{name}.json"
     out = work / f"{name}.out.json"
     log = work / f"{name}.log"
@@ -91,6 +93,7 @@ def run_engine(
                 "llm": llm or {},
                 "metrics": phase_info is not None,
                 "max_tokens": max_tokens,
+                "kv_transfer_params": transfer_params or [],
             }
         )
     )
@@ -298,7 +301,11 @@ def test_pd_consumer_loads_from_disk_after_restart(
     work: Path, baseline: Baseline, server: KVServer
 ) -> None:
     """A producer stores (in the background: save_mode async, drained when the engine
-    shuts down); the server restarts on its data directory; a consumer loads."""
+    shuts down); the server restarts on its data directory; a consumer loads. Then the
+    consumer loads A again, asking for a one-shot transfer (kv_transfer_params
+    {"kvstore": {"drop_after_load": true}}, what examples/pd_proxy.py --drop-after-load
+    sends): A's two chunks are gone from the server (Stats), and A asked once more loads
+    nothing; every output equals the run without kvstore."""
     (stored,) = run_engine(
         work, "producer", [PHASE_STORE],
         kv_config(server.unix_url, "kv_producer", save_mode="async"),
@@ -307,11 +314,31 @@ def test_pd_consumer_loads_from_disk_after_restart(
     assert all(r["num_cached_tokens"] == 0 for r in stored), "a producer never loads"
     server.stop(signal.SIGTERM)
     server.start()
-    (loaded,) = run_engine(work, "consumer", [PHASE_HIT], kv_config(server.unix_url, "kv_consumer"))
+    seen: dict[int, Any] = {}
+
+    def between(i: int) -> None:
+        if i == 2:  # the drop's Release is not waited for: it lands a moment later
+            deadline = time.monotonic() + 10
+            while stats(server.unix_url).dropped < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        seen[i] = stats(server.unix_url)
+
+    loaded, dropped, again = run_engine(
+        work, "consumer", [PHASE_HIT, [A], [A]], kv_config(server.unix_url, "kv_consumer"),
+        sync=work / "sync-consumer", between=between,
+        transfer_params=[None, {"kvstore": {"drop_after_load": True}}, None],
+    )  # fmt: skip
     assert_same(loaded, baseline["hit"], "consumer")
     assert loaded[0]["num_cached_tokens"] == 512, "the consumer must load the producer's KV"
-    disk = next(t for t in stats(server.unix_url).tiers if t.name == "disk")
+    disk = next(t for t in seen[1].tiers if t.name == "disk")
     assert disk.hits > 0, "after a restart the hits come from disk"
+    assert seen[1].dropped == 0, "nothing is dropped unless asked for"
+    assert_same(dropped, baseline["hit"][:1], "consumer, dropping A")
+    assert dropped[0]["num_cached_tokens"] == 512, "the drop request must load first"
+    assert (seen[2].dropped, seen[2].drops_deferred) == (2, 0), "A's two chunks not dropped"
+    assert seen[2].chunks == seen[1].chunks - 2, (seen[1].chunks, seen[2].chunks)
+    assert_same(again, baseline["hit"][:1], "consumer, A after its drop")
+    assert again[0]["num_cached_tokens"] == 0, "A's chunks were dropped: nothing to load"
 
 
 def test_faults_server_killed_corrupt_record_and_return(
