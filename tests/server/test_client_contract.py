@@ -1263,6 +1263,31 @@ def test_a_tenant_drops_only_chunks_of_its_own_namespaces(
     drive(alpha_drops, "grpc", server=tenants_server, token=ALPHA, shm=None)
 
 
+def test_a_bad_drop_is_refused_whole(drive: Drive) -> None:
+    """A Release whose drop_keys hold a key that is no key, or more than 1024 of them, is
+    INVALID_ARGUMENT and ends none of its leases (checked before anything is released);
+    the SDK refuses more than 1024 before sending."""
+    bpt = 512
+    ns = namespace(f"contract-drop-bad-{drive.kind}", bpt)
+
+    async def body(kv: Any) -> None:
+        ((key, _),) = await _put_batch(kv, ns, 1, bpt, seed=97_000)
+        (lease,) = await kv.acquire_many([key])
+        bad = pb.ReleaseRequest(lease_ids=[lease.id], drop_keys=[b"short"])
+        with pytest.raises(InvalidArgument, match="key #0 is 5 bytes"):
+            await kv._run(core.rpc("Release", bad, None))
+        many = pb.ReleaseRequest(lease_ids=[lease.id], drop_keys=[key] * 1025)
+        with pytest.raises(InvalidArgument, match="1025 drop_keys in one Release; at most 1024"):
+            await kv._run(core.rpc("Release", many, None))
+        with pytest.raises(InvalidArgument, match="at most 1024"):
+            await kv.drop([bytes([i % 256, i // 256]) * 16 for i in range(1025)])
+        assert await kv.drop([key], release=[lease]) == core.Dropped(1, 1, 0), (
+            "the refused Releases must have left the lease held and the chunk stored"
+        )
+
+    drive(body, "shm")
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
