@@ -60,7 +60,7 @@ import torch
 from kvstore.connectors.vllm_client import open_client
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
-from kvstore.connectors.vllm_namespace import engine_namespace
+from kvstore.connectors.vllm_namespace import engine_groups, engine_namespace
 from kvstore.connectors.vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
 from kvstore.connectors.vllm_scheduler import KVStoreScheduler
 from kvstore.connectors.vllm_worker import KVStoreWorker
@@ -69,6 +69,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -88,7 +90,12 @@ class WrongRole(KVStoreError):
     """vLLM called a method of one half on the connector built as the other half."""
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid memory allocator on, so a model with
+    sliding-window and full-attention layers gets a KV-cache group per kind (and a
+    sliding window's blocks outside it are freed); each group is stored under keys of
+    its own, a sliding-window group only within its window (docs/vllm.md)."""
+
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
@@ -111,6 +118,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             chunk_tokens=client.chunk_tokens(block_size),
             producer=tc.kv_role in ("kv_producer", "kv_both") and cfg.save,
             consumer=tc.kv_role in ("kv_consumer", "kv_both") and cfg.load,
+            groups=engine_groups(kv_cache_config),
         )
         if getattr(tc, "kv_load_failure_policy", "recompute") == "fail" and setup.consumer:
             log.warning(
@@ -164,6 +172,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._events.forget(request.request_id)
         return self.scheduler.request_finished(request)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``'s ``request_finished``: every group's blocks, freed as soon as
+        this returns (saves finish inside their step)."""
+        if self._events is not None:
+            self._events.forget(request.request_id)
+        return self.scheduler.request_finished(request)
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._events.take() if self._events is not None else ()
 
@@ -190,6 +207,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``, and for a hybrid model the loads that lost a block as
+        ``failed_recving``: vLLM refuses block ids with several KV-cache groups."""
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker.take_failed_requests(),
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # a step's loads complete in start_load_kv (or in the background, reported)

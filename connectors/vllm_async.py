@@ -38,6 +38,7 @@ class Finished:
 
     recving: set[str] = field(default_factory=set)  # requests whose loads are over
     failed: set[int] = field(default_factory=set)  # blocks they did not load
+    failed_reqs: set[str] = field(default_factory=set)  # requests with a block not loaded
     loaded_tokens: int = 0
     late: int = 0  # loads given up at their deadline
     seconds: float = 0.0  # time the finished batches took on the loader thread
@@ -112,14 +113,17 @@ class AsyncLoads:
         gone = set(finished_req_ids)
         for rid, t in list(self._tickets.items()):
             if t.done and not t.cancelled:
-                out.failed |= t.outcome.failed
+                missing = t.outcome.failed
                 out.loaded_tokens += t.outcome.loaded_tokens
             elif now >= t.deadline or rid in gone:
                 t.cancel()  # nothing more lands in its blocks once this returns
-                out.failed |= set(t.spec.block_ids) - t.loaded
+                missing = set(t.spec.block_ids) - t.loaded
                 out.late += rid not in gone
             else:
                 continue
+            out.failed |= missing
+            if missing:
+                out.failed_reqs.add(rid)
             del self._tickets[rid]
             out.recving.add(rid)
         return out

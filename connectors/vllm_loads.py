@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient, Leased
-from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup
+from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.sdk.shm import USE_GET, LeaseBase
@@ -96,13 +96,22 @@ class _Task:
     first: int  # the record's block that goes to ids[0]
     ids: list[int]  # cache blocks to fill, in order
     check: bytes  # token ids the record must start with (partial matches), or b""
+    group: int = 0  # the KV-cache group whose layers the record holds (hybrid models)
 
 
 class Loads:
     """Loads one worker's hits: ``load`` is the whole load path, one call per batch."""
 
-    def __init__(self, setup: Setup, layout: BlockLayout, client: BreakerClient) -> None:
+    def __init__(
+        self,
+        setup: Setup,
+        layout: BlockLayout,
+        client: BreakerClient,
+        layouts: Sequence[BlockLayout] = (),
+    ) -> None:
         self.setup, self.layout, self.client = setup, layout, client
+        # A hybrid model's layers by KV-cache group (each group's blocks are its own)
+        self.layouts = list(layouts) or [layout]
         self.cuda = layout.device.type == "cuda"
         self._pins = PinnedArenas() if self.cuda else None
         # Leases to end: on CPU after the step's forward pass (``release_done``: off the
@@ -140,6 +149,9 @@ class Loads:
         for i, spec in enumerate(specs):
             first = spec.start // bs
             outs[i].failed.update(b for b in spec.block_ids if (i, b) not in loaded)
+            if spec.groups:  # vLLM recomputes such a request whole if any block failed
+                outs[i].loaded_tokens = 0 if outs[i].failed else spec.end - spec.start
+                continue
             missed = sum(
                 min((first + b + 1) * bs, spec.end) - max((first + b) * bs, spec.start)
                 for b, block in enumerate(spec.block_ids)
@@ -150,45 +162,73 @@ class Loads:
 
     # -- which chunks --------------------------------------------------------------------
     def _plan(self, i: int, spec: LoadSpec, failed: set[int]) -> list[_Task]:
-        """The chunks of one request's hit and the blocks each fills."""
-        bs = self.setup.block_size
-        todo = dict(
-            zip(range(spec.start // bs, self.setup.blocks(spec.end)), spec.block_ids, strict=True)
-        )
+        """The chunks of one request's hit and the blocks each fills (of every KV-cache
+        group, for a hybrid model)."""
+        if not spec.groups:
+            chunks = self._chunks(self.setup, spec, spec.chunks, spec.fingerprint)
+            return self._plan_group(
+                i, self.setup, spec, spec.start, spec.block_ids, chunks, 0, failed
+            )
         tasks = []
-        for c in self._chunks(spec):
-            first = c.start // bs
-            blocks = [b for b in range(first, first + c.tokens // bs) if b in todo]
+        for part in spec.groups:
+            gs = self.setup.for_group(part.group)
+            chunks = self._chunks(gs, spec, part.chunks, part.fingerprint)
+            tasks += self._plan_group(
+                i, gs, spec, part.start, part.block_ids, chunks, part.group, failed
+            )
+        return tasks
+
+    def _plan_group(
+        self,
+        i: int,
+        s: Setup,
+        spec: LoadSpec,
+        start: int,
+        block_ids: list[int],
+        chunks: Sequence[ChunkRef],
+        group: int,
+        failed: set[int],
+    ) -> list[_Task]:
+        bs = s.block_size
+        todo = dict(zip(range(start // bs, s.blocks(spec.end)), block_ids, strict=True))
+        tasks = []
+        for c in chunks:
+            # A sliding window's record holds only its last blocks (Setup.record_blocks).
+            first, last = s.record_blocks(c.start, c.start + c.stored_tokens)
+            blocks = [b for b in range(first, min(last, (c.start + c.tokens) // bs)) if b in todo]
             if not blocks:
                 continue
             # A partial match rests on 8-byte sub-hashes; the record's own token ids have
             # the last word, so colliding tokens are recomputed, never loaded.
             check = tokens_to_bytes(spec.tokens[c.start : c.start + c.tokens]) if c.partial else b""
             ids = [todo.pop(b) for b in blocks]
-            tasks.append(_Task(i, c.key, c.stored_tokens // bs, blocks[0] - first, ids, check))
+            tasks.append(_Task(i, c.key, last - first, blocks[0] - first, ids, check, group))
         failed.update(todo.values())  # not stored (any more)
         return tasks
 
-    def _chunks(self, spec: LoadSpec) -> Sequence[ChunkRef]:
-        """The scheduler's chunks, keyed in this worker's namespace."""
-        fp = self.setup.ns.for_request(spec.salt).fingerprint
-        if spec.chunks and fp == spec.fingerprint:
-            return spec.chunks
-        if spec.chunks and not any(c.partial for c in spec.chunks):
+    def _chunks(
+        self, s: Setup, spec: LoadSpec, chunks: tuple[ChunkRef, ...], fingerprint: bytes
+    ) -> Sequence[ChunkRef]:
+        """The scheduler's chunks, keyed in this worker's namespace (``s``: the group's)."""
+        fp = s.ns.for_request(spec.salt).fingerprint
+        if chunks and fp == fingerprint:
+            return chunks
+        if chunks and not any(c.partial for c in chunks):
             # Another TP/PP rank: the same chunks under this rank's keys, chained as saves
             # chain them (a partial match's key is a stored sibling's, unknown here).
             out, parent = [], ROOT
-            for c in spec.chunks:
+            for c in chunks:
                 raw = tokens_to_bytes(spec.tokens[c.start : c.start + c.stored_tokens])
                 parent = chunk_key(parent, fp, raw)
                 out.append(c._replace(key=parent))
             return out
-        ns = self.setup.ns.for_request(spec.salt)
-        result = self.client.lookup(ns, spec.tokens, granularity=self.setup.block_size, worker=True)
-        return [
+        ns = s.ns.for_request(spec.salt)
+        result = self.client.lookup(ns, spec.tokens, granularity=s.block_size, worker=True)
+        found = [
             ChunkRef(m.key, m.start, m.tokens, m.stored_tokens, m.partial)
             for m in (result.chunks if result else ())
         ]
+        return whole_chunks(found) if s.window else found
 
     # -- moving bytes --------------------------------------------------------------------
     def _fetch(
@@ -274,7 +314,7 @@ class Loads:
     def _fits(self, t: _Task, lease: LeaseBase) -> bool:
         """The record is of this layout and, for a partial match, of these tokens."""
         header = lease.header
-        if header.raw_size != self.layout.nbytes(t.stored):
+        if header.raw_size != self.layouts[t.group].nbytes(t.stored):
             return False
         return not t.check or header.token_bytes[: len(t.check)] == t.check
 
@@ -287,7 +327,7 @@ class Loads:
         loaded: set[tuple[int, int]],
         events: list[Any],
     ) -> None:
-        layout = self.layout
+        layout = self.layouts[t.group]
         if self.cuda:
             self._copy_cuda(t, lease, arena, ticket, loaded, events)
             return
@@ -317,7 +357,7 @@ class Loads:
         with _fence(ticket) as go:
             if not go:
                 return
-            event = self.layout.load_cuda(src, t.stored, t.ids, t.first)
+            event = self.layouts[t.group].load_cuda(src, t.stored, t.ids, t.first)
             if ticket is not None:
                 ticket.events.append(event)
             events.append(event)
@@ -338,7 +378,7 @@ class Loads:
     ) -> None:
         """Through a host buffer: out of a lease, verified, or by Get (verified by the
         server), then scattered into the blocks."""
-        layout = self.layout
+        layout = self.layouts[t.group]
         buf = layout.host_buffer(layout.nbytes(t.stored))
         if lease is not None:
             if not lease.read_verified(buf.numpy()):

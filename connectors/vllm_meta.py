@@ -4,11 +4,12 @@ both report to vLLM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Protocol, TypeVar
 
 from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_namespace import EngineNamespace
+from kvstore.connectors.vllm_namespace import EngineNamespace, Group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -24,10 +25,50 @@ class Setup:
     chunk_tokens: int  # tokens per stored chunk, a multiple of block_size
     producer: bool  # stores KV (kv_producer / kv_both, and cfg.save)
     consumer: bool  # loads KV (kv_consumer / kv_both, and cfg.load)
+    # vLLM's KV-cache groups; () or one group: every layer shares one block table
+    groups: tuple[Group, ...] = ()
+    window: int = 0  # a per-group Setup's sliding window (``for_group``), in tokens
 
     def blocks(self, tokens: int) -> int:
         """Blocks holding tokens [0, tokens): the last one may hold later tokens too."""
         return -(-tokens // self.block_size)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one KV-cache group (vLLM's HMA on, a hybrid model)."""
+        return len(self.groups) > 1
+
+    def for_group(self, g: int) -> Setup:
+        """This Setup as one group's: its namespace (keys of its own) and its window."""
+        if not self.hybrid:
+            return self
+        return replace(self, ns=self.ns.of_group(g), window=self.groups[g].window, groups=())
+
+    def kept_from(self, computed: int) -> int:
+        return kept_from(self.block_size, self.window, computed)
+
+    def record_blocks(self, start: int, end: int) -> tuple[int, int]:
+        return record_blocks(self.block_size, self.window, start, end)
+
+
+def kept_from(block_size: int, window: int, computed: int) -> int:
+    """The first token of the first block vLLM keeps once ``computed`` tokens are
+    computed: 0 with full attention; with a sliding window of W tokens the block holding
+    token computed - W + 1, the oldest one the next token attends to (vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens``: the blocks before it are freed, and
+    those of a hit are allocated as the null block)."""
+    if not window:
+        return 0
+    return max(0, computed - window + 1) // block_size * block_size
+
+
+def record_blocks(block_size: int, window: int, start: int, end: int) -> tuple[int, int]:
+    """The blocks a stored chunk of tokens [start, end) holds, as (first, end) block
+    indices in the prompt: all of them with full attention; with a sliding window only
+    those a hit at ``end`` still reads, or at ``end - 1`` (a prompt stored to its end:
+    vLLM computes its last token again), i.e. from ``kept_from(end - 1)``. A hit at a
+    later chunk's end reads no earlier block of this one, so that is all it ever needs."""
+    return max(start, kept_from(block_size, window, end - 1)) // block_size, end // block_size
 
 
 class ChunkRef(NamedTuple):
@@ -39,6 +80,39 @@ class ChunkRef(NamedTuple):
     tokens: int  # tokens of the prompt it serves (whole blocks)
     stored_tokens: int  # tokens the stored chunk holds (more when only a prefix matches)
     partial: bool  # a stored sibling of which only a prefix matches the prompt
+
+
+class _Matched(Protocol):
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def stored_tokens(self) -> int: ...
+
+
+_C = TypeVar("_C", bound=_Matched)
+
+
+def whole_chunks(chunks: Sequence[_C]) -> list[_C]:
+    """The matched chunks up to the first one the prompt matches only part of: what a
+    sliding-window group can serve. Its records hold only the blocks near their end, so a
+    hit must end where a record ends."""
+    out = []
+    for c in chunks:
+        if c.tokens != c.stored_tokens:
+            break
+        out.append(c)
+    return out
+
+
+@dataclass
+class GroupLoad:
+    """One KV-cache group's part of a hybrid model's load."""
+
+    group: int
+    start: int  # first token it loads: the load's start, or a sliding window's at the hit
+    block_ids: list[int]  # its blocks for tokens [start, LoadSpec.end), the last one whole
+    chunks: tuple[ChunkRef, ...]  # the lookup's chunks of this group's keys
+    fingerprint: bytes  # of the namespace those keys are in
 
 
 @dataclass
@@ -56,6 +130,9 @@ class LoadSpec:
     fingerprint: bytes = b""
     background: bool = False  # an asynchronous load: reported through get_finished
     drop: bool = False  # drop_after_load: its chunks are dropped from the server once loaded
+    # A hybrid model's load, one part per KV-cache group (``block_ids`` then holds every
+    # group's blocks, ``chunks`` is empty); () for one group.
+    groups: tuple[GroupLoad, ...] = ()
 
 
 @dataclass
@@ -65,6 +142,7 @@ class SaveSpec:
     salt: str
     start: int  # first chunk start to save (chunk aligned)
     block_ids: list[int]  # the request's blocks for tokens [0, len(tokens))
+    group: int = 0  # the KV-cache group these blocks are of (hybrid models)
 
 
 @dataclass

@@ -11,10 +11,24 @@ from kvstore.keys import Fingerprint, Namespace
 
 
 @dataclass(frozen=True)
+class Group:
+    """One KV-cache group of vLLM's hybrid memory allocator (HMA): layers that share one
+    block table. Each group's blocks are stored under keys of their own (its namespace)."""
+
+    layers: tuple[str, ...]  # its layers' names, as register_kv_caches gets them
+    window: int = 0  # sliding window in tokens; 0: full attention (every token kept)
+
+
+@dataclass(frozen=True)
 class EngineNamespace:
     """The engine's namespace; requests add their cache salt and LoRA to it."""
 
     base: Namespace
+
+    def of_group(self, g: int) -> EngineNamespace:
+        """KV-cache group ``g``'s namespace (hybrid models): the engine's layout, which
+        describes every group, and the group's index, so each group's keys are its own."""
+        return replace(self, base=replace(self.base, layout=f"{self.base.layout}/group{g}"))
 
     def for_request(self, salt: str) -> Namespace:
         if not salt:
@@ -74,6 +88,42 @@ def _require_attention(group: Any) -> None:
         )
 
 
+def _window(spec: Any) -> int:
+    """A sliding-window spec's window in tokens; 0 for full attention."""
+    try:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    except ImportError:  # a vLLM without the class: no windowed groups
+        return 0
+    return int(spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else 0
+
+
+def _require_hybrid_kind(group: Any, block_size: int) -> None:
+    """Fail closed on a group of a hybrid model that kvstore does not know how to restore:
+    it stores full-attention groups whole and sliding-window groups' windows, nothing
+    else (chunked local attention keeps other blocks than a window's)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    spec = group.kv_cache_spec
+    kinds = (FullAttentionSpec, SlidingWindowSpec)
+    if type(spec) not in kinds or getattr(spec, "block_size", block_size) != block_size:
+        raise ConfigError(
+            f"kvstore serves hybrid models of full-attention and sliding-window groups of "
+            f"one block size ({block_size}); this one has a group of {type(spec).__name__} "
+            f"(block size {getattr(spec, 'block_size', '?')}): run it without the kvstore "
+            "connector, or with --disable-hybrid-kv-cache-manager"
+        )
+
+
+def engine_groups(kv_cache_config: Any) -> tuple[Group, ...]:
+    """vLLM's KV-cache groups as the connector handles them: each group's layers and,
+    for a sliding-window group, its window."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return tuple(
+        Group(tuple(g.layer_names), _window(g.kv_cache_spec) if len(groups) > 1 else 0)
+        for g in groups
+    )
+
+
 def engine_namespace(
     vllm_config: Any, kv_cache_config: Any, salt: str, *, worker: bool
 ) -> EngineNamespace:
@@ -90,14 +140,19 @@ def engine_namespace(
     for g in groups:
         _require_attention(g)
     if len(groups) > 1:
-        raise ConfigError("kvstore supports one KV-cache group (no hybrid attention models yet)")
+        for g in groups:
+            _require_hybrid_kind(g, cc.block_size)
     layout = [f"block{cc.block_size}"]
-    if groups:
-        spec = groups[0].kv_cache_spec
-        layout += [type(spec).__name__, f"layers{len(groups[0].layer_names)}"]
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if i:  # several groups (HMA): every group's layout, in vLLM's group order
+            layout.append(f"g{i}")
+        layout += [type(spec).__name__, f"layers{len(group.layer_names)}"]
         for attr in ("num_kv_heads", "head_size", "head_size_v", "page_size_bytes"):
             if hasattr(spec, attr):
                 layout.append(f"{attr}={getattr(spec, attr)}")
+        if len(groups) > 1 and _window(spec):  # its records hold only a window's blocks
+            layout.append(f"window={_window(spec)}")
     layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)

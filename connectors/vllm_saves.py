@@ -31,7 +31,7 @@ import torch
 import xxhash
 from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_meta import SaveSpec
+from kvstore.connectors.vllm_meta import SaveSpec, record_blocks
 from kvstore.connectors.vllm_namespace import EngineNamespace
 from vllm.logger import init_logger
 
@@ -94,9 +94,11 @@ class Saves:
         *,
         background: bool,
         save_buffer_bytes: int,
+        window: int = 0,
     ) -> None:
         self.layout, self.backend, self.ns = layout, backend, ns
         self.block_size, self.chunk_tokens = block_size, chunk_tokens
+        self.window = window  # a sliding-window group's: its records hold only a window
         self.saver: BackgroundSaver | None = None
         # Whoever commits a reservation must hold it: the saver's own client in async.
         self.writer = backend
@@ -200,14 +202,15 @@ class Saves:
             if s < spec.start or keys[i] in seen or (saver is not None and saver.queued(keys[i])):
                 continue
             seen.add(keys[i])
+            first, last = record_blocks(bs, self.window, s, e)
             out.append(
                 _Chunk(
                     keys[i],
                     keys[i - 1] if i else ROOT,
                     fp,
                     raw[s * 4 : e * 4],
-                    (e - s) // bs,
-                    spec.block_ids[s // bs : e // bs],
+                    last - first,
+                    spec.block_ids[first:last],
                 )
             )
         return out

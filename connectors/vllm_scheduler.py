@@ -25,11 +25,13 @@ from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_config import drop_after_load
 from kvstore.connectors.vllm_meta import (
     ChunkRef,
+    GroupLoad,
     KVStoreMeta,
     KVStoreStats,
     LoadSpec,
     SaveSpec,
     Setup,
+    whole_chunks,
 )
 from kvstore.connectors.vllm_observe import with_generation
 from vllm.logger import init_logger
@@ -50,6 +52,8 @@ class _Req:
     tokens: list[int]
     salt: str
     block_ids: list[int] = field(default_factory=list)
+    # a hybrid model's block table per KV-cache group (block_ids is the first group's)
+    group_blocks: list[list[int]] = field(default_factory=list)
     saved: int = 0  # tokens of the prompt already saved or planned (chunk aligned)
     load: tuple[int, int] | None = None  # (start, end) tokens to load in the next step
     hit: _Hit | None = None  # what the lookup found, for the load
@@ -64,6 +68,7 @@ class _Hit:
     when: float
     matched: int  # tokens to count as loaded (whole blocks, or one short of the prompt)
     chunks: tuple[ChunkMatch, ...]
+    groups: tuple[tuple[ChunkMatch, ...], ...] = ()  # hybrid: each group's chunks
 
 
 def request_salt(request: Any) -> str:
@@ -115,7 +120,10 @@ class KVStoreScheduler:
         self._hits.clear()
 
     def _background(self, hit: _Hit, computed: int) -> bool:
-        """Load asynchronously: asked to, or a chunk to load is below the server's L1."""
+        """Load asynchronously: asked to, or a chunk to load is below the server's L1, or
+        a hybrid model (vLLM takes its load failures only from requests that wait)."""
+        if self.setup.hybrid:
+            return True
         if self._always or not self._prefetch:
             return self._always
         return any(
@@ -142,22 +150,58 @@ class KVStoreScheduler:
         now = self._clock()
         hit = self._asked.get(request.request_id)
         if hit is None or now - hit.when >= _ASK_TTL_S:
-            ns = s.ns.for_request(self._salt(request))
-            result = self.client.lookup(
-                ns,
-                tokens,
-                min_tokens=s.cfg.min_tokens,
-                granularity=s.block_size,
-                prefetch=self._prefetch,
-            )
-            matched = min(result.matched_tokens if result else 0, limit)
-            chunks = tuple(c for c in (result.chunks if result else ()) if c.start < matched)
-            hit = self._asked[request.request_id] = _Hit(now, matched, chunks)
+            if s.hybrid:
+                hit = self._asked[request.request_id] = self._hybrid_hit(request, now, limit)
+            else:
+                ns = s.ns.for_request(self._salt(request))
+                result = self.client.lookup(
+                    ns,
+                    tokens,
+                    min_tokens=s.cfg.min_tokens,
+                    granularity=s.block_size,
+                    prefetch=self._prefetch,
+                )
+                matched = min(result.matched_tokens if result else 0, limit)
+                chunks = tuple(c for c in (result.chunks if result else ()) if c.start < matched)
+                hit = self._asked[request.request_id] = _Hit(now, matched, chunks)
         if hit.matched <= num_computed_tokens:
             return 0, False
         background = self._background(hit, num_computed_tokens)
         self._hits[request.request_id] = (num_computed_tokens, hit, background)
         return hit.matched - num_computed_tokens, background
+
+    def _hybrid_hit(self, request: Any, now: float, limit: int) -> _Hit:
+        """A hybrid model's hit: the longest prefix every KV-cache group can serve, one
+        Lookup per group (each group's chunks are keyed apart). A full-attention group
+        serves any block its records cover; a sliding-window group only the ends of its
+        records (they hold the blocks before the end, within the window)."""
+        s = self.setup
+        found = []
+        for g in range(len(s.groups)):
+            gs = s.for_group(g)
+            result = self.client.lookup(
+                gs.ns.for_request(self._salt(request)),
+                list(request.prompt_token_ids or []),
+                min_tokens=s.cfg.min_tokens,
+                granularity=s.block_size,
+                prefetch=self._prefetch,
+            )
+            chunks = tuple(result.chunks) if result else ()
+            found.append((gs.window, result.matched_tokens if result else 0, chunks))
+        matched = min(m for w, m, _ in found if not w) if any(not w for w, _, _ in found) else limit
+        while True:  # down to a point every windowed group's records end at
+            ends = [
+                max((c.start + c.tokens for c in whole_chunks(ch) if c.start + c.tokens <= matched),
+                    default=0)
+                for w, _, ch in found
+                if w
+            ]  # fmt: skip
+            if not ends or min(ends) == matched:
+                break
+            matched = min(ends)
+        matched = min(matched, limit)
+        groups = tuple(tuple(c for c in ch if c.start < matched) for _, _, ch in found)
+        return _Hit(now, matched, groups[0], groups)
 
     def _drop(self, request: Any) -> bool:
         """Whether the chunks this request loads are dropped once loaded: its
@@ -188,7 +232,8 @@ class KVStoreScheduler:
             r.hit = hit
             if background:
                 # Not among the step's scheduled requests: its blocks are these.
-                r.block_ids = list(blocks.get_block_ids()[0])
+                r.group_blocks = [list(b) for b in blocks.get_block_ids()]
+                r.block_ids = r.group_blocks[0]
                 r.waiting = True
             # Exact chunks that were loaded need no save; a partial one does (new key). A
             # hit one token short of the prompt's end loaded its last block whole.
@@ -212,17 +257,20 @@ class KVStoreScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             r = self._reqs.get(new.req_id)
             if r is not None:
-                r.block_ids = list(new.block_ids[0])
+                r.group_blocks = [list(b) for b in new.block_ids]
+                r.block_ids = r.group_blocks[0]
                 self._plan(meta, new.req_id, r, new.num_computed_tokens, scheduler_output)
         for i, rid in enumerate(cached.req_ids):
             r = self._reqs.get(rid)
             if r is None:
                 continue
             nb = cached.new_block_ids[i]
-            if rid in resumed:
-                r.block_ids = list(nb[0]) if nb else []  # resumed: the full block table
+            if rid in resumed:  # resumed: the full block table
+                r.group_blocks = [list(b) for b in nb] if nb else [[] for _ in r.group_blocks]
+                r.block_ids = r.group_blocks[0] if r.group_blocks else []
             elif nb:
-                r.block_ids.extend(nb[0])  # running: appended blocks only
+                for have, new_ids in zip(r.group_blocks, nb, strict=True):
+                    have.extend(new_ids)  # running: appended blocks only
             self._plan(meta, rid, r, cached.num_computed_tokens[i], scheduler_output)
         for spec in meta.loads:  # drop_after_load: the workers drop its chunks once loaded
             spec.drop = self._reqs[spec.req_id].drop if spec.req_id in self._reqs else False
@@ -237,13 +285,17 @@ class KVStoreScheduler:
             return
         done = min(computed + so.num_scheduled_tokens.get(rid, 0), len(r.tokens))
         # Whole chunks completed so far, and at the end of the prefill its last whole blocks.
+        # Not for a hybrid model: a sliding window's records hold as many blocks whatever
+        # their length, and the server pins a namespace's bytes per token, so its chunks
+        # are all whole (its hits end on a chunk boundary).
         upto = done // s.chunk_tokens * s.chunk_tokens
-        if done == len(r.tokens):
+        if done == len(r.tokens) and not s.hybrid:
             upto = done // bs * bs
-        if upto > r.saved and len(r.block_ids) * bs >= upto:
-            meta.saves.append(
-                SaveSpec(rid, r.tokens[:upto], r.salt, r.saved, r.block_ids[: upto // bs])
-            )
+        if upto > r.saved and all(len(b) * bs >= upto for b in r.group_blocks):
+            for g, ids in enumerate(r.group_blocks):  # one group unless hybrid
+                meta.saves.append(
+                    SaveSpec(rid, r.tokens[:upto], r.salt, r.saved, ids[: upto // bs], group=g)
+                )
             if self.on_save is not None:
                 self.on_save(rid, r.saved, upto)
             r.saved = upto
@@ -260,6 +312,9 @@ class KVStoreScheduler:
             for c in (r.hit.chunks if r.hit is not None else ())
             if c.start < whole * bs
         )
+        if s.hybrid and r.hit is not None:
+            r.load, hit, r.hit = None, r.hit, None
+            return self._hybrid_load(rid, r, start, end, hit)
         spec = LoadSpec(
             rid,
             r.tokens[: whole * bs],
@@ -274,10 +329,52 @@ class KVStoreScheduler:
         r.load, r.hit = None, None
         return spec
 
+    def _hybrid_load(self, rid: str, r: _Req, start: int, end: int, hit: _Hit) -> LoadSpec:
+        """A hybrid model's load: every group's blocks from ``start`` (a sliding-window
+        group's only from its window at ``end``: vLLM allocated the null block before it),
+        always in the background, where vLLM takes a failure per request."""
+        s = self.setup
+        bs = s.block_size
+        whole = s.blocks(end)
+        parts = []
+        for g, chunks in enumerate(hit.groups):
+            gs = s.for_group(g)
+            first = max(start, gs.kept_from(end))
+            parts.append(
+                GroupLoad(
+                    g,
+                    first,
+                    r.group_blocks[g][first // bs : whole],
+                    # Every chunk from the first: a worker of another TP rank chains its
+                    # keys over them (Loads._chunks); only those with blocks to fill load.
+                    tuple(
+                        ChunkRef(c.key, c.start, c.tokens, c.stored_tokens, c.partial)
+                        for c in chunks
+                        if c.start < whole * bs
+                    ),
+                    gs.ns.for_request(r.salt).fingerprint,
+                )
+            )
+        return LoadSpec(
+            rid,
+            r.tokens[: whole * bs],
+            r.salt,
+            start,
+            end,
+            [b for part in parts for b in part.block_ids],
+            background=True,
+            groups=tuple(parts),
+        )
+
     def update_connector_output(self, connector_output: Any) -> None:
         """A load failed (vLLM recomputes those blocks): save them again once computed,
         and do not load that request again (a load that keeps failing would loop)."""
         s = self.setup
+        for rid in getattr(connector_output, "failed_recving", None) or ():
+            r = self._reqs.get(rid)  # a hybrid model's failed load: vLLM recomputes it whole
+            if r is not None:
+                r.saved = 0
+                self._no_load.add(rid)
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return

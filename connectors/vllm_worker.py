@@ -16,7 +16,7 @@ from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_loads import Loads
-from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, Setup
+from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_saves import SaveJob, Saves
 from vllm.logger import init_logger
 
@@ -36,54 +36,73 @@ class KVStoreWorker:
         self.loads: Loads | None = None
         self.background: AsyncLoads | None = None
         self.saves: Saves | None = None
+        self.group_saves: list[Saves] = []  # a hybrid model's: one per KV-cache group
         self._failed: set[int] = set()
+        self._failed_reqs: set[str] = set()  # hybrid: loads with a failed block (whole)
         self._orphans: set[str] = set()  # async loads this worker cannot run: reported
         self._busy_warned: float | None = None
         self._late_warned: float | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.setup
-        self.layout = layout = BlockLayout(kv_caches)
+        # A hybrid model's groups each have their own block table over layers that share
+        # memory with the other groups' (a block id belongs to one group at a time): each
+        # group's blocks are moved with a layout of its own layers only.
+        layouts = [
+            BlockLayout({name: kv_caches[name] for name in g.layers}) for g in s.groups
+        ] if s.hybrid else []  # fmt: skip
+        self.layout = layout = layouts[0] if layouts else BlockLayout(kv_caches)
         mode = s.cfg.save_mode
         if mode == "auto":
             gpu = layout.device.type == "cuda"
             mode = "async" if gpu and s.producer and s.consumer else "sync"
         if s.consumer:
-            self.loads = Loads(s, layout, self.client)
+            self.loads = Loads(s, layout, self.client, layouts)
             # Its own client: a failure on the loader thread must not close the one the
             # engine thread loads and saves with.
             self.background = AsyncLoads(
-                Loads(s, layout, self.client.sibling("loader")),
+                Loads(s, layout, self.client.sibling("loader"), layouts),
                 s.cfg.load_deadline_ms / 1000,
                 clock=self._clock,
             )
         if s.producer:
-            self.saves = Saves(
-                layout,
-                self.client,
-                s.ns,
-                s.block_size,
-                s.chunk_tokens,
-                background=mode == "async",
-                save_buffer_bytes=s.cfg.save_buffer_bytes,
-            )
+            for g, group_layout in enumerate(layouts or [layout]):
+                gs = s.for_group(g)
+                self.group_saves.append(
+                    Saves(
+                        group_layout,
+                        self.client,
+                        gs.ns,
+                        s.block_size,
+                        s.chunk_tokens,
+                        background=mode == "async",
+                        save_buffer_bytes=s.cfg.save_buffer_bytes,
+                        window=gs.window,
+                    )
+                )
+            self.saves = self.group_saves[0]
         log.info(
-            "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s",
-            layout.layers,
+            "kvstore: %d layers, %d blocks of %d bytes, %s saves, namespace %s%s",
+            sum(lo.layers for lo in layouts) if layouts else layout.layers,
             layout.num_blocks,
             layout.block_bytes,
             mode,
             s.ns.describe(),
+            f", {len(layouts)} KV-cache groups (windows {[g.window for g in s.groups]})"
+            if layouts
+            else "",
         )
 
     # -- loads -------------------------------------------------------------------------
     def start_load_kv(self, meta: object) -> None:
         if not isinstance(meta, KVStoreMeta) or not meta.loads:
             return
-        now = [spec for spec in meta.loads if not spec.background]
+        # A hybrid model's loads are all asynchronous: vLLM takes their failures only per
+        # request (failed_recving), and those only of requests waiting for their load.
+        now = [spec for spec in meta.loads if not spec.background and not spec.groups]
         if now:
             self.load(now)
-        later = [spec for spec in meta.loads if spec.background]
+        later = [spec for spec in meta.loads if spec.background or spec.groups]
         if later and self.background is not None:
             self.background.submit(later)
             self.stats.add(load_async_requests=len(later))
@@ -118,9 +137,13 @@ class KVStoreWorker:
         failed or given up at their deadline; their failed blocks go to the next
         ``get_block_ids_with_load_errors``, which vLLM calls right after this."""
         recving, self._orphans = self._orphans, set()
+        if self.setup.hybrid:
+            self._failed_reqs |= recving
         if self.background is None:
             return None, recving or None
         out = self.background.finished(finished_req_ids)
+        if self.setup.hybrid:
+            self._failed_reqs |= out.failed_reqs
         for tokens, asked, n, seconds in out.batches:
             self._log_load(tokens, asked, n, seconds, " in the background")
         if out.recving:
@@ -156,20 +179,35 @@ class KVStoreWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._failed = self._failed, set()
+        # vLLM raises on block ids with several KV-cache groups (they are per group there):
+        # a hybrid model's failures go per request (take_failed_requests).
+        return set() if self.setup.hybrid else out
+
+    def take_failed_requests(self) -> set[str]:
+        """Hybrid models: requests reported finished receiving whose load lost a block;
+        vLLM recomputes them whole (``failed_recving``)."""
+        out, self._failed_reqs = self._failed_reqs, set()
         return out
 
     # -- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: object) -> None:
         if self.loads is not None:  # the step's forward pass has run: end its leases
             self.loads.release_done()
-        saves = self.saves
-        if not isinstance(meta, KVStoreMeta) or not meta.saves or saves is None:
+        if not isinstance(meta, KVStoreMeta) or not meta.saves or self.saves is None:
             return
         t0 = time.perf_counter()
+        for g, saves in enumerate(self.group_saves):  # one group unless hybrid
+            self._save(saves, [spec for spec in meta.saves if spec.group == g])
+        self.stats.add(save_s=time.perf_counter() - t0)
+
+    def _save(self, saves: Saves, specs: list[SaveSpec]) -> None:
+        """One group's saves of a step: one ReserveMany, one CommitMany."""
+        if not specs:
+            return
         jobs: list[SaveJob] = []
         skipped = 0
         try:
-            skipped = saves.start(meta.saves, jobs)
+            skipped = saves.start(specs, jobs)
         except Exception as e:  # a failed save only costs a future hit
             self.client.failed("save", e)
         if saves.saver is not None:  # async: the step's chunks, committed together
@@ -179,9 +217,10 @@ class KVStoreWorker:
             self._warn_busy(skipped)
         stored = saves.store_all(jobs, self.client) if jobs else []
         saved, failed = sum(stored), sum(1 for t in stored if not t)
+        if jobs and saves is self.saves:  # tokens of the first group; every group's chunks
+            self.stats.add(saved_tokens=saved)
         if jobs:
-            self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
-        self.stats.add(save_s=time.perf_counter() - t0)
+            self.stats.add(save_failed_chunks=failed)
 
     def _warn_busy(self, n: int) -> None:
         now = self._clock()
@@ -197,17 +236,18 @@ class KVStoreWorker:
     # -- both --------------------------------------------------------------------------
     def get_stats(self) -> KVStoreStats | None:
         """This worker's counters since the last call (None: nothing counted)."""
-        saves = self.saves
-        saver = saves.saver if saves is not None else None
-        if saver is not None:
-            saved, failed = saver.take()
-            if saved or failed:
-                self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
         errors = self.client.take_errors()
+        for saves in self.group_saves:
+            if saves.saver is not None:
+                saved, failed = saves.saver.take()
+                if saves is not self.saves:
+                    saved = 0  # tokens count once, by the first group
+                if saved or failed:
+                    self.stats.add(saved_tokens=saved, save_failed_chunks=failed)
+            if saves.writer is not self.client:
+                errors += saves.writer.take_errors()
         if self.background is not None:
             errors += self.background.loads.client.take_errors()
-        if saves is not None and saves.writer is not self.client:
-            errors += saves.writer.take_errors()
         if errors:
             self.stats.add(errors=errors)
         if self.stats.is_empty():
@@ -223,6 +263,6 @@ class KVStoreWorker:
             self.background.loads.client.close()
         if self.loads is not None:
             self.loads.close()
-        if self.saves is not None:
-            self.saves.close(timeout=self.setup.cfg.timeout_ms / 1000 * 4)
+        for saves in self.group_saves:
+            saves.close(timeout=self.setup.cfg.timeout_ms / 1000 * 4)
         self.client.close()

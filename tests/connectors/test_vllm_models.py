@@ -5,10 +5,10 @@
   model reached the connector as one group of ``MambaSpec`` blocks, which it took as
   KV; with a server chunk size matching vLLM's block size (the state's) it would have
   stored and served one request's state as another prompt's prefix.
-- Sliding-window + full attention (Gemma 3 style): vLLM turns its hybrid KV cache
-  manager off for this connector (no ``SupportsHMA``) and keeps full KV for every layer
-  (one group of ``FullAttentionSpec``); stored and loaded as a dense model's, the output
-  equals the recomputed one. One engine, a tiny random Gemma 3 built here.
+- Sliding-window + full attention (Gemma 3, gpt-oss style) through vLLM's hybrid memory
+  allocator (the connector is ``SupportsHMA``): one KV-cache group per kind, each stored
+  under keys of its own, a sliding-window group's records holding only the blocks a hit
+  at their end reads. One engine stores, a fresh one loads; a tiny random Gemma 3.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from kvstore.connectors.vllm_namespace import engine_namespace
+from kvstore.connectors.vllm_meta import record_blocks
+from kvstore.connectors.vllm_namespace import engine_groups, engine_namespace
 
 import kvstore
 from kvstore.errors import ConfigError
@@ -55,14 +56,17 @@ def _groups(*specs: Any) -> Any:
 
 
 def test_recurrent_state_is_refused_at_start() -> None:
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     mamba = MambaSpec(block_size=4096, shapes=((3, 512), (16, 512)), dtypes=(torch.float32,) * 2)
-    for worker in (False, True):
-        with pytest.raises(
-            ConfigError, match="kvstore stores attention KV only: this model keeps MambaSpec"
-        ):
-            engine_namespace(_vllm_config(), _groups(mamba), "", worker=worker)
+    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    # Alone (pure Mamba), or beside attention as vLLM's hybrid allocator hands Jamba over.
+    for groups in (_groups(mamba), _groups(full, mamba)):
+        for worker in (False, True):
+            with pytest.raises(
+                ConfigError, match="kvstore stores attention KV only: this model keeps MambaSpec"
+            ):
+                engine_namespace(_vllm_config(), groups, "", worker=worker)
 
 
 def test_attention_layouts_are_taken() -> None:
@@ -72,14 +76,51 @@ def test_attention_layouts_are_taken() -> None:
     for spec in (FullAttentionSpec(**kw), SlidingWindowSpec(**kw, sliding_window=256)):
         ns = engine_namespace(_vllm_config(), _groups(spec), "", worker=False)
         assert type(spec).__name__ in ns.base.layout
-    # MLA fails closed: its output after a load was seen to differ from recompute.
+    # MLA too: its loads and its one copy for every TP rank, tests/connectors/test_vllm_mla.py.
     mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    with pytest.raises(ConfigError, match="kvstore does not serve MLA models yet"):
-        engine_namespace(_vllm_config(), _groups(mla), "", worker=False)
+    ns = engine_namespace(_vllm_config(), _groups(mla), "", worker=False)
+    assert "MLAAttentionSpec" in ns.base.layout
 
 
-def make_tiny_gemma3(out: Path) -> Path:
-    """A random Gemma 3 text model: three sliding-window layers (window 256), one full."""
+def test_hybrid_groups_have_keys_of_their_own() -> None:
+    """Each group's namespace describes every group's layout and differs by the group, so
+    a sliding-window group's short records are never read as a full group's."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kw: dict[str, Any] = dict(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    config = _groups(SlidingWindowSpec(**kw, sliding_window=128), FullAttentionSpec(**kw))
+    ns = engine_namespace(_vllm_config(), config, "", worker=False)
+    assert "SlidingWindowSpec" in ns.base.layout and "FullAttentionSpec" in ns.base.layout
+    assert "window=128" in ns.base.layout, ns.base.layout
+    fps = {ns.fingerprint, ns.of_group(0).fingerprint, ns.of_group(1).fingerprint}
+    assert len(fps) == 3, "the groups' keys must differ from each other and the engine's"
+    assert [g.window for g in engine_groups(config)] == [128, 0]
+    chunked = ChunkedLocalAttentionSpec(**kw, attention_chunk_size=256)
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):
+        engine_namespace(
+            _vllm_config(), _groups(chunked, FullAttentionSpec(**kw)), "", worker=False
+        )
+
+
+def test_a_window_record_holds_what_a_hit_at_its_end_reads() -> None:
+    """vLLM keeps, once c tokens are computed, the blocks from the one holding token
+    c - W + 1; a record of [s, e) must hold those for c = e and c = e - 1 (a prompt
+    stored to its end is loaded one token short), and no more."""
+    bs = 128
+    assert record_blocks(bs, 0, 256, 512) == (2, 4)  # full attention: every block
+    assert record_blocks(bs, 128, 256, 512) == (3, 4)  # tokens 384..511: one block
+    assert record_blocks(bs, 129, 256, 512) == (2, 4)  # at 511 token 383 is still read
+    assert record_blocks(bs, 256, 256, 512) == (2, 4)
+    assert record_blocks(bs, 1024, 256, 512) == (2, 4)  # never before the chunk's start
+    assert record_blocks(bs, 128, 512, 640) == (4, 5)
+
+
+def make_tiny_gemma3(out: Path, window: int = 256) -> Path:
+    """A random Gemma 3 text model: three sliding-window layers, one full."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
@@ -90,7 +131,7 @@ def make_tiny_gemma3(out: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        sliding_window=256,
+        sliding_window=window,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
         max_position_embeddings=4096,
         # Gemma scales its embeddings by sqrt(hidden): at the range our Llama uses, one
@@ -103,9 +144,17 @@ def make_tiny_gemma3(out: Path) -> Path:
     return out
 
 
-def _run(work: Path, name: str, model: Path, phases: list[Any], kv: dict[str, Any]) -> list[Any]:
+def _run(
+    work: Path,
+    name: str,
+    model: Path,
+    phases: list[Any],
+    kv: dict[str, Any],
+    llm: dict[str, Any] | None = None,
+) -> list[Any]:
     spec, out, log = work / f"{name}.json", work / f"{name}.out.json", work / f"{name}.log"
-    spec.write_text(json.dumps({"model": str(model), "phases": phases, "kv_transfer_config": kv}))
+    run = {"model": str(model), "phases": phases, "kv_transfer_config": kv, "llm": llm or {}}
+    spec.write_text(json.dumps(run))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
     with open(log, "w") as f:
         rc = subprocess.run(
@@ -124,9 +173,77 @@ def _worst(a: dict[str, Any], b: dict[str, Any]) -> float:
     return worst
 
 
-def test_sliding_window_and_full_attention_model_loads_what_it_stored(tmp_path: Path) -> None:
-    """Phase 1 computes and stores two prompts longer than the window; phase 2 loads them
-    (prefix cache off) and must give phase 1's tokens and logprobs."""
+BLOCK_BYTES = 2 * 2 * 64 * 128 * 4  # K and V, 2 KV heads, head size 64, 128 tokens, fp32
+
+
+def test_hybrid_model_stores_each_group_and_only_the_window(tmp_path: Path) -> None:
+    """A tiny Gemma 3 (window 128, gpt-oss's) with vLLM's hybrid allocator on: one engine
+    computes and stores three prompts past the window, a fresh one loads them and must
+    give the first one's tokens and logprobs. Each KV-cache group is stored under its
+    own keys; a sliding-window group's records hold one block (the 128 tokens before
+    their end) and the fresh engine reads only the records at the hit point."""
+    model = make_tiny_gemma3(tmp_path / "gemma3", window=128)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (600, 700, 512)]
+    srv = KVServer(tmp_path, "models", memory="256MiB").start()
+    try:
+        kv = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvstore.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": srv.unix_url},
+        }
+        (computed,) = _run(tmp_path, "store", model, [prompts], kv)
+        (loaded,) = _run(tmp_path, "load", model, [prompts], kv)
+        with kvstore.Client(srv.unix_url) as c:
+            stats = c.stats()
+            chunks = list(c.list())
+    finally:
+        assert srv.stop() == 0, srv.log()
+    log = (tmp_path / "store.log").read_text()
+    assert "Turning off hybrid kv cache manager" not in log, "vLLM turned HMA off"
+    assert "4 KV-cache groups (windows [128, 128, 128, 0])" in log, log[-3000:]
+    assert [r["num_cached_tokens"] for r in computed] == [0, 0, 0]
+    # The 512-token prompt is loaded to its end, one token short (vLLM computes one).
+    assert [r["num_cached_tokens"] for r in loaded] == [512, 512, 511], "each loads 2 chunks"
+    assert computed[0]["logprobs"][0] != computed[1]["logprobs"][0], (
+        "the model answers both prompts alike: it cannot tell loaded KV from wrong KV"
+    )
+    for i, (c, lo) in enumerate(zip(computed, loaded, strict=True)):
+        assert lo["token_ids"] == c["token_ids"], f"prompt {i}: loaded KV generated other tokens"
+        assert _worst(lo, c) < TOL, f"prompt {i}: logprobs differ by {_worst(lo, c)}"
+    assert stats.hits > 0, stats
+
+    # Per group (fingerprint): each prompt is stored as chunks [0,256) [256,512) (a hybrid
+    # model stores whole chunks only); the fresh engine's hits are at 512 (511).
+    by_fp: dict[bytes, list[Any]] = {}
+    for ch in chunks:
+        by_fp.setdefault(bytes(ch.fingerprint), []).append(ch)
+    assert sorted(len(v) for v in by_fp.values()) == [6] * 4, "6 chunks in each of 4 groups"
+    full = [
+        v
+        for v in by_fp.values()
+        if all(ch.raw_size == ch.n_tokens // 128 * BLOCK_BYTES for ch in v)
+    ]
+    assert len(full) == 1, "one group (the full-attention layer) stores every block"
+    window = [v for v in by_fp.values() if v is not full[0]]
+    for v in window:
+        sizes = sorted(ch.raw_size for ch in v)
+        assert sizes == [BLOCK_BYTES] * 6, f"a window group stored {sizes}, not one block a chunk"
+    assert all(ch.hits > 0 for ch in full[0]), "the full group's hit reads every chunk"
+    for v in window:
+        # The window at a hit is the last block before it: only the record ending there is
+        # read; the records before it (outside the window) are not loaded.
+        read = sorted((ch.parent == bytes(32), ch.hits > 0) for ch in v)
+        assert read == [(False, True)] * 3 + [(True, False)] * 3, read
+
+
+def test_sliding_window_and_full_attention_model_without_hma(tmp_path: Path) -> None:
+    """With vLLM's hybrid allocator turned off (``--disable-hybrid-kv-cache-manager``)
+    every layer keeps full KV in one ``FullAttentionSpec`` group, stored as a dense
+    model's. Phase 1 computes and stores two prompts longer than the window; phase 2
+    loads them (prefix cache off) and must give phase 1's tokens and logprobs."""
     model = make_tiny_gemma3(tmp_path / "gemma3")
     rng = random.Random(3)
     prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (600, 700)]
@@ -139,13 +256,14 @@ def test_sliding_window_and_full_attention_model_loads_what_it_stored(tmp_path: 
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"url": srv.unix_url},
         }
-        computed, loaded = _run(tmp_path, "gemma3", model, [prompts, prompts], kv)
+        no_hma = {"disable_hybrid_kv_cache_manager": True}
+        computed, loaded = _run(tmp_path, "gemma3", model, [prompts, prompts], kv, no_hma)
         with kvstore.Client(srv.unix_url) as c:
             stats = c.stats()
     finally:
         assert srv.stop() == 0, srv.log()
     log = (tmp_path / "gemma3.log").read_text()
-    assert "FullAttentionSpec" in log, "vLLM was expected to give every layer full KV"
+    assert "block128/FullAttentionSpec/layers4/" in log, "vLLM was to give every layer full KV"
     assert [r["num_cached_tokens"] for r in computed] == [0, 0]
     assert [r["num_cached_tokens"] for r in loaded] == [512, 640], "both must load whole blocks"
     assert computed[0]["logprobs"][0] != computed[1]["logprobs"][0], (
