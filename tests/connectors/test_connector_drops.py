@@ -183,6 +183,29 @@ def test_a_background_load_from_disk_drops_from_every_tier(
         c.close()
 
 
+def test_a_consumer_without_shared_memory_drops_with_one_release_after_its_gets(
+    server: KVServer, producer: Engine
+) -> None:
+    """shm off (a server on another host): the chunks come by Get, in the background,
+    and one Release carrying only drop_keys deletes them afterwards."""
+    p = prompt(800)
+    srcs, _ = store(server, producer, [p])
+    c = consumer(server, drop_after_load=True, shm="off")
+    try:
+        before = requests(server)
+        dst = Layout().take(600)
+        (a,) = c.step([(p, dst)], wait_s=20)
+        assert a.told == stored(600) and not a.failed, (a, c.breakers())
+        k = stored(600) // BS
+        assert same_bytes(c, dst[:k], producer, srcs[0][:k]), "a streamed block differs"
+        until("the Release with drop_keys never came", lambda: stats(server).chunks == 0)
+        calls = calls_since(server, before)
+        assert calls["Get"] == 3 and calls["AcquireMany"] == 0 and calls["Release"] == 1, calls
+        assert stats(server).dropped == 3
+    finally:
+        c.close()
+
+
 def test_drop_settings_are_checked() -> None:
     assert ConnectorConfig().drop_after_load is False, "off unless asked for"
     assert ConnectorConfig.parse({"drop_after_load": True}).drop_after_load is True
