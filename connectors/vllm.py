@@ -111,12 +111,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             engine=engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=False),
         )
         block_size = vllm_config.cache_config.block_size
+        ns = engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=worker)
         setup = Setup(
             cfg=cfg,
-            ns=engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=worker),
+            ns=ns,
             block_size=block_size,
             chunk_tokens=client.chunk_tokens(block_size),
-            producer=tc.kv_role in ("kv_producer", "kv_both") and cfg.save,
+            # A TP rank that shares rank 0's copy (MLA) loads it but never stores it.
+            producer=tc.kv_role in ("kv_producer", "kv_both") and cfg.save and ns.writer,
             consumer=tc.kv_role in ("kv_consumer", "kv_both") and cfg.load,
             groups=engine_groups(kv_cache_config),
         )

