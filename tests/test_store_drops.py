@@ -76,6 +76,17 @@ def test_a_drop_deletes_from_every_tier_or_waits_for_each_kind_of_hold(clocked) 
     assert counted(store) == (4, 3)
 
 
+def test_a_pinned_chunk_is_not_dropped(clocked) -> None:  # type: ignore[no-untyped-def]
+    """An operator pinned it to keep it: a consumer's drop leaves it (a Delete does not)."""
+    store, _ = clocked
+    (key,) = chunks(store, 1)
+    assert store.pin(key)
+    assert store.drop([key]) == (0, 0)
+    assert store.contains([key]) == [(1, 2)] and counted(store) == (0, 0)
+    assert store.pin(key, False) and store.drop([key]) == (1, 0)
+    assert store.contains([key]) == [()]
+
+
 def test_an_owner_that_goes_and_a_lease_taken_again(clocked) -> None:  # type: ignore[no-untyped-def]
     """A drop waiting for two leases goes when the second ends; one waiting for an owner
     goes with release_owner (a Session that ended); a chunk leased again while its drop
