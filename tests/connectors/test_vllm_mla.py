@@ -211,8 +211,6 @@ def test_mla_tp2_stores_one_copy_for_every_rank(tmp_path: Path, server: KVServer
          "kv_transfer_config": kv_config(server.unix_url)},
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )  # fmt: skip
-    assert "(one copy for every rank, written here)" in log, "rank 0 must write the copy"
-    assert "(one copy for every rank, read here)" in log, "rank 1 must only read it"
     with kvstore.Client(server.unix_url) as c:
         spaces = c.namespaces()
     per_rank_bytes = sum(CACHED) * LAYERS * LATENT * 4  # float32 latent of one rank
@@ -220,6 +218,8 @@ def test_mla_tp2_stores_one_copy_for_every_rank(tmp_path: Path, server: KVServer
         f"one namespace holding one copy ({CHUNKS} chunks, {per_rank_bytes} bytes; per-rank "
         f"keys would hold twice that): {spaces}"
     )
+    assert "(one copy for every rank, written here)" in log, "rank 0 must write the copy"
+    assert "(one copy for every rank, read here)" in log, "rank 1 must only read it"
     assert [r["num_cached_tokens"] for r in loaded["results"]] == CACHED, "both must load"
     m1, m2 = stored["metrics"], loaded["metrics"]
     assert m1.get("vllm:kvstore_saved_tokens") == sum(CACHED), (
