@@ -178,13 +178,14 @@ BLOCK_BYTES = 2 * 2 * 64 * 128 * 4  # K and V, 2 KV heads, head size 64, 128 tok
 
 def test_hybrid_model_stores_each_group_and_only_the_window(tmp_path: Path) -> None:
     """A tiny Gemma 3 (window 128, gpt-oss's) with vLLM's hybrid allocator on: one engine
-    computes and stores three prompts past the window, a fresh one loads them and must
+    computes and stores four prompts past the window, a fresh one loads them and must
     give the first one's tokens and logprobs. Each KV-cache group is stored under its
     own keys; a sliding-window group's records hold one block (the 128 tokens before
-    their end) and the fresh engine reads only the records at the hit point."""
+    their end) and the fresh engine reads only the records at the hit point. A chunk
+    one window group lost in between shortens that prompt's hit for every group."""
     model = make_tiny_gemma3(tmp_path / "gemma3", window=128)
     rng = random.Random(3)
-    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (600, 700, 512)]
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (600, 700, 512, 580)]
     srv = KVServer(tmp_path, "models", memory="256MiB").start()
     try:
         kv = {
@@ -195,18 +196,25 @@ def test_hybrid_model_stores_each_group_and_only_the_window(tmp_path: Path) -> N
             "kv_connector_extra_config": {"url": srv.unix_url},
         }
         (computed,) = _run(tmp_path, "store", model, [prompts], kv)
+        with kvstore.Client(srv.unix_url) as c:
+            # One window group loses the last prompt's second chunk: that prompt's hit is
+            # its first chunk, the prefix every group can still serve.
+            cut = _second_chunk_of_one_window_group(c, prompts[3])
+            assert c.delete([cut]) == 1
         (loaded,) = _run(tmp_path, "load", model, [prompts], kv)
         with kvstore.Client(srv.unix_url) as c:
             stats = c.stats()
-            chunks = list(c.list())
+            chunks = [ch for ch in c.list() if ch.key != cut]
+            assert c.exists([cut])[0], "the cut chunk was computed and stored again"
     finally:
         assert srv.stop() == 0, srv.log()
     log = (tmp_path / "store.log").read_text()
     assert "Turning off hybrid kv cache manager" not in log, "vLLM turned HMA off"
     assert "4 KV-cache groups (windows [128, 128, 128, 0])" in log, log[-3000:]
-    assert [r["num_cached_tokens"] for r in computed] == [0, 0, 0]
-    # The 512-token prompt is loaded to its end, one token short (vLLM computes one).
-    assert [r["num_cached_tokens"] for r in loaded] == [512, 512, 511], "each loads 2 chunks"
+    assert [r["num_cached_tokens"] for r in computed] == [0, 0, 0, 0]
+    # The 512-token prompt is loaded to its end, one token short (vLLM computes one); the
+    # last one only to its first chunk's end.
+    assert [r["num_cached_tokens"] for r in loaded] == [512, 512, 511, 256], "hits per prompt"
     assert computed[0]["logprobs"][0] != computed[1]["logprobs"][0], (
         "the model answers both prompts alike: it cannot tell loaded KV from wrong KV"
     )
@@ -220,23 +228,42 @@ def test_hybrid_model_stores_each_group_and_only_the_window(tmp_path: Path) -> N
     by_fp: dict[bytes, list[Any]] = {}
     for ch in chunks:
         by_fp.setdefault(bytes(ch.fingerprint), []).append(ch)
-    assert sorted(len(v) for v in by_fp.values()) == [6] * 4, "6 chunks in each of 4 groups"
-    full = [
-        v
-        for v in by_fp.values()
-        if all(ch.raw_size == ch.n_tokens // 128 * BLOCK_BYTES for ch in v)
-    ]
+    assert sorted(len(v) for v in by_fp.values()) == [7, 8, 8, 8], (
+        "8 chunks in each of 4 groups (one cut)"
+    )
+    full = [v for v in by_fp.values() if all(ch.raw_size == 2 * BLOCK_BYTES for ch in v)]
     assert len(full) == 1, "one group (the full-attention layer) stores every block"
     window = [v for v in by_fp.values() if v is not full[0]]
     for v in window:
         sizes = sorted(ch.raw_size for ch in v)
-        assert sizes == [BLOCK_BYTES] * 6, f"a window group stored {sizes}, not one block a chunk"
-    assert all(ch.hits > 0 for ch in full[0]), "the full group's hit reads every chunk"
-    for v in window:
-        # The window at a hit is the last block before it: only the record ending there is
-        # read; the records before it (outside the window) are not loaded.
-        read = sorted((ch.parent == bytes(32), ch.hits > 0) for ch in v)
-        assert read == [(False, True)] * 3 + [(True, False)] * 3, read
+        assert set(sizes) == {BLOCK_BYTES}, f"a window group stored {sizes}, not one block a chunk"
+
+    # (is a first chunk, was read): the full group's hits read every chunk up to them; a
+    # window group's only the record ending at the hit (the first chunk of the prompt whose
+    # hit was cut, the second of the others): the records before it, outside the window,
+    # are not read.
+    def reads(v: list[Any]) -> list[tuple[bool, bool]]:
+        return sorted((ch.parent == bytes(32), ch.hits > 0) for ch in v)
+
+    cut_one = [(False, False)] + [(False, True)] * 3
+    assert reads(full[0]) == cut_one + [(True, True)] * 4, reads(full[0])
+    firsts = [(True, False)] * 3 + [(True, True)]
+    cut_group = [(False, True)] * 3 + firsts  # (its cut chunk, stored again, left out)
+    expect = sorted([cut_group, cut_one + firsts, cut_one + firsts])
+    assert sorted(reads(v) for v in window) == expect, [reads(v) for v in window]
+
+
+def _second_chunk_of_one_window_group(c: Any, prompt: list[int]) -> bytes:
+    """The key of the prompt's second chunk in one sliding-window group (its records hold
+    one block): the groups' namespaces are the server's fingerprints."""
+    from kvstore.keys import Fingerprint, chunk_keys
+
+    stored = {bytes(ch.key): ch for ch in c.list()}
+    for fp in sorted({bytes(ch.fingerprint) for ch in stored.values()}):
+        key = bytes(chunk_keys(Fingerprint(fp), prompt, 256)[1])
+        if key in stored and stored[key].raw_size == BLOCK_BYTES:
+            return key
+    raise AssertionError("no window group holds the prompt's second chunk")
 
 
 def test_sliding_window_and_full_attention_model_without_hma(tmp_path: Path) -> None:
