@@ -111,6 +111,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             engine=engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=False),
         )
         block_size = vllm_config.cache_config.block_size
+        groups = engine_groups(kv_cache_config)
         ns = engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=worker)
         setup = Setup(
             cfg=cfg,
@@ -120,7 +121,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             # A TP rank that shares rank 0's copy (MLA) loads it but never stores it.
             producer=tc.kv_role in ("kv_producer", "kv_both") and cfg.save and ns.writer,
             consumer=tc.kv_role in ("kv_consumer", "kv_both") and cfg.load,
-            groups=engine_groups(kv_cache_config),
+            groups=groups,
+            # one sliding-window group (every layer windowed): its records hold a window
+            window=groups[0].window if len(groups) == 1 else 0,
         )
         if getattr(tc, "kv_load_failure_policy", "recompute") == "fail" and setup.consumer:
             log.warning(

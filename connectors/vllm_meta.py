@@ -27,7 +27,9 @@ class Setup:
     consumer: bool  # loads KV (kv_consumer / kv_both, and cfg.load)
     # vLLM's KV-cache groups; () or one group: every layer shares one block table
     groups: tuple[Group, ...] = ()
-    window: int = 0  # a per-group Setup's sliding window (``for_group``), in tokens
+    # the sliding window in tokens of a per-group Setup (``for_group``), or of the one
+    # group of a model whose every layer is windowed; 0: full attention
+    window: int = 0
 
     def blocks(self, tokens: int) -> int:
         """Blocks holding tokens [0, tokens): the last one may hold later tokens too."""
@@ -37,6 +39,12 @@ class Setup:
     def hybrid(self) -> bool:
         """More than one KV-cache group (vLLM's HMA on, a hybrid model)."""
         return len(self.groups) > 1
+
+    @property
+    def whole_chunks_only(self) -> bool:
+        """Store whole chunks only: a window's records hold as many blocks for a short
+        chunk as for a whole one, and the server pins a namespace's bytes per token."""
+        return self.hybrid or bool(self.window)
 
     def for_group(self, g: int) -> Setup:
         """This Setup as one group's: its namespace (keys of its own) and its window."""

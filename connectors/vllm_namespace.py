@@ -124,10 +124,7 @@ def engine_groups(kv_cache_config: Any) -> tuple[Group, ...]:
     """vLLM's KV-cache groups as the connector handles them: each group's layers and,
     for a sliding-window group, its window."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    return tuple(
-        Group(tuple(g.layer_names), _window(g.kv_cache_spec) if len(groups) > 1 else 0)
-        for g in groups
-    )
+    return tuple(Group(tuple(g.layer_names), _window(g.kv_cache_spec)) for g in groups)
 
 
 def engine_namespace(
@@ -157,7 +154,7 @@ def engine_namespace(
         for attr in ("num_kv_heads", "head_size", "head_size_v", "page_size_bytes"):
             if hasattr(spec, attr):
                 layout.append(f"{attr}={getattr(spec, attr)}")
-        if len(groups) > 1 and _window(spec):  # its records hold only a window's blocks
+        if _window(spec):  # its records hold only a window's blocks
             layout.append(f"window={_window(spec)}")
     layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")

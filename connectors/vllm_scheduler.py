@@ -161,7 +161,14 @@ class KVStoreScheduler:
                     granularity=s.block_size,
                     prefetch=self._prefetch,
                 )
-                matched = min(result.matched_tokens if result else 0, limit)
+                matched = result.matched_tokens if result else 0
+                if s.window:  # a window's records serve a hit only where they end
+                    matched = max(
+                        (c.start + c.tokens for c in whole_chunks(result.chunks if result else ())
+                         if c.start + c.tokens <= matched),
+                        default=0,
+                    )  # fmt: skip
+                matched = min(matched, limit)
                 chunks = tuple(c for c in (result.chunks if result else ()) if c.start < matched)
                 hit = self._asked[request.request_id] = _Hit(now, matched, chunks)
         if hit.matched <= num_computed_tokens:
@@ -285,11 +292,10 @@ class KVStoreScheduler:
             return
         done = min(computed + so.num_scheduled_tokens.get(rid, 0), len(r.tokens))
         # Whole chunks completed so far, and at the end of the prefill its last whole blocks.
-        # Not for a hybrid model: a sliding window's records hold as many blocks whatever
-        # their length, and the server pins a namespace's bytes per token, so its chunks
-        # are all whole (its hits end on a chunk boundary).
+        # Not with a sliding window (Setup.whole_chunks_only): its hits end on a chunk
+        # boundary.
         upto = done // s.chunk_tokens * s.chunk_tokens
-        if done == len(r.tokens) and not s.hybrid:
+        if done == len(r.tokens) and not s.whole_chunks_only:
             upto = done // bs * bs
         if upto > r.saved and all(len(b) * bs >= upto for b in r.group_blocks):
             for g, ids in enumerate(r.group_blocks):  # one group unless hybrid
@@ -315,6 +321,8 @@ class KVStoreScheduler:
         if s.hybrid and r.hit is not None:
             r.load, hit, r.hit = None, r.hit, None
             return self._hybrid_load(rid, r, start, end, hit)
+        # A window's blocks before it at the hit are vLLM's null block: not loaded.
+        start = max(start, s.kept_from(end))
         spec = LoadSpec(
             rid,
             r.tokens[: whole * bs],

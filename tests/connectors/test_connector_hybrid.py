@@ -56,12 +56,20 @@ class Blocks:
 class Half:
     """One engine's scheduler and worker halves over one cache (fresh: zeros)."""
 
-    def __init__(self, url: str, fill: str) -> None:
+    def __init__(self, url: str, fill: str, groups: tuple[Group, ...] = GROUPS) -> None:
         config = ConnectorConfig(url=url, timeout_ms=3000, lookup_timeout_ms=2000)
         sched = BreakerClient(config, url, role="scheduler")
         work = BreakerClient(config, url, role="worker")
+        window = groups[0].window if len(groups) == 1 else 0  # as the facade sets it
         setup = Setup(
-            config, NS, BS, sched.chunk_tokens(BS), producer=True, consumer=True, groups=GROUPS
+            config,
+            NS,
+            BS,
+            sched.chunk_tokens(BS),
+            producer=True,
+            consumer=True,
+            groups=groups,
+            window=window,
         )
         self.scheduler = KVStoreScheduler(setup, sched)
         self.worker = KVStoreWorker(setup, work)
@@ -210,3 +218,41 @@ def test_a_failed_load_is_reported_per_request_and_not_retried(
         )
     finally:
         dst.close()
+
+
+def test_a_model_windowed_on_every_layer_loads_only_the_window(server: KVServer) -> None:
+    """One sliding-window group (Mistral 7B v0.1 style, no HMA needed): its records hold
+    the window's blocks, a hit (in the step: one group) loads only those, and vLLM's null
+    block before the window is never written."""
+    one = (Group(("model.layers.0.attn", "model.layers.1.attn"), WINDOW),)
+    src, dst = Half(server.unix_url, "random", one), Half(server.unix_url, "zeros", one)
+    try:
+        req = _request("store")
+        assert src.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        src.scheduler.update_state_after_alloc(req, Blocks(WINDOW_IDS), 0)
+        meta = src.step([("store", (WINDOW_IDS,), 0, len(PROMPT))])
+        assert [len(s.tokens) for s in meta.saves] == [512], "whole chunks only"
+        with kvstore.Client(server.unix_url) as c:
+            sizes = sorted(ch.raw_size for ch in c.list())
+        layout = src.worker.layout
+        assert layout is not None
+        assert sizes == [layout.nbytes(3)] * 2, f"records of {sizes} bytes, not 3 blocks each"
+
+        req = _request("load")
+        assert dst.scheduler.get_num_new_matched_tokens(req, 0) == (512, False)
+        skipped = (512 - WINDOW + 1) // BS
+        table = [0] * skipped + WINDOW_IDS[skipped:]
+        dst.scheduler.update_state_after_alloc(req, Blocks(table), 512)
+        meta = dst.step([("load", (table,), 512, len(PROMPT) - 512)])
+        assert [(s.start, s.end, s.block_ids) for s in meta.loads] == [
+            (29 * BS, 512, WINDOW_IDS[29:32])
+        ], "only the window's blocks are to be loaded"
+        assert dst.worker.get_block_ids_with_load_errors() == set()
+        for name in one[0].layers:
+            a, b = dst.cache[name], src.cache[name]
+            assert torch.equal(a[WINDOW_IDS[29:32]], b[WINDOW_IDS[29:32]]), f"{name}: window"
+            assert not a[WINDOW_IDS[:29]].any(), f"{name}: blocks before the window written"
+            assert not a[0].any(), f"{name}: the null block was written"
+    finally:
+        dst.close()
+        src.close()
