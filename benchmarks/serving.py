@@ -89,7 +89,7 @@ class ServeParams:
         )
 
 
-FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 5, 3, 4, 2)
+FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 6, 2)
 QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1, 1, 1)
 METRIC = re.compile(
     r"^(vllm:(?:external_)?prefix_cache_(?:hits|queries))_total\{[^}]*\} ([\d.e+]+)$"
@@ -202,9 +202,15 @@ def workloads(p: ServeParams) -> dict[str, list[str]]:
                    "--prefix-repetition-suffix-len", str(p.suffix_len),
                    "--prefix-repetition-num-prefixes", str(p.num_prefixes),
                    "--prefix-repetition-output-len", str(p.output_len)],
-        "random": ["--dataset-name", "random", "--num-prompts", str(p.prompts),
-                   "--random-input-len", str(p.random_len),
-                   "--random-output-len", str(p.output_len), "--random-range-ratio", "0"],
+        # No reuse: as many random prefixes as requests. Not ``--dataset-name random``:
+        # vLLM 0.32 builds its prompt i as (offset + i + arange(n)) % vocab, so with this
+        # model's 1,024-token vocabulary prompts repeat, across runs too (kvstore served
+        # 1,023-8,313 of 32,780 prompt tokens a run of it).
+        "random": ["--dataset-name", "prefix_repetition", "--num-prompts", str(p.prompts),
+                   "--prefix-repetition-prefix-len", str(p.random_len - p.suffix_len),
+                   "--prefix-repetition-suffix-len", str(p.suffix_len),
+                   "--prefix-repetition-num-prefixes", str(p.prompts),
+                   "--prefix-repetition-output-len", str(p.output_len)],
     }  # fmt: skip
 
 
@@ -348,24 +354,33 @@ METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_
 COLD = "vLLM alone, prefix cache on, the same workloads, each new to it (cold)"
 
 
+def paired(case: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> list[float]:
+    """case / base of the runs of each workload (seed): both ran it one after the other,
+    so a change in what else this machine runs lands on both."""
+    by_seed = {r["seed"]: r[key] for r in base}
+    return [r[key] / by_seed[r["seed"]] for r in case if by_seed.get(r["seed"])]
+
+
 def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
     runs: Runs = res["runs"]
     out: list[Record] = []
     for stem, case, base, limit_name, target in PAIRS:
         for key, unit in METRICS:
             label = key.removesuffix("_ms")
+            ratios = paired(runs[case], runs[base], key)
             out.append(Record(
                 f"serving.{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
-                None, limit_name, target,
-                f"medians of {len(runs[case])} runs each; with kvstore: "
+                statistics.median(ratios), limit_name, target,
+                f"ratio: the median of {len(ratios)} paired runs' ratios (same workload, back "
+                f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; with kvstore: "
                 f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
                 f"{_hits(runs[case], p)}",
             ))  # fmt: skip
     restart, cold = runs["kv2.restart"], runs["alone"]
     out.append(Record(
         "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
-        _med(cold, "mean_ttft_ms"), None,
-        COLD, "ratio < 1",
+        _med(cold, "mean_ttft_ms"),
+        statistics.median(paired(restart, cold, "mean_ttft_ms")), COLD, "ratio < 1",
         f"medians of {len(restart)} runs: a new engine (b's stopped) against the kvstore-server "
         f"b filled, running b's workloads again: {_spread(restart, 'mean_ttft_ms')} ms; "
         f"alone: {_spread(cold, 'mean_ttft_ms')} ms; {_hits(restart, p)}",
@@ -388,7 +403,7 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
     limits = {"kv": "alone", "kv2.restart": "alone", "kv.nocache": "alone.nocache",
               "kv.random": "alone.random"}  # fmt: skip
     rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
-            "TTFT ratio | TPOT ratio | tokens from vLLM / kvstore |",
+            "TTFT ratio | TPOT ratio | prompt tokens from vLLM's cache / kvstore |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for name, label in names.items():
         rs = runs[name]
@@ -396,12 +411,10 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
         cells = ["", "", "", ""]
         if base:
             b = runs[base]
-            cells = [
-                f"({short[base]})",
-                f"{_med(rs, 'request_throughput') / _med(b, 'request_throughput'):.3f}",
-                f"{_med(rs, 'mean_ttft_ms') / _med(b, 'mean_ttft_ms'):.3f}",
-                f"{_med(rs, 'mean_tpot_ms') / _med(b, 'mean_tpot_ms'):.3f}",
-            ]
+            cells = [f"({short[base]})"]
+            for key in ("request_throughput", "mean_ttft_ms", "mean_tpot_ms"):
+                rat = paired(rs, b, key)
+                cells.append(f"{statistics.median(rat):.3f} ({min(rat):.2f}-{max(rat):.2f})")
         own = statistics.median(r.get("prefix_cache_hits", 0) for r in rs)
         ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in rs)
         rows.append(
