@@ -202,6 +202,37 @@ def test_corrupt_disk_record_is_counted_miss(tmp_path: Path) -> None:
         assert r.matched_tokens == 16 and r.stop == "corrupt"
 
 
+def test_acquire_promotes_from_lmdb_verified_in_one_copy(tmp_path: Path) -> None:
+    """An acquire promotes an L2 chunk straight from LMDB's map into L1's pages, checking
+    it as it copies: the intact chunks are lent with their bytes, a damaged one is a
+    counted miss that leaves nothing in L1 (its pages freed) and is gone from LMDB."""
+    import lmdb
+
+    toks = list(range(9000, 9000 + 3 * C))
+    with TieredStore(config(tmp_path)) as s:
+        chain = put_chain(s, toks, bpt=256)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8, subdir=True)
+    victim = chain[1][0].key
+    with env.begin(write=True, db=env.open_db(b"records")) as txn:
+        v = bytearray(txn.get(victim))
+        v[-5] ^= 0xFF
+        txn.put(victim, bytes(v))
+    env.close()
+    with TieredStore(config(tmp_path)) as s:
+        used0 = s.stats().tiers[0].used_bytes
+        assert s.acquire(victim) is None, "a damaged record must never be lent"
+        assert s.stats().tiers[1].corrupt == 1
+        assert s.contains([victim]) == [()], "the damaged record is gone from every tier"
+        assert s.stats().tiers[0].used_bytes == used0, "its L1 pages were freed"
+        for header, payload in (chain[0], chain[2]):
+            lease = s.acquire(header.key)
+            assert lease is not None, "an intact L2 chunk is promoted and lent"
+            got = s.arena.read(lease.extents, lease.payload_offset, len(payload))
+            assert got == payload, "the promoted chunk holds other bytes than were put"
+            s.release(lease.id)
+        assert s.contains([chain[0][0].key]) == [(1, 2)]
+
+
 def test_concurrent_puts_and_reads_are_byte_exact(tmp_path: Path) -> None:
     errors: list[str] = []
     with TieredStore(config(tmp_path, memory=256 * KiB)) as s:

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig
 from kvstore.engine.tiers.base import Tier
-from kvstore.errors import StoreClosed
+from kvstore.errors import CorruptRecord, StoreClosed
 from kvstore.keys import ChunkKey, Namespace
-from kvstore.records import Codec, parse_header, verify
+from kvstore.records import Codec, RecordHeader, parse_header, verify
 from kvstore.testing.redis import RedisServer, ServerCluster
 from kvstore.types import PutStatus
 from tests.helpers import FP, make_chain, make_chunk
@@ -314,6 +315,38 @@ def test_corrupt_record_is_counted_deleted_miss(harness: Harness, tier: Tier) ->
     assert reported == [header.key], "the store must be told (on_corrupt)"
     assert tier.put(header, payload) == PutStatus.STORED, "the key can be stored again"
     assert tier.get(header.key) is not None
+
+
+def _checked_copy(header: RecordHeader, stored: memoryview) -> bytes:
+    """A ``read_with`` reader as the store's promotion is: it verifies what it copies."""
+    if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
+        raise CorruptRecord("payload checksum mismatch")
+    return bytes(stored)
+
+
+def test_read_with_hands_over_the_record(tier: Tier) -> None:
+    header, payload = make_chunk(range(16), bytes_per_token=BPT)
+    seen: list[RecordHeader] = []
+
+    def use(h: RecordHeader, stored: memoryview) -> bytes:
+        seen.append(h)
+        return _checked_copy(h, stored)
+
+    assert tier.read_with(header.key, use) is None and not seen, "a miss calls nobody"
+    assert tier.put(header, payload) == PutStatus.STORED
+    assert tier.read_with(header.key, use) == payload, "read_with must hand over the payload"
+    assert [h.key for h in seen] == [header.key] and seen[0].codec == Codec.RAW
+
+
+def test_read_with_a_damaged_record_is_a_counted_deleted_miss(harness: Harness, tier: Tier) -> None:
+    """Whether the tier finds the damage (a verified get) or the reader does (the disk
+    tier hands over its bytes in place), the record is a miss, counted and deleted."""
+    header, payload = make_chunk(range(16), bytes_per_token=BPT)
+    tier.put(header, payload)
+    harness.corrupt(tier, header.key)
+    assert tier.read_with(header.key, _checked_copy) is None, "damaged bytes were handed over"
+    assert tier.stats().corrupt == 1
+    assert tier.contains([header.key]) == [False], "a damaged record must be deleted"
 
 
 def test_codecs_accepted(tier: Tier) -> None:

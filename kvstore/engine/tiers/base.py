@@ -35,12 +35,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, TypeVar
 
 from kvstore.errors import InvalidArgument, StoreClosed
 from kvstore.keys import ChunkKey
-from kvstore.records import RecordHeader, decode_payload, verify
+from kvstore.records import RecordHeader, decode_payload, parse_header, verify
 from kvstore.types import PutStatus, TierStats
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,20 @@ class Tier(ABC):
         raw = decode_payload(header, memoryview(blob)[header.header_size :])
         copy_into(out, raw, header.raw_size)
         return header
+
+    def read_with(self, key: ChunkKey, use: Callable[[RecordHeader, memoryview], T]) -> T | None:
+        """``use(header, stored payload)`` on the record, and what it returns; None on a
+        miss. The payload is valid only during the call and may not be verified yet:
+        ``use`` checks it as it copies it and raises CorruptRecord if it does not match.
+        Tiers that can read in place override this to hand over their own bytes (the
+        disk tier: a view into LMDB's map, a damaged record deleted); here it is a
+        verified ``get``.
+        """
+        blob = self.get(key)
+        if blob is None:
+            return None
+        header = parse_header(blob)
+        return use(header, memoryview(blob)[header.header_size :])
 
     @abstractmethod
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:

@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -55,7 +55,7 @@ import lmdb
 
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import DiskConfig, MiB
-from kvstore.engine.tiers.base import ChunkInfo, Tier
+from kvstore.engine.tiers.base import ChunkInfo, T, Tier
 from kvstore.engine.tiers.disk_format import (
     DATA_FILE,
     META_FIXED,
@@ -63,6 +63,7 @@ from kvstore.engine.tiers.disk_format import (
     check_data_file,
     copy_out,
     damaged,
+    in_place,
     is_disk_full,
     lock_directory,
     pack_meta,
@@ -488,14 +489,27 @@ class DiskTier(Tier):
 
     # -- reads ----------------------------------------------------------------
     def get(self, key: ChunkKey) -> bytes | None:
-        out = self._read(bytes(key), None)
-        return out if isinstance(out, bytes) else None
+        blob = self._read(bytes(key), lambda k, view: copy_out(k, view, None))
+        return blob if isinstance(blob, bytes) else None
 
     def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
-        header = self._read(bytes(key), out)
+        header = self._read(bytes(key), lambda k, view: copy_out(k, view, out))
         return header if isinstance(header, RecordHeader) else None
 
-    def _read(self, key: bytes, out: memoryview | None) -> bytes | RecordHeader | None:
+    def read_with(self, key: ChunkKey, use: Callable[[RecordHeader, memoryview], T]) -> T | None:
+        """``use(header, stored payload)`` on the record in place in LMDB's map (valid only
+        during the call, not yet verified), and what it returns; None on a miss. ``use``
+        raises CorruptRecord if the bytes do not verify: the record is deleted, a miss.
+        For a reader that copies the payload once, verifying it as it lands (the store's
+        promotion into L1), where ``get`` would copy it out first."""
+
+        def consume(k: bytes, view: memoryview) -> T:
+            header, stored = in_place(k, view)
+            return use(header, stored)
+
+        return self._read(bytes(key), consume)
+
+    def _read(self, key: bytes, consume: Callable[[bytes, memoryview], T]) -> T | None:
         self._check_open()
         # The bookkeeping comes first, counted as a hit: a 1 MiB copy flushes this
         # core's L2, and what runs after it runs from L3. Should the read then miss
@@ -512,14 +526,14 @@ class DiskTier(Tier):
             self._dirty.add(key)
             self._n["hits"] += 1
             self._n["bytes_out"] += entry.size
-        result: bytes | RecordHeader | None = None
+        result: T | None = None
         damaged: str | None = None
         try:
             with self._env.begin(db=self._records, buffers=True) as txn:
                 view = txn.get(key)  # a view into the map, valid until the txn ends
                 if view is not None:
                     try:
-                        result = copy_out(key, view, out)
+                        result = consume(key, view)
                     except CorruptRecord as e:
                         damaged = str(e)
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:

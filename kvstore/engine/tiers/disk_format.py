@@ -256,17 +256,23 @@ def is_disk_full(e: BaseException, path: str, need: int) -> bool:
     return False
 
 
+def in_place(key: bytes, view: memoryview) -> tuple[RecordHeader, memoryview]:
+    """A record read in place: its header (checked, and its length against the view) and
+    its stored payload, still unverified. Raises CorruptRecord."""
+    header = parse_header(view, expect_key=key)
+    hs = header.header_size
+    if len(view) != hs + header.stored_size:
+        raise CorruptRecord(f"record is {len(view)} bytes, its header says {header.record_size}")
+    return header, view[hs:]
+
+
 def copy_out(key: bytes, view: memoryview, out: memoryview | None) -> bytes | RecordHeader:
     """Verify a record read in place and copy it out: the whole record as bytes, or
     (with ``out``) the raw payload into ``out``. Raises CorruptRecord."""
     if out is None:
         verify(view, expect_key=key)
         return bytes(view)
-    header = parse_header(view, expect_key=key)
-    hs = header.header_size
-    if len(view) != hs + header.stored_size:
-        raise CorruptRecord(f"record is {len(view)} bytes, its header says {header.record_size}")
-    stored = view[hs:]
+    header, stored = in_place(key, view)
     if header.codec is not Codec.RAW:
         if xxhash.xxh3_64_intdigest(stored) != header.payload_checksum:
             raise CorruptRecord("payload checksum mismatch")

@@ -690,9 +690,18 @@ class MemoryTier(Tier):
     def _check_raw(self, header: RecordHeader) -> None:
         check_put(header)  # written in place, read in place: RAW and self-consistent
 
-    def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
+    def put(
+        self, header: RecordHeader, payload: bytes | memoryview, *, verify: bool = False
+    ) -> PutStatus:
+        """``verify``: the payload comes from a copy that may have rotted (a promotion from
+        L2 straight out of LMDB's map): hash it as it is copied into the pages and raise
+        CorruptRecord (pages freed) if it does not match its header's checksum. Without
+        it the header is trusted to describe the payload (made by ``make_header`` over it).
+        """
         if header.codec != Codec.RAW:  # L1 is read in place: decode compressed records once here
             self._check_open()
+            if verify and xxhash.xxh3_64_intdigest(payload) != header.payload_checksum:
+                raise CorruptRecord("payload checksum mismatch")
             try:
                 blob = transcode_parts(header, payload, Codec.RAW)
             except CorruptRecord as e:
@@ -709,7 +718,12 @@ class MemoryTier(Tier):
             return entry
         try:  # the entry is in no table: nothing can reclaim it while we copy
             self._arena.write(entry.extents, 0, entry.packed)
-            self._arena.write(entry.extents, entry.hs, src)
+            if not verify:
+                self._arena.write(entry.extents, entry.hs, src)
+            elif self._arena.write_hashed(entry.extents, entry.hs, src) != (
+                header.payload_checksum
+            ):
+                raise CorruptRecord("payload checksum mismatch")
         except BaseException:
             with self._lock:
                 self._free_locked(entry)
