@@ -38,7 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import EngineProcess, engine_env, kvstore_connector, scratch
+from benchmarks.engines import (
+    EngineProcess,
+    engine_env,
+    kv_bytes_per_token,
+    kvstore_connector,
+    scratch,
+)
 from benchmarks.harness import Progress, Record, ServerProcess
 
 PLOT = Path(__file__).resolve().parent / "plots" / "connector_ttft.png"
@@ -72,9 +78,7 @@ class Params:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        head_dim = self.hidden // self.heads
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return self.layers * 2 * self.kv_heads * head_dim * itemsize
+        return kv_bytes_per_token(self.layers, self.hidden, self.heads, self.kv_heads, self.dtype)
 
     def describe(self) -> str:
         return (

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.engines import EngineProcess, engine_env, kvstore_connector
+from benchmarks.engines import EngineProcess, engine_env, kv_bytes_per_token, kvstore_connector
 from benchmarks.harness import Progress, Record
 
 DRIVER = "benchmarks.ttft_driver"
@@ -73,8 +73,7 @@ class LoadParams:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * itemsize
+        return kv_bytes_per_token(self.layers, self.hidden, self.heads, self.kv_heads, self.dtype)
 
     @property
     def max_model_len(self) -> int:

@@ -33,6 +33,12 @@ START_S = 900.0  # building an engine: about a minute here, several on a busy ma
 REQUEST_S = 900.0  # one prompt: a cold 16k-token prefill takes minutes on 2 cores
 
 
+def kv_bytes_per_token(layers: int, hidden: int, heads: int, kv_heads: int, dtype: str) -> int:
+    """KV bytes a token of a dense Llama: K and V of every layer's KV heads."""
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    return layers * 2 * kv_heads * (hidden // heads) * itemsize
+
+
 def emit(mark: str, payload: dict[str, Any]) -> None:
     """Driver side: one protocol line, in one write (the engine core logs into the same
     pipe from another process)."""

@@ -54,6 +54,7 @@ from benchmarks.engines import (
     EngineProcess,
     emit,
     engine_env,
+    kv_bytes_per_token,
     kvstore_connector,
     scratch,
 )
@@ -81,8 +82,7 @@ class Params:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * itemsize
+        return kv_bytes_per_token(self.layers, self.hidden, self.heads, self.kv_heads, self.dtype)
 
     def describe(self) -> str:
         return (

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import START_S, engine_env, kvstore_connector, scratch
+from benchmarks.engines import START_S, engine_env, kv_bytes_per_token, kvstore_connector, scratch
 from benchmarks.harness import Progress, Record
 
 
@@ -80,8 +80,7 @@ class ServeParams:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return self.layers * 2 * self.kv_heads * (self.hidden // self.heads) * itemsize
+        return kv_bytes_per_token(self.layers, self.hidden, self.heads, self.kv_heads, self.dtype)
 
     def describe(self) -> str:
         return (
