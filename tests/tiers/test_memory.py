@@ -335,6 +335,35 @@ def test_a_flipped_bit_is_a_counted_miss_and_the_chunk_is_deleted(
     assert detail(tier, "pages_used") == 0, "its pages must be freed"
 
 
+def test_damage_two_readers_find_at_once_is_counted_once(
+    make_tier: Callable[..., MemoryTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two readers check the same damaged chunk at the same time (the write-down's copy
+    and a client's read, seen in CI): one damaged record, one ``corrupt``, one report,
+    both reads a miss and the pages freed once both are done."""
+    tier = make_tier(pages=8)
+    h, p = record(4, 3 * PAGE)
+    assert tier.put(h, p) is PutStatus.STORED
+    flip_bit(tier, h.key, HS + PAGE + 9)
+    reported: list[ChunkKey] = []
+    tier.on_corrupt = reported.append
+    real = MemoryTier._blob_ok
+    second: list[bytes | None] = []
+    calls = itertools.count()
+
+    def racing(self: MemoryTier, entry: object, blob: bytes) -> bool:
+        if next(calls) == 0:  # the first reader is still checking: a second one reads it too
+            second.append(tier.get(h.key))
+        return real(self, entry, blob)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MemoryTier, "_blob_ok", racing)
+    assert tier.get(h.key) is None and second == [None], "damaged bytes were served"
+    s = tier.stats()
+    assert s.corrupt == 1, f"one damaged chunk counted {s.corrupt} times"
+    assert reported == [h.key], f"reported {len(reported)} times"
+    assert tier.contains([h.key]) == [False] and detail(tier, "pages_used") == 0
+
+
 def test_a_corrupt_chunk_is_not_pushed_down_on_eviction(
     make_tier: Callable[..., MemoryTier],
 ) -> None:

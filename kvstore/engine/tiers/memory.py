@@ -99,6 +99,8 @@ class _Entry:
     refs: int = 0  # read leases + in-process reads: the pages must not move
     deleted: bool = False  # out of the index; pages go back when refs reaches 0
     drop: bool = False  # a consumer dropped it while others held it: due when refs reaches 0
+    # found damaged: counted and reported once, however many readers find it at once
+    damaged: bool = False
     hits: int = 0
     last_access_ms: int = 0
 
@@ -237,8 +239,10 @@ class MemoryTier(Tier):
                     continue
                 blob = self._arena.read(entry.extents, 0, entry.size)
                 if self._verify and not self._blob_ok(entry, blob):
-                    corrupt += 1  # pushing it down would only move the damage
-                    self._report_corrupt(entry.header.key)
+                    # Pushing it down would only move the damage.
+                    if self._mark_damaged(entry):
+                        corrupt += 1
+                        self._report_corrupt(entry.header.key)
                     continue
                 try:
                     callback(entry.header.key, entry.header, blob)
@@ -556,15 +560,23 @@ class MemoryTier(Tier):
         self._stats.hits += 1
         self._stats.bytes_out += entry.size
 
-    def _drop_corrupt(self, entry: _Entry) -> None:
-        log.warning("L1 chunk %s failed verification; deleted", entry.header.key.hex())
+    def _mark_damaged(self, entry: _Entry) -> bool:
+        """Whether this is the first finding of the entry's damage (the one to count)."""
         with self._lock:
-            self._stats.corrupt += 1
+            first, entry.damaged = not entry.damaged, True
+            return first
+
+    def _drop_corrupt(self, entry: _Entry) -> None:
+        first = self._mark_damaged(entry)
+        with self._lock:
+            self._stats.corrupt += first
             self._stats.misses += 1
             if self._chunks.get(entry.header.key) is entry:
                 self._unindex(entry)
             self._unref_locked(entry)
-        self._report_corrupt(entry.header.key)
+        if first:
+            log.warning("L1 chunk %s failed verification; deleted", entry.header.key.hex())
+            self._report_corrupt(entry.header.key)
 
     def _header_ok(self, entry: _Entry) -> bool:
         """The header bytes in the arena are the ones we wrote."""
