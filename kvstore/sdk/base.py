@@ -57,7 +57,7 @@ from kvstore.records import (
     make_header,
     parse_header,
 )
-from kvstore.sdk.shm import prefault
+from kvstore.sdk.shm import prefault, retire
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, error_from_rpc
 from kvstore.sockets import untrusted_reason
 from kvstore.v1 import kvstore_pb2 as pb
@@ -385,6 +385,13 @@ class ClientBase:
             raise KVStoreError(f"shared memory was requested (shm=True) but cannot be used: {why}")
         log.debug("shared memory not used: %s", why)
         return None
+
+    def _retire_arena(self, arena: ArenaView) -> None:
+        """Unmap a restarted server's old arena on a thread of its own: this mapping is
+        often the last hold on the old file's pages, and unmapping a populated 1 GiB
+        arena frees them there (~0.2 s here), which would delay the call that found the
+        new arena (the first load after a restart: 240 ms for a 10 ms AcquireMany)."""
+        threading.Thread(target=retire, args=(arena,), name="kvstore-unmap", daemon=True).start()
 
     def _same_arena(self, info: ServerInfo) -> bool:
         return self._arena_id == (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)

@@ -180,9 +180,16 @@ def setup_plane(c: ClientBase) -> Plan[ArenaView | None]:
         if c._arena is not None and c._same_arena(now):
             c._session = None
             return c._arena
-        if c._arena is not None:
-            c._arena.close()
-        c._arena, c._session, c._shm_checked = None, None, False
+        # The new arena is mapped before the old one is unmapped (on a thread of its
+        # own): an unmap holds the process's mapping lock while it frees the old pages.
+        old, c._arena, c._session, c._shm_checked = c._arena, None, None, False
+        try:
+            c._arena = c._open_arena(now)
+            c._shm_checked = True
+        finally:
+            if old is not None:
+                c._retire_arena(old)
+        return c._arena
     if not c._shm_checked:
         c._arena = c._open_arena((yield from info(c, None)))
         c._shm_checked = True

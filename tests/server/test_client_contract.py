@@ -1379,6 +1379,8 @@ def test_a_client_lives_through_a_server_restart(
         key, _ = await kv.put_chunk(ns, ROOT, tokens(16), payload(1024, 4), "bfloat16", (16, 32))
         old = (await kv.info()).shm_path
         assert kv.shm_active
+        old_view = _client(kv)._arena
+        assert old_view is not None
         assert srv.stop() == 0, srv.log()
         srv = make_server("restart", data_dir=srv.data_dir).start()  # same socket path
         for _ in range(100):  # until the client has seen its Session end
@@ -1390,6 +1392,11 @@ def test_a_client_lives_through_a_server_restart(
         )
         assert status.ok and kv.shm_active, status
         assert (await kv.info()).shm_path != old, "the client still maps the old arena"
+        for _ in range(100):  # unmapped on a thread of its own, off the call's path
+            if old_view.closed:
+                break
+            await asyncio.sleep(0.05)
+        assert old_view.closed, "the old server's arena is still mapped (its pages held)"
         got = await kv.get(again)
         assert got is not None and got[1] == payload(1024, 5).tobytes()
         assert await kv.get(key) is not None, "the chunk written before the restart is in L2"
