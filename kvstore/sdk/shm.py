@@ -14,9 +14,7 @@ blocking ``Client``), ``AsyncLease`` / ``AsyncReservation`` are awaited (the
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -382,16 +380,6 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PIECE = 32 << 20  # bytes a madvise call covers: the mapping lock is held that long at most
 
 
-def yield_cpu() -> None:
-    """Run the calling thread at the lowest CPU priority (Linux: a thread id names one
-    thread to setpriority). For a client's housekeeping threads (prefaulting a new
-    arena, unmapping an old one): each keeps a core busy for a while (~0.6 s a GiB), and
-    an engine that just reconnected is loading and computing on those cores. Does
-    nothing where the OS will not."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 def _pieces(arena: ArenaView, advice: int, stop: threading.Event | None = None) -> None:
     """madvise the whole arena ``_PIECE`` bytes at a time (ctypes drops the GIL around
     each call); stops at the first refusal (an older kernel), when ``stop`` is set or
@@ -412,13 +400,12 @@ def _pieces(arena: ArenaView, advice: int, stop: threading.Event | None = None) 
 
 
 def retire(arena: ArenaView) -> None:
-    """Unmap an arena (``ClientBase._retire_arena``), at the lowest CPU priority and with
-    its page tables dropped piece by piece first (MADV_DONTNEED: a shared mapping keeps
-    its data, a read after it faults the page in again). Unmapping a populated GiB in
+    """Unmap an arena (``ClientBase._retire_arena``), its page tables dropped piece by
+    piece first (MADV_DONTNEED: a shared mapping keeps its data, a read after it faults
+    the page in again). Unmapping a populated GiB in
     one call holds the process's mapping lock for ~0.25 s, and every mmap in the process
     waits meanwhile, a new thread's stack included: measured here, thread starts of up
     to 81 ms during a whole unmap, 4 ms during one by pieces."""
-    yield_cpu()
     _pieces(arena, _MADV_DONTNEED)
     arena.close()
 
@@ -427,9 +414,11 @@ def prefault(arena: ArenaView, stop: threading.Event) -> None:
     """Map every page of the arena into this process ahead of use (run on a daemon thread).
 
     The first write to a page of a fresh mapping costs a page fault, several
-    times the copy itself; MADV_POPULATE_WRITE takes them all up front, at the lowest
-    CPU priority, while the client's own work goes on. Where the kernel lacks it, pages
-    are faulted on first use as before.
+    times the copy itself; MADV_POPULATE_WRITE takes them all up front while the
+    client's own work goes on. Where the kernel lacks it, pages are faulted on first use
+    as before. Not at a lower CPU priority (nor is ``retire``): each call holds the
+    process's mapping lock, and a holder starved of CPU by the engine's threads would
+    stall every mmap in the process (tried: a load's Info call then timed out once in
+    the connector suite's decode phase).
     """
-    yield_cpu()
     _pieces(arena, _MADV_POPULATE_WRITE, stop)
