@@ -45,14 +45,26 @@ def emit(mark: str, payload: dict[str, Any]) -> None:
     os.write(sys.stdout.fileno(), f"{mark} {json.dumps(payload)}\n".encode())
 
 
+CONNECTOR_CONFIG_ENV = "KVSTORE_BENCH_CONNECTOR_CONFIG"
+
+
 def kvstore_connector(url: str) -> dict[str, Any]:
-    """The ``kv_transfer_config`` of an engine using kvstore at ``url`` (shared memory)."""
+    """The ``kv_transfer_config`` of an engine using kvstore at ``url`` (shared memory),
+    plus the connector settings in ``$KVSTORE_BENCH_CONNECTOR_CONFIG`` (a JSON object,
+    e.g. ``{"save_mode": "async"}``): a variant measured against the same limits."""
+    extra: dict[str, Any] = {"url": url, "shm": "on"}
+    raw = os.environ.get(CONNECTOR_CONFIG_ENV, "")
+    if raw:
+        more = json.loads(raw)
+        if not isinstance(more, dict):
+            raise ValueError(f"{CONNECTOR_CONFIG_ENV} must be a JSON object, not {raw!r}")
+        extra |= more
     return {
         "kv_connector": "KVStoreConnector",
         "kv_connector_module_path": "kvstore.connectors.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": url, "shm": "on"},
+        "kv_connector_extra_config": extra,
     }
 
 
