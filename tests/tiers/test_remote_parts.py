@@ -135,6 +135,70 @@ def test_torn_or_damaged_part_is_a_deleted_counted_miss(backend: Backend, damage
         raw.close()
 
 
+def other_bytes(h: RecordHeader, seed: int) -> tuple[RecordHeader, np.ndarray]:
+    """The same chunk (key, tokens) with other bytes: what another host's GPU computes."""
+    payload = np.random.default_rng(seed).integers(0, 256, h.raw_size, dtype=np.uint8)
+    header = make_header(
+        key=h.key,
+        parent=h.parent,
+        fingerprint=h.fingerprint,
+        token_bytes=h.token_bytes,
+        dtype="uint8",
+        shape=(h.raw_size,),
+        payload=payload.data,
+    )
+    return header, payload
+
+
+def test_a_second_writer_never_tears_a_stored_record(backend: Backend) -> None:
+    """Two hosts store the same chunk with different bytes (kernels are not
+    bit-reproducible). Part names follow from the key alone; the second writer used to
+    rewrite the first one's parts before its SET NX failed, leaving an acknowledged
+    record that no longer verified (a counted, deleted miss on the next read)."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    first = make_tier(backend.url, timeout_ms=5000, prefix=prefix)
+    second = make_tier(backend.url, timeout_ms=5000, prefix=prefix)
+    try:
+        h, payload = big_record(11)
+        assert first.put(h, payload.data) is PutStatus.STORED
+        h2, other = other_bytes(h, 12)
+        assert second.put(h2, other.data) is PutStatus.EXISTS
+        for reader in (first, second):
+            out = np.zeros(BIG, np.uint8)
+            assert reader.get_into(h.key, memoryview(out)) is not None, (
+                f"the stored record was torn by the second writer: {reader.stats().detail}"
+            )
+            assert np.array_equal(out, payload), "the record read is not the one stored first"
+        assert first.stats().detail["torn"] == second.stats().detail["torn"] == 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_writer_finding_a_live_claim_leaves_the_parts_alone(backend: Backend) -> None:
+    """While one writer is writing a record's parts (its claim is live), another writer
+    of the same chunk answers EXISTS without writing; once the claim is gone (ended or
+    lapsed) the chunk can be stored."""
+    tier = make_tier(backend.url, timeout_ms=5000)
+    raw = raw_client(backend.url)
+    try:
+        h, payload = big_record(13)
+        claim = tier._claim_name(h.key)
+        raw.set(claim, b"someone-else", px=60_000)
+        assert tier.put(h, payload.data) is PutStatus.EXISTS
+        assert sum(raw.exists(n) for n in names(tier, h)) == 0, "parts written under a claim"
+        assert raw.get(claim) == b"someone-else", "another writer's claim was ended"
+        raw.delete(claim)
+        assert tier.put(h, payload.data) is PutStatus.STORED
+        assert raw.exists(claim) == 0, "the writer's own claim outlived its put"
+        out = np.zeros(BIG, np.uint8)
+        assert tier.get_into(h.key, memoryview(out)) is not None
+        assert np.array_equal(out, payload)
+    finally:
+        tier.close()
+        raw.close()
+
+
 def test_delete_and_clear_remove_the_parts(backend: Backend) -> None:
     tier = make_tier(backend.url, timeout_ms=5000)
     raw = raw_client(backend.url)

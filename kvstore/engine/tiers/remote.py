@@ -21,6 +21,7 @@ raw 32-byte keys as set members and hash fields, to keep them small):
     c:<key>           string  the whole record: packed header + payload in config.codec
                               (+ MAC trailer); for a payload over 2 MiB, its manifest
     p:{<key>}:<i>     string  part i of a payload over 2 MiB (kvstore.engine.tiers.remote_parts)
+    w:{<prefix>:c:<key>}  string  a writer's claim while it writes a record's parts (expires)
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
@@ -33,7 +34,12 @@ raw 32-byte keys as set members and hash fields, to keep them small):
 Consistency. A record is one atomic ``SET NX`` of ``c:<key>``; a big one's parts
 are written before it, so readers find it whole or not at all: a part missing or
 cut short is a miss, the record deleted and counted (``detail.torn``), and the
-payload's checksum (and MAC) is checked over all parts together. Its bookkeeping
+payload's checksum (and MAC) is checked over all parts together. Part names follow
+from the key, so a writer first claims the record (``SET w:... NX PX``, in the
+manifest's slot) and checks that no manifest exists, in one round trip: a second
+writer of the same chunk, possibly with other bytes (another host's GPU), never
+rewrites the parts of a stored record or of one being written; it answers
+``EXISTS``. A claim lapses after 3 x ``timeout_ms`` + 1 s if its writer died. Its bookkeeping
 follows in a non-transactional pipeline (idempotent: whoever creates the ``sz``
 entry adds to ``used``) and is removed after the record on delete/clear/evict.
 It is best effort: hosts write it concurrently without locks, and a lost reply or
@@ -42,11 +48,11 @@ a crash between the steps can leave an entry behind or the counter off;
 up). Readers never trust bookkeeping over the record: ``get`` verifies the
 record, ``scan`` skips (and prunes) entries whose record is gone, and
 ``children`` drops (and prunes) entries whose record is gone. A put costs
-3 round trips (4 with a capacity; a record in parts one more, its parts pipelined
-four at a time); get and contains cost one (a record in parts two), children
+3 round trips (4 with a capacity; a record in parts three more: the claim, its
+parts pipelined four at a time, the claim's end); get and contains cost one (a record in parts two), children
 two (the entries, then whether their records are still there).
 
-Cluster mode uses no hash tags but the parts': every other command touches exactly
+Cluster mode uses no hash tags but the parts' and the claims': every other command touches exactly
 one key, pipelines are never transactional, so records spread over all nodes
 while each bookkeeping key lives on whichever node owns its slot, and the parts of
 one record share a node. With a node down, records on other nodes are still

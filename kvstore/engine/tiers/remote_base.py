@@ -4,6 +4,7 @@ in and out (whole or in parts), removal. ``kvstore.engine.tiers.remote`` has the
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ from kvstore.types import TierLevel, TierStats
 T = TypeVar("T")
 
 TOUCH_FLUSH = 64  # buffered LRU touches that trigger a flush
+# Ends a writer's claim on a record in parts only if it is still this writer's.
+_UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end"
 
 
 class RemoteBase(Tier):
@@ -80,6 +83,9 @@ class RemoteBase(Tier):
         self._breaker = CircuitBreaker.from_config(config, clock=clock)
         self._wall = wall
         self._timeout_s = config.timeout_ms / 1000
+        # A claim outlives any writer that keeps its deadlines (the parts' stream and the
+        # manifest); a writer that died lets it lapse.
+        self._claim_ms = 3 * config.timeout_ms + 1000
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._touch_lock = threading.Lock()
@@ -213,8 +219,26 @@ class RemoteBase(Tier):
         ``SET NX``; whether this call created it. ``on_lost`` runs when a try of the
         ``SET NX`` failed on the way (it may have landed)."""
         key, name = header.key, self._c(header.key)
-        value: tuple[bytes | memoryview, ...]
-        if split(header):
+        if not split(header):
+            return self._set_nx(name, (head, payload, *((trailer,) if trailer else ())), on_lost)
+        # Parts are named after the key alone, so writing them over a stored record would
+        # tear it (another host storing the same chunk with other bytes: GPU kernels are
+        # not bit-reproducible). The writer's claim and the check that no manifest exists
+        # go first, in one round trip (the claim shares the manifest's slot).
+        claim, nonce = self._claim_name(key), os.urandom(8).hex()
+        first: list[tuple[tuple[str, ...], None]] = [
+            (("SET", claim, nonce, "NX", "GET", "PX", str(self._claim_ms)), None),
+            (("EXISTS", name), None),
+        ]
+        got = self._call("put", lambda _c: self._values.stream(claim, first, self._timeout_s))
+        bad = next((r for r in got if isinstance(r, BaseException)), None)
+        if bad is not None:
+            raise self._refused("put", bad) from bad
+        if got[0] not in (None, nonce.encode()):
+            return False  # another writer is storing this chunk now
+        try:
+            if got[1]:
+                return False  # stored already: its parts are not ours to rewrite
             names = part_names(self._p, key, part_count(header))
             cmds = [
                 (("SET", n, payload[a:b]), None)
@@ -224,10 +248,15 @@ class RemoteBase(Tier):
             bad = next((r for r in res if isinstance(r, BaseException)), None)
             if bad is not None:
                 raise self._refused("put", bad) from bad
-            value = manifest_value(bytes(head), header, trailer)
-        else:
-            value = (head, payload, *((trailer,) if trailer else ()))
+            return self._set_nx(name, manifest_value(bytes(head), header, trailer), on_lost)
+        finally:
+            unclaim = ("EVAL", _UNCLAIM, "1", claim, nonce)
+            with contextlib.suppress(TierError):  # else it lapses after _claim_ms
+                self._call("put", lambda _c: self._values.call(claim, unclaim, self._timeout_s))
 
+    def _set_nx(
+        self, name: str, value: tuple[bytes | memoryview, ...], on_lost: Callable[[], None]
+    ) -> bool:
         def set_nx(_client: Any) -> Any:
             try:
                 return self._values.call(name, ("SET", name, value, "NX"), self._timeout_s)
@@ -236,6 +265,10 @@ class RemoteBase(Tier):
                 raise
 
         return self._call("put", set_nx) == b"OK"
+
+    def _claim_name(self, key: bytes) -> str:
+        """The writer's claim on a record in parts, in the slot of its manifest (hash tag)."""
+        return f"{self._p}:w:{{{self._c(key)}}}"
 
     def _read(self, op: str, key: ChunkKey, out: memoryview | None, *, count: bool = True) -> Any:
         """A verified record: with ``out`` its raw payload lands there and the header is

@@ -21,9 +21,11 @@ Atomic for readers. The parts are written first, the manifest last with ``SET
 NX``: a reader that finds the manifest finds parts that were complete when it
 was written. The reader checks each part's length, then the whole payload's
 checksum (and MAC) against the manifest's header, so a part that is missing
-(evicted by the server, a writer that died, a delete in between) or torn (two
-writers of different bytes for one key, which share part names) makes the
-whole record a miss: deleted, counted in ``detail.torn``, never served.
+(evicted by the server, a writer that died, a delete in between) or torn (a
+writer of other bytes for the same key whose claim lapsed while it was still
+writing) makes the whole record a miss: deleted, counted in ``detail.torn``,
+never served. Writers claim a record before writing its parts and never write
+the parts of a stored one (``RemoteBase._store``).
 
 Old readers (before parts existed) see a manifest as a record of the wrong size:
 a counted, deleted miss, never wrong bytes. Run one version per prefix.
