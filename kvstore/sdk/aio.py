@@ -224,7 +224,9 @@ class AsyncClient(ClientBase):
             until: float,
             at_commit: bool,
         ) -> AsyncReservation:
-            return AsyncReservation(h, rid, extents, offset, arena, finish, until, at_commit)
+            return AsyncReservation(
+                h, rid, extents, offset, arena, finish, until, at_commit, self._clock
+            )
 
         return make
 

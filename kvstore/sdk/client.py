@@ -230,7 +230,9 @@ class Client(ClientBase):
             until: float,
             at_commit: bool,
         ) -> Reservation:
-            return Reservation(h, rid, extents, offset, arena, finish, until, at_commit)
+            return Reservation(
+                h, rid, extents, offset, arena, finish, until, at_commit, self._clock
+            )
 
         return make
 

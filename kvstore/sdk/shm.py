@@ -23,7 +23,8 @@ import numpy as np
 
 from kvstore import accel
 from kvstore.arena import ArenaView, as_u8, spans
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.clock import Clock, monotonic
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.records import RecordHeader
 from kvstore.types import PutStatus
 
@@ -236,11 +237,13 @@ class ReservationBase:
         arena: ArenaView,
         valid_until: float,
         checksum_at_commit: bool,
+        clock: Clock = monotonic,
     ) -> None:
         self.header = header
         self.id = reservation_id
         self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
         self.checksum_at_commit = checksum_at_commit
+        self._clock = clock
         self._extents, self._offset, self._arena = extents, payload_offset, arena
         self._written: int | None = None  # checksum of what ``write`` put there
         self.done = False
@@ -254,7 +257,22 @@ class ReservationBase:
         """This client's mapping of the server's arena (to register it with CUDA once)."""
         return self._arena
 
+    def _live(self) -> None:
+        """Refuse to hand out or write pages the server may have given to another chunk:
+        past ``valid_until`` (half the server's lease, from the reply) the reservation may
+        have expired, its pages reused by a put already acknowledged. Checked before every
+        write and view, so only a copy that outlasts the other half could land late."""
+        if self.done:
+            raise InvalidArgument(f"reservation {self.id} was already committed or aborted")
+        if self._clock() >= self.valid_until:
+            raise NotFound(
+                f"reservation {self.id} may have expired (the server's lease_ms): "
+                "abort it and reserve again"
+            )
+
     def views(self) -> list[np.ndarray]:
+        """Writable arrays over the payload's pages (see ``_live``)."""
+        self._live()
         arr = self._arena.array
         return [
             arr[off : off + n]
@@ -267,6 +285,7 @@ class ReservationBase:
 
     def write(self, data: Any) -> None:
         """Copy the whole payload into place (hashing it as it goes, for the commit)."""
+        self._live()
         src = as_u8(data)
         if src.size != self.header.stored_size:
             raise InvalidArgument(
@@ -310,9 +329,17 @@ class Reservation(ReservationBase):
         finish: Finish,
         valid_until: float,
         checksum_at_commit: bool,
+        clock: Clock = monotonic,
     ) -> None:
         super().__init__(
-            header, reservation_id, extents, payload_offset, arena, valid_until, checksum_at_commit
+            header,
+            reservation_id,
+            extents,
+            payload_offset,
+            arena,
+            valid_until,
+            checksum_at_commit,
+            clock,
         )
         self._finish = finish  # (id, commit?, checksum) -> status
 
@@ -353,9 +380,17 @@ class AsyncReservation(ReservationBase):
         finish: AsyncFinish,
         valid_until: float,
         checksum_at_commit: bool,
+        clock: Clock = monotonic,
     ) -> None:
         super().__init__(
-            header, reservation_id, extents, payload_offset, arena, valid_until, checksum_at_commit
+            header,
+            reservation_id,
+            extents,
+            payload_offset,
+            arena,
+            valid_until,
+            checksum_at_commit,
+            clock,
         )
         self._finish = finish
 

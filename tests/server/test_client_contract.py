@@ -636,6 +636,30 @@ def test_a_reservation_left_unwritten_is_given_back(drive: Drive) -> None:
     drive(body, "shm")
 
 
+def test_a_reservation_past_its_time_hands_out_no_pages(drive: Drive) -> None:
+    """Past ``valid_until`` (half the server's lease) a reservation may have expired and
+    its pages gone to a put already acknowledged: a slow writer (a stalled engine step,
+    a late device copy) must not write there. Before, views and write handed the pages
+    out at any time."""
+    ns = namespace(f"contract-expired-{drive.kind}", 512)
+    h = chunk_header(ns, ROOT, tokens(64, 128), None, "bfloat16", shape_for(64, 512))
+
+    async def body(kv: Any) -> None:
+        (res,) = await kv.reserve([h])
+        inner = getattr(res, "_res", res)
+        assert inner.contiguous() is not None, "a live reservation hands out its pages"
+        inner._clock = lambda: inner.valid_until  # the client can no longer be sure
+        with pytest.raises(NotFound, match="may have expired"):
+            res.contiguous()
+        with pytest.raises(NotFound, match="may have expired"):
+            res.write(payload(64 * 512, seed=7))
+        await res.abort()
+        assert memory_detail_of(await kv.stats())["reservations"] == 0
+        assert await kv.get(h.key) is None
+
+    drive(body, "shm")
+
+
 def test_commit_refuses_bytes_that_do_not_match_their_checksum(drive: Drive) -> None:
     """Given up front (a sealed header), or computed by the writer before a stray write:
     either way the server refuses the pages, and nothing is served."""
