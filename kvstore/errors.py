@@ -115,13 +115,11 @@ class Unauthenticated(KVStoreError):
     code: ClassVar[Code] = "UNAUTHENTICATED"
 
 
-class PermissionDenied(Unauthenticated):
+class PermissionDenied(KVStoreError):
     """The token is valid but its tenant may not do this (PERMISSION_DENIED).
 
-    A subclass of ``Unauthenticated`` because PERMISSION_DENIED was raised as that
-    before this class existed, and callers (the CLI, user code) catch it; catch this
-    one first to tell the two apart.
-    """
+    Not an ``Unauthenticated``: a better token will not help, the call is refused
+    whoever asks it under this tenant (the CLI says so apart)."""
 
     code: ClassVar[Code] = "PERMISSION_DENIED"
 

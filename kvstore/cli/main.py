@@ -29,6 +29,7 @@ from kvstore.errors import (
     DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
+    PermissionDenied,
     ServerUnavailable,
     Unauthenticated,
 )
@@ -434,6 +435,8 @@ def _message(e: KVStoreError, args: argparse.Namespace) -> str:
         return _unreachable(url, e)
     if isinstance(e, Unauthenticated):
         return f"{e}; pass the server's token with --token or KVSTORE_TOKEN"
+    if isinstance(e, PermissionDenied):
+        return f"{e}; the token is valid, but its tenant may not do this"
     if isinstance(e, DeadlineExceeded):
         return f"{e}; no answer within --timeout {args.timeout:g} s"
     return str(e)

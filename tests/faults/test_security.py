@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvstore
-from kvstore.errors import KVStoreError, ServerUnavailable, Unauthenticated
+from kvstore.errors import KVStoreError, PermissionDenied, ServerUnavailable
 from kvstore.keys import ROOT, ChunkKey, Namespace, chunk_key, tokens_to_bytes
 from kvstore.protocol import SERVICE_NAME
 from kvstore.sdk.client import chunk_header
@@ -169,7 +169,7 @@ def test_tenants_cannot_reach_each_other(
         if not ok:
             leaked.append(what)
 
-    def denied(what: str, fn: Callable[[], Any], exc: type[Exception] = Unauthenticated) -> None:
+    def denied(what: str, fn: Callable[[], Any], exc: type[Exception] = PermissionDenied) -> None:
         try:
             fn()
         except exc:

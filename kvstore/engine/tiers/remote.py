@@ -49,8 +49,9 @@ up). Readers never trust bookkeeping over the record: ``get`` verifies the
 record, ``scan`` skips (and prunes) entries whose record is gone, and
 ``children`` drops (and prunes) entries whose record is gone. A put costs
 3 round trips (4 with a capacity; a record in parts three more: the claim, its
-parts pipelined four at a time, the claim's end); get and contains cost one (a record in parts two), children
-two (the entries, then whether their records are still there).
+parts pipelined four at a time, the claim's end); get and contains cost one (a
+record in parts two), children two (the entries, then whether their records are
+still there).
 
 Cluster mode uses no hash tags but the parts' and the claims': every other command touches exactly
 one key, pipelines are never transactional, so records spread over all nodes
