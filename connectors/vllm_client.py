@@ -30,7 +30,7 @@ from kvstore.errors import ConfigError, DeadlineExceeded, ServerUnavailable
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import RecordHeader
 from kvstore.retry import CircuitBreaker
-from kvstore.sdk.shm import LeaseBase
+from kvstore.sdk import LeaseBase
 from kvstore.types import LookupResult
 
 log = init_logger("vllm.kvstore.connector")
@@ -117,7 +117,7 @@ class BreakerClient:
             return self._client
         if self._closed or not self.breaker.allow():
             return None
-        from kvstore.sdk.client import Client
+        from kvstore.sdk import Client
 
         client = None
         try:

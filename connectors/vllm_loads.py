@@ -41,7 +41,7 @@ from kvstore.connectors.vllm_client import BreakerClient, Leased
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
-from kvstore.sdk.shm import USE_GET, LeaseBase
+from kvstore.sdk import USE_GET, LeaseBase
 
 # Bytes in a batch from which two threads copy it: measured here, 128 MiB in 18 ms with
 # two against 26 with one; at 32 MiB the hand-off costs what the second thread saves.

@@ -341,7 +341,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _healthy(url: str) -> bool:
-    from kvstore.sdk.client import Client
+    from kvstore.sdk import Client
 
     try:
         with Client(url, timeout=1.0, shm=False) as c:

@@ -37,8 +37,7 @@ from vllm.logger import init_logger
 
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_bytes
 from kvstore.records import make_header
-from kvstore.sdk.base import unsealed_header
-from kvstore.sdk.shm import Reservation
+from kvstore.sdk import Reservation, unsealed_header
 from kvstore.types import PutStatus
 
 log = init_logger("vllm.kvstore.connector")

@@ -474,7 +474,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
         "kvstore-server %s listening on %s; tiers %s; data dir %s; shared memory %s",
         __version__,
         ", ".join(running.endpoints),
-        [t.name for t in store.tiers],
+        store.tier_names,
         store_cfg.data_dir,
         store.arena.path if cfg.shm else "off",
         extra={"endpoints": running.endpoints, "pid": os.getpid()},

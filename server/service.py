@@ -119,7 +119,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             boot_id=boot_id() if shm else "",
             shm_inode=os.stat(arena.path).st_ino if shm else 0,
             lease_ms=cfg.memory.lease_ms,
-            tiers=[t.name for t in self.store.tiers],
+            tiers=self.store.tier_names,
             auth_required=auth_required,
             native=accel.IMPL,
             lookup_by_keys=True,

@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 import xxhash
 
-from kvstore.arena import Reservation, spans
-from kvstore.engine.store import TieredStore
+from kvstore.arena import spans
+from kvstore.engine.store import Reservation, TieredStore
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, ResourceExhausted
 from kvstore.keys import ChunkKey
 from kvstore.protocol import frame, unframe

@@ -32,12 +32,15 @@ from kvstore.engine.store_drops import DropPath
 from kvstore.engine.store_reads import ReadPath
 from kvstore.engine.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
 from kvstore.engine.tiers.base import Tier
-from kvstore.engine.tiers.memory import MemoryTier, Reservation
+from kvstore.engine.tiers.memory import MemoryTier
+from kvstore.engine.tiers.pages import ReadLease, Reservation
 from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
 from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.records import RecordHeader, check_put, make_header
 from kvstore.types import ChunkView, PutStatus, StoreStats
+
+__all__ = ["ReadLease", "Reservation", "TieredStore"]  # the holds the store's methods hand out
 
 log = logging.getLogger("kvstore.engine.store")
 
@@ -450,6 +453,11 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
             self._counters[name] += n
 
     # -- what a server needs beyond the data plane ----------------------------
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers this store runs, top down (``memory``, ``disk``, ``remote``)."""
+        return [t.name for t in self.tiers]
+
     @property
     def arena(self) -> ArenaView:
         """L1's mapping of the arena: a server relays reservations and leases through it

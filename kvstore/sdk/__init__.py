@@ -7,4 +7,56 @@ leases and reservations seen through the server's shared-memory arena, ``wire`` 
 mapping between protobuf messages and kvstore's types. The SDK stands on the core
 (the modules at ``kvstore/``'s top) and never imports the engine (``kvstore.engine``):
 a client on a laptop loads no store, tier or LMDB. See docs/architecture.md.
+
+The public face is this package: ``from kvstore.sdk import Client, Lease, ...``. The
+connectors use nothing else of the SDK (an import-linter contract in pyproject.toml);
+the modules inside are free to change.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvstore.sdk.base import chunk_header, unsealed_header
+from kvstore.sdk.shm import (
+    USE_GET,
+    AsyncLease,
+    AsyncReservation,
+    Lease,
+    LeaseBase,
+    Reservation,
+    ReservationBase,
+    UseGet,
+)
+
+__all__ = [
+    "USE_GET",
+    "AsyncClient",
+    "AsyncLease",
+    "AsyncReservation",
+    "Client",
+    "Lease",
+    "LeaseBase",
+    "Reservation",
+    "ReservationBase",
+    "UseGet",
+    "chunk_header",
+    "unsealed_header",
+]
+
+if TYPE_CHECKING:
+    from kvstore.sdk.aio import AsyncClient
+    from kvstore.sdk.client import Client
+
+
+def __getattr__(name: str) -> Any:
+    # The clients load grpc's channel machinery: on first use only, as kvstore.Client.
+    if name == "Client":
+        from kvstore.sdk.client import Client
+
+        return Client
+    if name == "AsyncClient":
+        from kvstore.sdk.aio import AsyncClient
+
+        return AsyncClient
+    raise AttributeError(f"module 'kvstore.sdk' has no attribute {name!r}")

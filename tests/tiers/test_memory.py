@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.arena import ArenaView, Extent, PageAllocator, spans
+from kvstore.arena import ArenaView, Extent, spans
 from kvstore.clock import FakeClock
 from kvstore.config import MemoryConfig
 from kvstore.engine.tiers.memory import LeaseError, MemoryTier, ReadLease, Reservation
+from kvstore.engine.tiers.pages import PageAllocator
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, StoreClosed, TierError
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
 from kvstore.records import Codec, RecordHeader, encode_payload, make_header, verify

@@ -65,10 +65,6 @@ import xxhash
 from kvstore.arena import (
     ArenaView,
     Extent,
-    LeaseError,
-    PageAllocator,
-    ReadLease,
-    Reservation,
     as_u8,
     default_arena_path,
     flat_view,
@@ -77,6 +73,7 @@ from kvstore.arena import (
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
 from kvstore.engine.tiers.base import ChunkInfo, Tier
+from kvstore.engine.tiers.pages import LeaseError, PageAllocator, ReadLease, Reservation
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
 from kvstore.records import Codec, RecordHeader, check_put, parse_header, transcode_parts
