@@ -27,17 +27,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar, get_args
+from typing import Literal, TypeVar
 
 from kvstore.clock import Clock, monotonic
-from kvstore.config import RemoteConfig
+from kvstore.config import RemoteConfig, check_choices
 from kvstore.errors import ConfigError, TierUnavailable
 
 T = TypeVar("T")
 
 Sleep = Callable[[float], None]
 Jitter = Literal["full", "decorrelated", "none"]
-JITTERS: tuple[str, ...] = get_args(Jitter)
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,7 @@ class Backoff:
             raise ConfigError(
                 f"backoff base_ms={self.base_ms} and max_ms={self.max_ms} must be >= 0"
             )
-        if self.jitter not in JITTERS:
-            raise ConfigError(f"backoff jitter={self.jitter!r}: expected one of {JITTERS}")
+        check_choices(self, "backoff")
 
     def ceiling_s(self, retry: int) -> float:
         """The longest wait before retry number ``retry`` (0-based): base * 2**retry, capped."""

@@ -139,7 +139,9 @@ def test_decorrelated_jitter_grows_from_the_base_and_stays_capped() -> None:
 
 
 def test_backoff_rejects_what_it_cannot_do() -> None:
-    with pytest.raises(ConfigError, match="expected one of"):
+    with pytest.raises(
+        ConfigError, match=r"jitter='exponential': allowed full, decorrelated, none"
+    ):
         Backoff(20, 100, "exponential")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=">= 0"):
         Backoff(-1, 100)

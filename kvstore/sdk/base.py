@@ -228,9 +228,6 @@ def lookup_hashes(
 
 
 LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side
-# In the PERMISSION_DENIED message of a server with tenants when a put names a namespace
-# the caller has not proved its own yet (server/tenants.py): put_chunk proves it and retries.
-TENANT_UNPROVED = "not registered"
 PUT_METHOD = f"/{SERVICE_NAME}/Put"
 GET_METHOD = f"/{SERVICE_NAME}/Get"
 
