@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,8 @@ DST = list(range(40, 78))  # where later requests load (zeroed before each of th
 class HalvesEngine(Engine):
     """``Engine`` with one request for PROMPT at a time."""
 
-    def __init__(self, url: str, clock: FakeClock) -> None:
-        super().__init__(url, clock, retry_after_ms=int(RETRY_S * 1000))
+    def __init__(self, url: str, clock: FakeClock, **cfg: Any) -> None:
+        super().__init__(url, clock, retry_after_ms=int(RETRY_S * 1000), **cfg)
         self.failed: set[int] = set()
 
     def request(self, block_ids: list[int]) -> int:
@@ -211,3 +212,32 @@ def test_unreachable_server_opens_the_breaker_until_the_cooldown(
     assert engine.states() == (BreakerState.CLOSED, BreakerState.CLOSED), (
         f"a trial call that reached the server must close the breakers: {engine.breakers()}"
     )
+
+
+@pytest.mark.parametrize("load_mode", ["auto", "async"])
+def test_an_engine_idle_past_the_server_idle_timeout_loads_without_a_failure(
+    tmp_path: Path, clock: FakeClock, load_mode: str
+) -> None:
+    """Idle links (issue 13): the seed's pipe died when producer and consumer sat idle.
+    An engine (both halves, shared memory over the Unix socket; ``async``: the loads on
+    the background loader's own client) stores a prompt, sits quiet past the server's
+    idle timeout (1 s here; the server closes connections with no call in flight), then
+    loads it twice: every block loaded byte for byte, none failed, no error counted,
+    both breakers closed."""
+    srv = KVServer(tmp_path / "srv", memory="128MiB", args=["--idle-timeout", "1"]).start()
+    e = HalvesEngine(srv.unix_url, clock, load_mode=load_mode)
+    try:
+        assert e.request(SRC) == 0 and e.request(DST) == STORED, srv.log()
+        e.stats()
+        time.sleep(2.5)  # 2.5 x the server's idle timeout: real time, the server's own timer
+        for _ in range(2):
+            assert e.request(DST) == STORED, f"the hit was lost after the idleness: {e.breakers()}"
+            assert not e.failed, f"blocks failed to load after the idleness: {sorted(e.failed)}"
+            assert e.loaded_right(), "the blocks loaded after the idleness differ"
+        sched, work = e.stats()
+        assert not sched.get("errors") and not work.get("errors"), (sched, work)
+        assert not work.get("load_failed_blocks"), work
+        assert e.states() == (BreakerState.CLOSED, BreakerState.CLOSED), e.breakers()
+    finally:
+        e.close()
+        assert srv.stop() == 0, srv.log()
