@@ -78,6 +78,9 @@ class ServerConfig:
     max_concurrent_rpcs: int = 64  # worker threads for calls; more concurrent calls wait
     max_sessions: int = 256  # live Session streams (each holds a thread); more are refused
     max_session_streams_per_owner: int = 4  # Session streams of one session id (a client needs 1)
+    # With tenants: the share of each kind of stream (Put/Get, Session) one tenant may hold
+    # at once, so that one tenant cannot take every stream slot from the others.
+    tenant_stream_share: float = 0.5
     # A Put or Get stream still running lease_ms + size / this after it began is cancelled:
     # a stream that trickles is never idle, but it is slow for its size.
     stream_min_bytes_per_s: int = 256 * KiB
@@ -121,6 +124,10 @@ class ServerConfig:
         )
         _require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs must be >= 1")
         _require(self.max_sessions >= 0, "max_sessions must be >= 0")
+        _require(
+            0 < self.tenant_stream_share <= 1,
+            f"tenant_stream_share={self.tenant_stream_share}: must be above 0 and at most 1",
+        )
         _require(
             self.max_session_streams_per_owner >= 1,
             f"max_session_streams_per_owner={self.max_session_streams_per_owner}: must be >= 1",

@@ -225,7 +225,8 @@ class SharedMemoryPlane:
     def Session(
         self, request_iterator: Iterator[pb.SessionPing], context: grpc.ServicerContext
     ) -> Iterator[pb.SessionPong]:
-        cid, watch = self.watchdog.watch(context, "session")  # pings come every lease/3
+        # Pings come every lease/3.
+        cid, watch = self.watchdog.watch(context, "session", self._tenant(context))
         try:
             pings = touching(request_iterator, watch.touch)
             first = next(pings, None)

@@ -90,6 +90,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
                 "data": (config.max_data_streams, "max_concurrent_rpcs less a reserve"),
                 "session": (config.max_sessions, f"max_sessions={config.max_sessions}"),
             },
+            tenant_share=config.tenant_stream_share,
         )
         self.names = NameBook()  # namespaces clients described, bounded by bytes
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
@@ -354,7 +355,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
     def Put(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutResponse:
-        cid, watch = self.watchdog.watch(context, "data")
+        cid, watch = self.watchdog.watch(context, "data", self._tenant(context))
         try:
             parts = pieces(touching(request_iterator, watch.touch))
             field, first = next(parts, (0, memoryview(b"")))
@@ -375,7 +376,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         key, tenant = self._key(request.key), self._tenant(context)
         if tenant is not None and key in self.store and not self._visible(tenant, key):
             return  # another tenant's chunk: a miss
-        cid, watch = self.watchdog.watch(context, "data")
+        cid, watch = self.watchdog.watch(context, "data", tenant)
         frames = send_get(self.store, key, self.config.piece_bytes, watch)
         try:
             for msg in frames:

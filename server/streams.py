@@ -166,10 +166,12 @@ def send_get(
 class Watch:
     """One watched stream: ``touch`` on every message; ``expect`` once its size is known."""
 
-    __slots__ = ("context", "deadline", "dog", "kind", "last", "started")
+    __slots__ = ("context", "deadline", "dog", "kind", "last", "started", "tenant")
 
-    def __init__(self, dog: Watchdog, context: grpc.ServicerContext, kind: str) -> None:
-        self.dog, self.context, self.kind = dog, context, kind
+    def __init__(
+        self, dog: Watchdog, context: grpc.ServicerContext, kind: str, tenant: str | None
+    ) -> None:
+        self.dog, self.context, self.kind, self.tenant = dog, context, kind, tenant
         self.started = self.last = time.monotonic()
         self.deadline = math.inf
 
@@ -199,7 +201,9 @@ class Watchdog:
     Get, ``"session"``: Session streams, which hold a thread for as long as their
     client lives): beyond it a new stream is refused with RESOURCE_EXHAUSTED before
     it reads anything, so the threads left over keep serving unary calls (Info,
-    Stats, Lookup, the shared-memory plane) whatever the streams do.
+    Stats, Lookup, the shared-memory plane) whatever the streams do. On a server with
+    tenants no tenant holds more than ``tenant_share`` of a kind's streams, so one
+    tenant (opening as many sessions as it likes) cannot take every slot from the others.
     """
 
     def __init__(
@@ -208,22 +212,28 @@ class Watchdog:
         *,
         min_rate: float = 256 * 1024,
         limits: dict[str, tuple[int, str]] | None = None,
+        tenant_share: float = 1.0,
     ) -> None:
         self.idle_s = idle_s
         self.min_rate = min_rate
         # kind -> (most streams alive at once, -1 for no bound; the setting that says so)
         self.limits = limits or {}
+        self.tenant_share = tenant_share
         self._lock = threading.Lock()
         self._calls: dict[int, Watch] = {}
         self._ids = iter(range(1, 1 << 62))
         self._alive: Counter[str] = Counter()
+        self._of_tenant: Counter[tuple[str, str]] = Counter()  # (kind, tenant) -> alive
         self.cancelled = 0
         self.too_slow = 0
         self.refused = 0
 
-    def watch(self, context: grpc.ServicerContext, kind: str) -> tuple[int, Watch]:
-        """Start watching a stream of ``kind``; ResourceExhausted past its limit."""
-        w = Watch(self, context, kind)
+    def watch(
+        self, context: grpc.ServicerContext, kind: str, tenant: str | None = None
+    ) -> tuple[int, Watch]:
+        """Start watching a stream of ``kind`` (opened by ``tenant``, None: no tenant);
+        ResourceExhausted past its limit, or past the tenant's share of it."""
+        w = Watch(self, context, kind, tenant)
         most, setting = self.limits.get(kind, (-1, ""))
         with self._lock:
             if most >= 0 and self._alive[kind] >= most:
@@ -232,16 +242,34 @@ class Watchdog:
                     f"{self._alive[kind]} {kind} streams are running, the most this server "
                     f"takes ({setting}); retry later"
                 )
+            if most >= 0 and tenant is not None:
+                mine = max(1, int(most * self.tenant_share))
+                if self._of_tenant[kind, tenant] >= mine:
+                    self.refused += 1
+                    raise ResourceExhausted(
+                        f"tenant {tenant} runs {mine} {kind} streams, its share of the "
+                        f"{most} this server takes (tenant_stream_share={self.tenant_share:g}); "
+                        "retry later"
+                    )
+                self._of_tenant[kind, tenant] += 1
             self._alive[kind] += 1
             cid = next(self._ids)
             self._calls[cid] = w
         return cid, w
 
+    def _ended(self, w: Watch) -> None:
+        """Caller holds ``_lock``."""
+        self._alive[w.kind] -= 1
+        if w.tenant is not None and self._of_tenant[w.kind, w.tenant] > 0:
+            self._of_tenant[w.kind, w.tenant] -= 1
+            if not self._of_tenant[w.kind, w.tenant]:
+                del self._of_tenant[w.kind, w.tenant]
+
     def done(self, cid: int) -> None:
         with self._lock:
             w = self._calls.pop(cid, None)
             if w is not None:
-                self._alive[w.kind] -= 1
+                self._ended(w)
 
     def sweep(self) -> int:
         now = time.monotonic()
@@ -251,7 +279,7 @@ class Watchdog:
             slow = [cid for cid, w in self._calls.items() if w.deadline < now and cid not in idle]
             ended = [self._calls.pop(cid) for cid in idle + slow]
             for w in ended:
-                self._alive[w.kind] -= 1
+                self._ended(w)
         for w in ended:
             w.context.cancel()
         if idle:

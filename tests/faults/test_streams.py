@@ -12,14 +12,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
 import kvstore
+import kvstore.errors
+import kvstore.keys
 from kvstore.keys import ROOT, ChunkKey
-from kvstore.protocol import SERVICE_NAME, frame, unframe
+from kvstore.protocol import AUTH_HEADER, SERVICE_NAME, frame, unframe
 from kvstore.records import parse_header
 from kvstore.testing.server import KVServer
 from kvstore.v1 import kvstore_pb2 as pb
@@ -467,4 +470,82 @@ def test_reader_too_slow_for_its_size_is_cancelled_and_its_lease_given_back(
     assert got == grpc.StatusCode.CANCELLED, f"a reader stalled past its deadline got {got!r}"
     assert time.monotonic() - t0 < 10
     assert _holds_left(srv) == (0, 0), "the cancelled Get stream's lease was not given back"
+    assert srv.stop() == 0, srv.log()
+
+
+def test_one_tenant_cannot_take_every_stream_slot(
+    make_server: Callable[..., KVServer], tmp_path: Path, record: Callable[..., Any]
+) -> None:
+    """Stream slots are bounded in all (Put and Get: the call threads less a reserve), and
+    on a server with tenants per tenant too: alpha opens more stalled Put streams than the
+    server takes; it gets its share (half of the 6 data streams of 8 call threads), and
+    beta's put still goes through. Before, alpha's streams took every slot and beta's put
+    was refused (RESOURCE_EXHAUSTED) until alpha's streams were cancelled."""
+    admin, alpha, beta = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
+    tenants = tmp_path / "tenants"
+    tenants.write_text(f"alpha:{alpha}\nbeta:{beta}\n")
+    srv = make_server(
+        "share",
+        args=[
+            *("--token", admin, "--tenant-tokens", str(tenants)),
+            *("--max-concurrent-rpcs", "8", "--lease-ms", "10000", "--no-disk"),
+        ],
+    ).start()
+    stop = threading.Event()
+    codes: list[str] = []
+    lock = threading.Lock()
+
+    def stalled() -> None:
+        def frames() -> Iterator[bytes]:  # sends nothing until the test is done
+            stop.wait(30)
+            yield from ()
+
+        put = grpc.insecure_channel(f"unix:{srv.socket}")
+        call = put.stream_unary(
+            f"/{SERVICE_NAME}/Put",
+            request_serializer=None,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        try:
+            call(frames(), timeout=30, metadata=[(AUTH_HEADER, f"Bearer {alpha}")])
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        finally:
+            put.close()
+        with lock:
+            codes.append(code)
+
+    threads = [threading.Thread(target=stalled) for _ in range(8)]
+    ns = kvstore.keys.Namespace(model="share", dtype="bfloat16", layout="t", salt="beta")
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(codes) < 5:
+            time.sleep(0.05)  # the refusals come back at once; the stalled ones wait
+        refused = sorted(codes)
+        with kvstore.Client(srv.unix_url, token=beta, shm=False, timeout=5) as b:
+            try:
+                _, status = b.put_chunk(
+                    ns, ROOT, tokens(64), payload(64 * 1024, seed=1), "uint8", (64, 1024)
+                )
+                beta_put = status.name
+            except kvstore.errors.KVStoreError as e:
+                beta_put = f"{type(e).__name__}: {e}"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    record(
+        "Streams",
+        "one tenant opens every stream slot",
+        "tenant alpha opens 8 stalled Put streams against 8 call threads (6 data-stream "
+        "slots); then tenant beta puts a chunk",
+        faults=8,
+        requests=9,
+        notes=f"alpha's refused at once: {refused}; beta's put: {beta_put}",
+    )
+    assert refused == ["RESOURCE_EXHAUSTED"] * 5, f"alpha was not held to its share: {refused}"
+    assert beta_put == "STORED", f"beta's put did not get through: {beta_put}\n{srv.log()}"
     assert srv.stop() == 0, srv.log()
