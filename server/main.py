@@ -454,6 +454,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
             auth_required=bool(token or tenant_tokens),
             tenants=Tenants(tenant_tokens, max_per_tenant=cfg.max_namespaces_per_tenant),
         )
+        metrics.watch(service.table_figures)
         if cfg.metrics_port:
             metrics.start(cfg.metrics_host, cfg.metrics_port)
         running = _start(cfg, service, token, tls, tenant_tokens)

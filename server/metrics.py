@@ -8,7 +8,7 @@ figures (hits, misses, evictions, corrupt records, bytes, usage) are read from
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -120,6 +120,26 @@ class _StoreCollector(Collector):
                 yield GaugeMetricFamily(f"kvstore_memory_{key}", f"L1 arena {key}", value=value)
 
 
+class _FiguresCollector(Collector):
+    """``kvstore_server_table{name=...}``: the server's own tables and limits (namespace
+    descriptions kept, too large or forgotten; tenants' forgotten proofs; streams refused,
+    cancelled as idle or too slow), read from ``figures()`` at each scrape, so a client
+    filling a table or a flood of streams shows before anyone complains."""
+
+    def __init__(self, figures: Callable[[], dict[str, float]]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvstore_server_table",
+            "A figure of the server's tables and stream limits",
+            labels=["name"],
+        )
+        for key, value in sorted(self._figures().items()):
+            g.add_metric([key], float(value))
+        yield g
+
+
 class Metrics:
     """The server's metrics registry; ``start`` serves it at http://host:port/metrics."""
 
@@ -146,6 +166,10 @@ class Metrics:
         )
         self.registry.register(_StoreCollector(store))
         self._http: Any = None
+
+    def watch(self, figures: Callable[[], dict[str, float]]) -> None:
+        """Export ``figures()`` (read at each scrape) as ``kvstore_server_table``."""
+        self.registry.register(_FiguresCollector(figures))
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.rpcs.labels(method, code).inc()

@@ -428,6 +428,19 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         keys = [k for k in self._keys(request.keys) if self._visible(tenant, k)]
         return pb.PinResponse(changed=sum(self.store.pin(k, request.pinned) for k in keys))
 
+    def table_figures(self) -> dict[str, float]:
+        """The server's own tables and stream limits, for the metrics endpoint."""
+        names, dog = self.names, self.watchdog
+        return {
+            "namespace_descriptions_bytes": names.bytes,
+            "namespace_descriptions_too_large": names.too_large,
+            "namespace_descriptions_forgotten": names.forgotten,
+            "tenant_namespaces_forgotten": self.tenants.forgotten,
+            "streams_refused": dog.refused,
+            "streams_cancelled": dog.cancelled,  # idle or too slow
+            "streams_cancelled_slow": dog.too_slow,
+        }
+
     @rpc
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         stats = self.store.stats()

@@ -8,6 +8,8 @@ every new namespace of every other tenant was silently not registered).
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from kvstore.server.tenants import MAX_NAMESPACES_PER_TENANT, Tenants
 
 import kvstore
 from kvstore.keys import ROOT, Namespace
+from kvstore.testing.ports import free_port
 from kvstore.testing.server import KVServer
 
 ADMIN, ALPHA, BETA = "admin-s3cret", "alpha-s3cret", "beta-s3cret"
@@ -32,7 +35,8 @@ def _rss_bytes(pid: int) -> int:
 def test_namespace_descriptions_are_bounded_by_bytes(
     make_server: Callable[..., KVServer], record: Callable[..., Any]
 ) -> None:
-    srv = make_server("names", args=["--no-disk"]).start()
+    metrics_port = free_port()
+    srv = make_server("names", args=["--no-disk", "--metrics-port", str(metrics_port)]).start()
     assert srv.proc is not None
     toks = np.arange(256, dtype=np.uint32)
     with kvstore.Client(srv.unix_url, shm=False, timeout=30) as c:
@@ -53,6 +57,12 @@ def test_namespace_descriptions_are_bounded_by_bytes(
         notes=f"server memory grew {grown / 2**20:.0f} MiB",
     )
     assert grown < 48 << 20, f"the server grew {grown / 2**20:.0f} MiB keeping descriptions"
+    # Never silently: the operator sees the descriptions refused in the metrics.
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        scraped = r.read().decode()
+    figures = dict(re.findall(r'^kvstore_server_table\{name="(\w+)"\} (\S+)$', scraped, re.M))
+    assert float(figures.get("namespace_descriptions_too_large", -1)) == 40, figures
+    assert 0 < float(figures["namespace_descriptions_bytes"]) < 16 << 20, figures
     assert srv.stop() == 0, srv.log()
 
 
