@@ -7,6 +7,9 @@
     python -m benchmarks --only replay --quick    # a vLLM suite, small
     python -m benchmarks.plots out.json --out DIR # plots again from a JSON
 
+Installed with kvstore, the same suite is ``kvstore.benchmarks``: ``python -m
+kvstore.benchmarks ...`` (what ``kvstore bench --suite`` runs) from any directory.
+
 A suite is a module in ``SUITES`` exposing
 ``run(quick: bool, progress: harness.Progress) -> list[harness.Record]``;
 adding one is one line here. ``--quick`` leaves out the suites that start vLLM
@@ -14,9 +17,11 @@ engines (``VLLM_SUITES``: about a minute per engine to start on this machine)
 unless ``--only`` names them. Timings never fail the run: the exit status is
 non-zero only when a suite breaks (an exception, wrong bytes delivered).
 
-A full run merges its records into ``benchmarks/results/results.json`` (replacing
-the records of the suites it ran, keeping the others) and regenerates
-``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from that file.
+A full run merges its records into ``results/results.json`` (replacing the records
+of the suites it ran, keeping the others) and regenerates ``RESULTS.md`` and
+``plots/*.png`` from that file, all in ``harness.output_dir()``: ``benchmarks/`` in
+the source checkout (an editable install included), ``./kvstore-bench/`` under the
+current directory for an installed copy (never site-packages).
 """
 
 from __future__ import annotations
@@ -32,11 +37,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
+from .harness import (
+    OUTPUT_DIR,
+    PACKAGE,
     Record,
+    checkout_of,
     machine_info,
     make_progress,
     markdown,
+    module,
+    output_dir,
     record_from_json,
     results_markdown,
     write_json,
@@ -44,33 +54,37 @@ from benchmarks.harness import (
 
 # name -> module. Order is the order they run in.
 SUITES: dict[str, str] = {
-    "store": "benchmarks.store",
-    "remote": "benchmarks.remote",
-    "server": "benchmarks.server_bench",
-    "concurrency": "benchmarks.concurrency",
-    "connector": "benchmarks.connector",
-    "replay": "benchmarks.replay",
-    "serving": "benchmarks.serving",
+    "store": module("store"),
+    "remote": module("remote"),
+    "server": module("server_bench"),
+    "concurrency": module("concurrency"),
+    "connector": module("connector"),
+    "replay": module("replay"),
+    "serving": module("serving"),
 }
 VLLM_SUITES = ("connector", "replay", "serving")
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_MARKDOWN = HERE / "RESULTS.md"
-RESULTS_JSON = HERE / "results" / "results.json"
-PLOTS = HERE / "plots"
+OUT = output_dir()  # benchmarks/ in the checkout, ./kvstore-bench/ for an installed copy
+DEFAULT_MARKDOWN = OUT / "RESULTS.md"
+RESULTS_JSON = OUT / "results" / "results.json"
+PLOTS = OUT / "plots"
 EXTRA_PLOTS = ("connector_ttft.png",)  # drawn by their suite, not by benchmarks.plots
+IN_CHECKOUT = checkout_of() is not None
+SHOWN = "benchmarks" if IN_CHECKOUT else OUTPUT_DIR  # OUT as the help and RESULTS.md name it
 INTRO = (
-    "Written by `python -m benchmarks` (full mode) from `benchmarks/results/results.json`; "
+    f"Written by `python -m {PACKAGE}` (full mode) from `{SHOWN}/results/results.json`; "
     "do not edit by hand. Every ratio is value / limit, the limit measured in the same run "
     "on the same bytes, interleaved with the case (this machine is shared and noisy: compare "
     "ratios, not values). Targets are goals from the issues, not pass/fail. What each case "
-    "measures and how to read it: [docs/performance.md](../docs/performance.md)."
-)
+    "measures and how to read it: "
+    + ("[docs/performance.md](../docs/performance.md)." if IN_CHECKOUT else
+       "docs/performance.md in kvstore's source repository.")
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog=f"python -m {PACKAGE}",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -87,17 +101,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--markdown",
         metavar="PATH",
         help="write this run's records as a Markdown table (a full run also regenerates "
-        "benchmarks/RESULTS.md)",
+        f"{SHOWN}/RESULTS.md)",
     )
     ap.add_argument(
         "--no-save",
         action="store_true",
-        help="full mode: leave results/results.json, RESULTS.md and the plots alone",
+        help=f"full mode: leave {SHOWN}/results/results.json, RESULTS.md and the plots alone",
     )
     ap.add_argument(
         "--render",
         action="store_true",
-        help="run nothing: regenerate RESULTS.md and the plots from results/results.json",
+        help=f"run nothing: regenerate {SHOWN}/RESULTS.md and the plots from results/results.json",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--list", action="store_true", help="list the suites and exit")
@@ -166,7 +180,7 @@ def save_full(
 
     With nothing run (``--render``), the file's own machine line is kept.
     """
-    from benchmarks import plots
+    from . import plots
 
     old: dict[str, Any] = {"machine": {}, "runs": {}, "records": []}
     if RESULTS_JSON.exists():
@@ -180,7 +194,7 @@ def save_full(
     all_runs = dict(sorted(all_runs.items(), key=lambda kv: order.get(kv[0], 99)))
     all_records.sort(key=lambda r: order.get(r.suite, 99))  # stable: keeps each suite's order
     machine = machine or old["machine"]
-    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)  # OUT too
     RESULTS_JSON.write_text(json.dumps({"machine": machine, "runs": all_runs,
                                         "records": [r.to_json() for r in all_records]},
                                        indent=1) + "\n")  # fmt: skip

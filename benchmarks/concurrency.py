@@ -39,7 +39,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import (
+from kvstore.testing.server import KVServer
+
+from .harness import (
     GB,
     MiB,
     Progress,
@@ -49,7 +51,6 @@ from benchmarks.harness import (
     random_bytes,
     touched,
 )
-from kvstore.testing.server import KVServer
 
 CHUNK = 4 * MiB
 OPS = 4  # operations per client per round

@@ -38,18 +38,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import (
+from .engines import (
     EngineProcess,
     engine_env,
     kv_bytes_per_token,
     kvstore_connector,
     scratch,
 )
-from benchmarks.harness import Progress, Record, ServerProcess
+from .harness import Progress, Record, ServerProcess, module, output_dir
 
-PLOT = Path(__file__).resolve().parent / "plots" / "connector_ttft.png"
+PLOT = output_dir() / "plots" / "connector_ttft.png"
 BLOCK = 128  # vLLM's CPU block size; a warm prompt of n = k * 128 tokens loads n - 1
-DRIVER = "benchmarks.ttft_driver"
+DRIVER = module("ttft_driver")
 WARMUP_SEED = 999
 SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s) of its shared-memory message queues
 INJECT_LINE = "Inject KV cache of"  # ExampleConnector's load
@@ -355,7 +355,7 @@ def run(quick: bool, progress: Progress, parts: str = "ttft,loads") -> list[Reco
     ``KVSTORE_BENCH_CONNECTOR=loads`` (or ``ttft``) runs one part only."""
     import os
 
-    from benchmarks import connector_loads
+    from . import connector_loads
 
     p = QUICK if quick else FULL
     todo = set(os.environ.get("KVSTORE_BENCH_CONNECTOR", parts).split(","))

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.engines import EngineProcess, engine_env, kv_bytes_per_token, kvstore_connector
-from benchmarks.harness import Progress, Record
+from .engines import EngineProcess, engine_env, kv_bytes_per_token, kvstore_connector
+from .harness import Progress, Record, module
 
-DRIVER = "benchmarks.ttft_driver"
+DRIVER = module("ttft_driver")
 BLOCK = 128
 SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s): let the other engine go idle first
 LOAD_LINE = re.compile(

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from .harness import child_cwd, child_env
+
 MARK_READY = "@@ready"
 MARK_TTFT = "@@ttft"
 START_S = 900.0  # building an engine: about a minute here, several on a busy machine
@@ -70,10 +71,10 @@ def kvstore_connector(url: str) -> dict[str, Any]:
 
 def engine_env(kv_cache_bytes: int) -> dict[str, str]:
     """A driver's environment: no KVSTORE_* settings, a CPU KV cache of at least
-    ``kv_cache_bytes`` (vLLM sizes it in whole GiB), and this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    ``kv_cache_bytes`` (vLLM sizes it in whole GiB), and the suite importable
+    (``harness.child_env``: the checkout on PYTHONPATH for the top-level ``benchmarks``)."""
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")})
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_bytes / (1 << 30))))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
 
@@ -106,7 +107,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", driver, "--spec", str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1, cwd=ROOT, env=env,
+            text=True, bufsize=1, cwd=child_cwd(), env=env,
             start_new_session=True,  # vLLM's engine core and worker join its process group
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)

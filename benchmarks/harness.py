@@ -8,6 +8,14 @@ compare across runs. A timing never fails anything; targets are informative.
 
 A suite is a module exposing ``run(quick: bool, progress: Progress) -> list[Record]``
 (see ``benchmarks.__main__``).
+
+The suite is one folder, ``benchmarks/`` at the top of the source checkout, imported
+two ways: as the top-level package ``benchmarks`` (``python -m benchmarks`` from the
+checkout's root, the tests) and, installed with kvstore, as ``kvstore.benchmarks``
+(``python -m kvstore.benchmarks``, ``kvstore bench --suite``). Its modules import each
+other relatively and name each other for child processes with ``module()``; where a
+child runs (``child_cwd``, ``child_env``) and where a run writes its files
+(``output_dir``) are decided here, once.
 """
 
 from __future__ import annotations
@@ -36,6 +44,68 @@ GB = 1e9  # throughputs are decimal GB/s, like every memory bandwidth figure
 KiB = 1 << 10
 MiB = 1 << 20
 RECORD_KEYS = ("name", "value", "unit", "limit", "ratio")
+
+# -- where the suite runs from and writes to ------------------------------------------------
+PACKAGE = __name__.rpartition(".")[0]  # "benchmarks" in the checkout, or "kvstore.benchmarks"
+HERE = Path(__file__).resolve().parent  # the suite's folder
+OUTPUT_DIR = "kvstore-bench"  # outside a checkout, a run's files go to ./kvstore-bench/
+
+
+def module(name: str) -> str:
+    """The suite's module ``name`` by this package's name, for ``python -m`` or importlib:
+    ``benchmarks.ttft_driver`` from the checkout, ``kvstore.benchmarks.ttft_driver`` installed."""
+    return f"{PACKAGE}.{name}"
+
+
+def checkout_of(suite_dir: Path = HERE) -> Path | None:
+    """The kvstore source checkout whose ``benchmarks/`` folder ``suite_dir`` is, or None.
+
+    An editable install (``pip install -e``) imports ``kvstore.benchmarks`` from the
+    checkout's folder, so it is in one; a regular install (site-packages) is not.
+    """
+    root = suite_dir.parent
+    if (
+        suite_dir.name == "benchmarks"
+        and (root / "pyproject.toml").is_file()
+        and (root / "kvstore" / "__init__.py").is_file()
+    ):
+        return root
+    return None
+
+
+def output_dir(suite_dir: Path = HERE, cwd: Path | None = None) -> Path:
+    """Where a run writes RESULTS.md, results/*.json and plots/*.png.
+
+    In a checkout, beside the suite (``benchmarks/``, as committed); an installed copy
+    never writes into site-packages: ``kvstore-bench/`` under ``cwd`` (default: the
+    current directory), with the same layout.
+    """
+    if checkout_of(suite_dir) is not None:
+        return suite_dir
+    return (cwd or Path.cwd()) / OUTPUT_DIR
+
+
+def child_cwd() -> Path | None:
+    """The directory a child process running the suite's modules starts in.
+
+    The top-level package ``benchmarks`` is importable only from the folder holding
+    it (the checkout's root): a child runs there, with it on ``PYTHONPATH``
+    (``child_env``) for the processes it spawns in turn. ``kvstore.benchmarks`` is
+    importable wherever kvstore is: None, the child starts where we are.
+    """
+    return HERE.parent if PACKAGE == "benchmarks" else None
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: ours) for a child process, ``child_cwd()`` first on its PYTHONPATH
+    when there is one."""
+    out = dict(os.environ if env is None else env)
+    root = child_cwd()
+    if root is not None:
+        out["PYTHONPATH"] = os.pathsep.join([str(root), out.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+    return out
 
 
 @dataclass
@@ -261,10 +331,9 @@ class LoopbackTcp:
     def __init__(self) -> None:
         import socket
 
-        root = Path(__file__).resolve().parent.parent
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from benchmarks.harness import tcp_server; tcp_server()"],
-            stdout=subprocess.PIPE, cwd=root, text=True,
+            [sys.executable, "-c", f"from {module('harness')} import tcp_server; tcp_server()"],
+            stdout=subprocess.PIPE, cwd=child_cwd(), text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
@@ -342,13 +411,15 @@ def machine_info() -> dict[str, str]:
         "kvstore loops": accel.IMPL,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if checkout_of() is None:  # an installed copy: no commit of its own
+        return info
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
             timeout=5,
-            cwd=Path(__file__).resolve().parent,
+            cwd=HERE,
         )
         if rev.returncode == 0:
             info["commit"] = rev.stdout.strip()
@@ -420,7 +491,7 @@ def results_markdown(
     plots: Sequence[str] = (),
     intro: str = "",
 ) -> str:
-    """``benchmarks/RESULTS.md``: the machine, the runs, the plots, one table per suite.
+    """``RESULTS.md`` (``output_dir()``): the machine, the runs, the plots, one table per suite.
 
     ``runs`` maps a suite to what is known of its run (mode, date, seconds, skipped);
     ``plots`` are image paths relative to the document. Notes shared by several
@@ -484,14 +555,13 @@ class ServerProcess:
         self.socket = work / "kv.sock"
         self.url = f"unix://{self.socket}"
         self.log = work / "server.log"
-        root = Path(__file__).resolve().parent.parent
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstore.server.main", "--listen", "",
                  "--unix-socket", str(self.socket), "--data-dir", str(work / "data"),
                  "--memory-capacity", str(memory_bytes), "--no-disk", "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=child_cwd(),
             )  # fmt: skip
 
     def start(self, timeout: float = 120.0) -> ServerProcess:

@@ -4,9 +4,10 @@
 
 ``python -m benchmarks`` calls ``make_all`` after a full run; any JSON that
 ``--json`` wrote, or ``benchmarks/results/results.json``, can be re-plotted
-later. Each figure draws kvstore's figures as solid lines and the limits
-measured in the same run as dashed ones, so the gap a reader sees is the ratio
-the tables report. A family with no records in the
+later (installed: ``python -m kvstore.benchmarks.plots``, default ``--out``
+``./kvstore-bench/plots``). Each figure draws kvstore's figures as solid lines
+and the limits measured in the same run as dashed ones, so the gap a reader
+sees is the ratio the tables report. A family with no records in the
 run is skipped. Needs matplotlib (the dev extra).
 """
 
@@ -19,10 +20,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import KiB, MiB, Record
 from kvstore.config import parse_size
 
-PLOTS = Path(__file__).resolve().parent / "plots"
+from .harness import KiB, MiB, Record, module, output_dir
+
+PLOTS = output_dir() / "plots"  # benchmarks/plots in the checkout
 Rec = Mapping[str, Any]
 Point = tuple[float, float, float | None]  # x, value, limit
 
@@ -320,7 +322,7 @@ def make_all(records: Iterable[Record | Rec], out: Path = PLOTS) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__)
+    ap = argparse.ArgumentParser(prog=f"python -m {module('plots')}", description=__doc__)
     ap.add_argument("json", help="records written by python -m benchmarks --json")
     ap.add_argument("--out", default=str(PLOTS), help="directory (default: %(default)s)")
     args = ap.parse_args(argv)

@@ -31,7 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
+from kvstore.config import RemoteConfig
+from kvstore.engine.tiers.remote import RemoteTier
+from kvstore.records import Codec, RecordHeader, build
+
+from .harness import (
     GB,
     KiB,
     LoopbackTcp,
@@ -43,10 +47,7 @@ from benchmarks.harness import (
     size_label,
     touched,
 )
-from benchmarks.store import chunk, kv_like
-from kvstore.config import RemoteConfig
-from kvstore.engine.tiers.remote import RemoteTier
-from kvstore.records import Codec, RecordHeader, build
+from .store import chunk, kv_like
 
 FLAVORS = ("redis", "valkey")
 RAW_SET = "raw {lib} SET of the same record bytes"

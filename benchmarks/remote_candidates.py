@@ -37,8 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
+from kvstore.engine.tiers.remote_parts import PART_BYTES, WINDOW
+from kvstore.engine.tiers.remote_resp import Reader, RespConnection, RespPool
+
+from .harness import (
     GB,
+    PACKAGE,
     LoopbackTcp,
     MiB,
     Progress,
@@ -53,8 +57,6 @@ from benchmarks.harness import (
     touched,
     write_json,
 )
-from kvstore.engine.tiers.remote_parts import PART_BYTES, WINDOW
-from kvstore.engine.tiers.remote_resp import Reader, RespConnection, RespPool
 
 FLAVORS = ("redis", "valkey")
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
@@ -291,7 +293,7 @@ def table(records: list[Record]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.remote_candidates", description=__doc__)
+    ap = argparse.ArgumentParser(prog=f"python -m {PACKAGE}.remote_candidates", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="1 and 4 MiB, 3 repetitions")
     ap.add_argument("--json", metavar="FILE", help="write the records as JSON")
     ap.add_argument("--markdown", metavar="FILE", help="write the full table of records")

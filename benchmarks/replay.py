@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import (
+from .engines import (
     MARK_READY,
     MARK_TTFT,
     EngineProcess,
@@ -58,10 +58,10 @@ from benchmarks.engines import (
     kvstore_connector,
     scratch,
 )
-from benchmarks.harness import Progress, Record, ServerProcess, percentile
+from .harness import PACKAGE, Progress, Record, ServerProcess, module, percentile
 
 BLOCK = 128  # vLLM's CPU block size: loads are whole blocks
-DRIVER = "benchmarks.replay"
+DRIVER = module("replay")
 BASE = "vLLM without kvstore (prefix caching off: recompute)"
 
 
@@ -274,6 +274,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--spec":
         sys.exit(driver(sys.argv[2]))
     sys.exit(
-        "usage: python -m benchmarks.replay --spec SPEC (run the suite with "
-        "python -m benchmarks --only replay)"
+        f"usage: python -m {DRIVER} --spec SPEC (run the suite with "
+        f"python -m {PACKAGE} --only replay)"
     )

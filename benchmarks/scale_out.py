@@ -35,7 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import (
+from kvstore.keys import ROOT, ChunkKey, Namespace
+from kvstore.types import PutStatus
+
+from .harness import (
     GB,
     MiB,
     Progress,
@@ -43,11 +46,10 @@ from benchmarks.harness import (
     machine_info,
     make_progress,
     markdown,
+    module,
     percentile,
     write_json,
 )
-from kvstore.keys import ROOT, ChunkKey, Namespace
-from kvstore.types import PutStatus
 
 NS = Namespace("bench/scale-out", dtype="float16")
 CHUNK = 256  # tokens: the servers' default chunk_tokens
@@ -254,7 +256,7 @@ def _node_down(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.scale_out", description=__doc__)
+    ap = argparse.ArgumentParser(prog=f"python -m {module('scale_out')}", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="12 chunks of 1 MiB, 2 repetitions")
     ap.add_argument("--json", metavar="FILE", help="write the records as JSON")
     args = ap.parse_args(argv)

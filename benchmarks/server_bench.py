@@ -45,7 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import (
+from kvstore.testing.ports import free_port
+
+from .harness import (
     GB,
     Case,
     KiB,
@@ -53,21 +55,21 @@ from benchmarks.harness import (
     MiB,
     Progress,
     Record,
+    child_cwd,
     interleaved,
     machine_info,
     make_progress,
     markdown,
     median,
     memcpy,
+    module,
+    output_dir,
     percentile,
     random_bytes,
     size_label,
     touched,
     write_json,
 )
-from kvstore.testing.ports import free_port
-
-ROOT = Path(__file__).resolve().parent.parent  # the checkout: `-m benchmarks...` runs from here
 
 PIECE = 1 * MiB  # the server's default piece_bytes
 RAW = "bench.Raw"
@@ -144,7 +146,7 @@ class Servers:
                     "warning",
                 ],
                 env=env,
-                cwd=ROOT,
+                cwd=child_cwd(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
             ),
@@ -152,12 +154,12 @@ class Servers:
                 [
                     sys.executable,
                     "-m",
-                    "benchmarks.server_bench",
+                    module("server_bench"),
                     "--raw-server",
                     str(self.raw_port),
                 ],
                 env=env,
-                cwd=ROOT,
+                cwd=child_cwd(),
                 stdout=subprocess.PIPE,
             ),
         ]
@@ -569,7 +571,7 @@ def main() -> int:
     ap.add_argument(
         "--json",
         metavar="FILE",
-        default=str(ROOT / "benchmarks" / "results" / "server_bench.json"),
+        default=str(output_dir() / "results" / "server_bench.json"),
         help="write the records as a JSON list (default: %(default)s)",
     )
     ap.add_argument("--markdown", metavar="FILE", help="also write a Markdown table")

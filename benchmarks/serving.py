@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import START_S, engine_env, kv_bytes_per_token, kvstore_connector, scratch
-from benchmarks.harness import Progress, Record
+from .engines import START_S, engine_env, kv_bytes_per_token, kvstore_connector, scratch
+from .harness import Progress, Record
 
 
 @dataclass(frozen=True)

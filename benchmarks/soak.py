@@ -16,7 +16,8 @@ the kill are counted as *volatile* (L1 is volatile by design). Every
 ``--redis-every`` seconds Redis is stopped for ``--redis-down`` seconds: the server
 must keep answering, and use Redis again once it is back.
 
-Writes ``benchmarks/results/soak.json`` (``--out``). Exit status 1 when anything
+Writes ``benchmarks/results/soak.json`` (``--out``; ``./kvstore-bench/results/soak.json``
+when run as an installed ``kvstore.benchmarks.soak``). Exit status 1 when anything
 was lost or wrong, or a call failed outside a crash window.
 """
 
@@ -40,7 +41,12 @@ from kvstore.testing.mix import Mix, MixConfig, reconcile, wait_for
 from kvstore.testing.redis import RedisServer
 from kvstore.testing.server import KVServer
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak.json"
+if __package__:
+    from .harness import output_dir
+else:  # run by path (python benchmarks/soak.py): this folder is sys.path[0]
+    from harness import output_dir
+
+DEFAULT_OUT = output_dir() / "results" / "soak.json"  # benchmarks/results in the checkout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

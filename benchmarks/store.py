@@ -29,7 +29,16 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from benchmarks.harness import (
+from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
+from kvstore.engine.index import Entry, Index
+from kvstore.engine.lookup import lookup
+from kvstore.engine.store import TieredStore
+from kvstore.engine.tiers.disk import DiskTier
+from kvstore.engine.tiers.memory import MemoryTier
+from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, chunk_keys, family
+from kvstore.records import Codec, RecordHeader, decode_payload, encode_payload, make_header
+
+from .harness import (
     GB,
     Case,
     KiB,
@@ -44,14 +53,6 @@ from benchmarks.harness import (
     size_label,
     touched,
 )
-from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
-from kvstore.engine.index import Entry, Index
-from kvstore.engine.lookup import lookup
-from kvstore.engine.store import TieredStore
-from kvstore.engine.tiers.disk import DiskTier
-from kvstore.engine.tiers.memory import MemoryTier
-from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, chunk_keys, family
-from kvstore.records import Codec, RecordHeader, decode_payload, encode_payload, make_header
 
 NS = Namespace(model="bench-model", dtype="bfloat16", layout="bench")
 FP = NS.fingerprint

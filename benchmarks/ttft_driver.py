@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engines import MARK_READY, MARK_TTFT, emit
+from .engines import MARK_READY, MARK_TTFT, emit
 
 
 def prompt(n: int, seed: int, vocab: int = 1024) -> list[int]:

@@ -1,12 +1,13 @@
 """``kvstore bench``: put/get throughput against a running server, or the benchmark suite.
 
-The suite (``--suite``) is not part of the installed package: it lives in the
-source checkout's ``benchmarks/`` folder (the repository's layout, beside
-``tests/``), measures limits next to each figure and writes its results there.
-So ``kvstore bench --suite`` runs ``python -m benchmarks`` in a child process in
-the checkout it is started from (the current directory or one above it), else in
-the checkout an editable install runs from, and says so when there is neither; it
-never imports the checkout into this process.
+The suite (``--suite``) is installed with the package as ``kvstore.benchmarks`` (the
+source checkout's ``benchmarks/`` folder, as ``server/`` installs as ``kvstore.server``).
+``kvstore bench --suite`` runs ``python -m kvstore.benchmarks`` in a child process, in
+the current directory, with or without a checkout; it never imports the suite into this
+process (the suite starts servers and engines of its own and measures limits next to
+each figure). Where a full run writes RESULTS.md, results/ and plots/ is the suite's
+decision (``kvstore.benchmarks.harness.output_dir``): beside the suite in a source
+checkout (an editable install), else ``./kvstore-bench/`` under the current directory.
 """
 
 from __future__ import annotations
@@ -25,28 +26,7 @@ from kvstore.cli import render as render
 from kvstore.cli.format import CLIError, Doc
 from kvstore.keys import ChunkKey, Namespace
 
-SUITE_MODULE = "benchmarks"  # run as `python -m benchmarks` from the checkout's root
-
-
-def _is_checkout(root: Path) -> bool:
-    return all(
-        (root / part).is_file()
-        for part in ("pyproject.toml", "kvstore/__init__.py", f"{SUITE_MODULE}/__main__.py")
-    )
-
-
-def checkout(start: Path | None = None) -> Path | None:
-    """The kvstore source checkout whose suite ``--suite`` runs, or None.
-
-    The one holding ``start`` (default: the current directory), else the one this
-    package is imported from: an editable install (``pip install -e``) is a checkout,
-    a regular install (site-packages) is not.
-    """
-    here = (start or Path.cwd()).resolve()
-    for root in (*(here, *here.parents), Path(__file__).resolve().parents[2]):
-        if _is_checkout(root):
-            return root
-    return None
+SUITE_MODULE = "kvstore.benchmarks"  # run as `python -m kvstore.benchmarks`, never imported here
 
 
 def _fd(stream: IO[str]) -> int | None:
@@ -58,12 +38,11 @@ def _fd(stream: IO[str]) -> int | None:
         return None
 
 
-def _run_suite(root: Path, argv: list[str], out: IO[str]) -> int:
-    """``python -m benchmarks argv`` in ``root``; its stdout goes to ``out``, stderr to ours."""
+def _run_suite(argv: list[str], out: IO[str]) -> int:
+    """``python -m kvstore.benchmarks argv`` here; its stdout goes to ``out``, stderr to ours."""
     out_fd, err_fd = _fd(out), _fd(sys.stderr)
     done = subprocess.run(
         [sys.executable, "-m", SUITE_MODULE, *argv],
-        cwd=root,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE if out_fd is None else out_fd,
         stderr=subprocess.PIPE if err_fd is None else err_fd,
@@ -78,13 +57,11 @@ def _run_suite(root: Path, argv: list[str], out: IO[str]) -> int:
     return done.returncode
 
 
-def _known_suites(root: Path) -> list[str]:
-    """The suite names the checkout's ``python -m benchmarks --list`` prints (its own list)."""
+def _known_suites() -> list[str]:
+    """The suite names ``python -m kvstore.benchmarks --list`` prints (the suite's own list)."""
     listing = io.StringIO()
-    if _run_suite(root, ["--list"], listing):
-        raise CLIError(
-            f"`python -m {SUITE_MODULE} --list` failed in {root}; see the messages above"
-        )
+    if _run_suite(["--list"], listing):
+        raise CLIError(f"`python -m {SUITE_MODULE} --list` failed; see the messages above")
     return [line.split()[0] for line in listing.getvalue().splitlines() if line.strip()]
 
 
@@ -92,21 +69,13 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
     import json
     import tempfile
 
-    root = checkout()
-    if root is None:
-        raise CLIError(
-            f"the benchmark suites live in kvstore's source checkout ({SUITE_MODULE}/ beside "
-            f"kvstore/), not in the installed package ({Path(__file__).parents[1]}), and "
-            f"{Path.cwd()} is not inside one: run `kvstore bench --suite` (or `python -m "
-            "benchmarks`) from the checkout"
-        )
-    known = _known_suites(root)
+    known = _known_suites()
     wanted = [] if args.suite == "all" else [n.strip() for n in args.suite.split(",")]
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise CLIError(
             f"--suite {args.suite}: not a benchmark suite: {', '.join(unknown)} (the suites "
-            f"of {root}: {', '.join(known)})"
+            f"of {SUITE_MODULE}: {', '.join(known)})"
         )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.abspath(args.out) if args.out else os.path.join(tmp, "records.json")
@@ -116,12 +85,12 @@ def cmd_bench_suite(args: argparse.Namespace) -> Doc:
         argv += ["--no-save"] if args.no_save else []
         argv += [] if args.progress else ["--no-progress"]
         # --json output must stay one JSON document: the suite's table goes to stderr
-        rc = _run_suite(root, argv, sys.stderr if args.json else sys.stdout)
+        rc = _run_suite(argv, sys.stderr if args.json else sys.stdout)
         records = json.loads(Path(out).read_text()) if os.path.exists(out) else []
     doc: Doc = {
         "suite": args.suite,
         "quick": args.quick,
-        "checkout": str(root),
+        "module": SUITE_MODULE,
         "records": records,
         "json": args.out or None,
     }

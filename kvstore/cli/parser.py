@@ -263,16 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="all",
         metavar="NAME[,NAME]",
-        help="run the benchmark suite instead (`python -m benchmarks`; needs the "
-        "source checkout): all suites, or some of store, remote, server, "
-        "concurrency, connector, replay. It starts its own servers; --url "
-        "is not used",
+        help="run the benchmark suite instead (`python -m kvstore.benchmarks`, installed "
+        "with kvstore): all suites, or some of store, remote, server, concurrency, "
+        "connector, replay, serving. It starts its own servers; --url is not used",
     )
     sp.add_argument("--quick", action="store_true", help="with --suite: the quick subset")
     sp.add_argument("--out", metavar="FILE", help="with --suite: write the records as JSON")
     sp.add_argument(
         "--no-save",
         action="store_true",
-        help="with --suite: leave benchmarks/RESULTS.md and the plots alone",
+        help="with --suite: leave RESULTS.md and the plots alone (benchmarks/ in a "
+        "checkout, else ./kvstore-bench/)",
     )
     return p
