@@ -271,7 +271,10 @@ class Loads:
                 now.append((t, lease, ticket))
         try:
             nbytes = sum(lease.header.raw_size for _, lease, _ in now)
-            if self.cuda or len(now) < 2 or nbytes < _SPLIT_BYTES:
+            # A background load (tickets) copies on this thread alone: the engine is
+            # computing meanwhile (decodes, other prefills), and a second copying thread
+            # would take a core from its compute threads, not from idle time.
+            if self.cuda or tickets is not None or len(now) < 2 or nbytes < _SPLIT_BYTES:
                 self._copy_all(now, arena, loaded, events)
             else:
                 # Two threads copy (the native copy lets go of the GIL): one core's copy

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -241,3 +242,35 @@ def test_an_engine_idle_past_the_server_idle_timeout_loads_without_a_failure(
     finally:
         e.close()
         assert srv.stop() == 0, srv.log()
+
+
+def test_only_a_load_the_step_waits_for_copies_on_two_threads(
+    server: KVServer, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big batch loaded in the step is copied by two threads (the engine's compute
+    threads wait for it anyway); one loaded in the background is copied by its loader
+    thread alone, since the engine computes meanwhile (decodes, other prefills) and a
+    second copying thread would take a core from them. The split threshold is lowered to
+    one byte so that this prompt's batch is "big"."""
+    from kvstore.connectors import vllm_loads
+
+    monkeypatch.setattr(vllm_loads, "_SPLIT_BYTES", 1)
+    helped: list[str] = []
+    real = vllm_loads.Loads._helper
+
+    def helper(self: Any) -> Any:
+        helped.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(vllm_loads.Loads, "_helper", helper)
+    for mode, two in (("async", False), ("sync", True)):
+        e = HalvesEngine(server.unix_url, clock, load_mode=mode)
+        try:
+            # The first engine computes SRC (a miss) and stores it; the second loads it
+            # there, so that its DST can be compared with its own SRC.
+            assert e.request(SRC) == (0 if mode == "async" else STORED)
+            helped.clear()
+            assert e.request(DST) == STORED and not e.failed and e.loaded_right(), mode
+            assert bool(helped) == two, f"load_mode={mode}: helper thread used by {helped}"
+        finally:
+            e.close()
