@@ -17,12 +17,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Client":
-        from kvstore.sdk.client import Client
+    if name in ("Client", "AsyncClient"):  # the SDK's face imports them on first use
+        from kvstore import sdk
 
-        return Client
-    if name == "AsyncClient":
-        from kvstore.sdk.aio import AsyncClient
-
-        return AsyncClient
+        return getattr(sdk, name)
     raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

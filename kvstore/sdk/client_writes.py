@@ -90,7 +90,11 @@ def _put_shm(
     c: ClientBase, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
 ) -> Plan[PutStatus | None]:
     """The status of a put through the arena; None when it must stream instead."""
-    (res,) = yield from reserve(c, [header], not sealed, timeout, ReservationBase)
+    def make(*lent: Any) -> ReservationBase:  # ended by this plan itself: no finish
+        h, rid, extents, offset, arena, until, at_commit = lent
+        return ReservationBase(h, rid, extents, offset, arena, None, until, at_commit, c._clock)
+
+    (res,) = yield from reserve(c, [header], not sealed, timeout, make)
     if isinstance(res, PutStatus):
         # FULL/TOO_LARGE for L1: Put writes it straight to a lower tier.
         return res if res == PutStatus.EXISTS else None

@@ -235,12 +235,14 @@ class ReservationBase:
         extents: list[tuple[int, int]],
         payload_offset: int,
         arena: ArenaView,
+        finish: Finish | AsyncFinish | None,
         valid_until: float,
         checksum_at_commit: bool,
         clock: Clock = monotonic,
     ) -> None:
         self.header = header
         self.id = reservation_id
+        self._finish: Any = finish  # (id, commit?, checksum) -> status, awaitable for async
         self.valid_until = valid_until  # monotonic: surely held until then (with a margin)
         self.checksum_at_commit = checksum_at_commit
         self._clock = clock
@@ -319,29 +321,7 @@ class Reservation(ReservationBase):
     """A reservation of the blocking ``Client`` (``Client.reserve``). Used as a context
     manager, a reservation not committed by the end of the block is aborted."""
 
-    def __init__(
-        self,
-        header: RecordHeader,
-        reservation_id: int,
-        extents: list[tuple[int, int]],
-        payload_offset: int,
-        arena: ArenaView,
-        finish: Finish,
-        valid_until: float,
-        checksum_at_commit: bool,
-        clock: Clock = monotonic,
-    ) -> None:
-        super().__init__(
-            header,
-            reservation_id,
-            extents,
-            payload_offset,
-            arena,
-            valid_until,
-            checksum_at_commit,
-            clock,
-        )
-        self._finish = finish  # (id, commit?, checksum) -> status
+    _finish: Finish
 
     def commit(self, checksum: int | None = None) -> PutStatus:
         """Publish the chunk: STORED, or EXISTS if another writer stored it first.
@@ -370,29 +350,7 @@ class AsyncReservation(ReservationBase):
     ``Reservation.commit``) or ``await res.abort()``; ``async with`` aborts one
     not committed by the end of the block."""
 
-    def __init__(
-        self,
-        header: RecordHeader,
-        reservation_id: int,
-        extents: list[tuple[int, int]],
-        payload_offset: int,
-        arena: ArenaView,
-        finish: AsyncFinish,
-        valid_until: float,
-        checksum_at_commit: bool,
-        clock: Clock = monotonic,
-    ) -> None:
-        super().__init__(
-            header,
-            reservation_id,
-            extents,
-            payload_offset,
-            arena,
-            valid_until,
-            checksum_at_commit,
-            clock,
-        )
-        self._finish = finish
+    _finish: AsyncFinish
 
     async def commit(self, checksum: int | None = None) -> PutStatus:
         """See ``Reservation.commit``."""
