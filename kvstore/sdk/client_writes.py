@@ -90,6 +90,7 @@ def _put_shm(
     c: ClientBase, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
 ) -> Plan[PutStatus | None]:
     """The status of a put through the arena; None when it must stream instead."""
+
     def make(*lent: Any) -> ReservationBase:  # ended by this plan itself: no finish
         h, rid, extents, offset, arena, until, at_commit = lent
         return ReservationBase(h, rid, extents, offset, arena, None, until, at_commit, c._clock)
