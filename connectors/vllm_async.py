@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvstore.connectors.vllm_cpus import move_here
 from kvstore.connectors.vllm_loads import Loads, Ticket
 from kvstore.connectors.vllm_meta import LoadSpec
 from vllm.logger import init_logger
@@ -49,8 +50,16 @@ class AsyncLoads:
     """The asynchronous loads of one worker: ``submit`` a step's specs, ``finished`` once a
     step, ``preempted`` and ``close`` fence what is still running."""
 
-    def __init__(self, loads: Loads, deadline_s: float, *, clock: Clock = monotonic) -> None:
+    def __init__(
+        self,
+        loads: Loads,
+        deadline_s: float,
+        *,
+        clock: Clock = monotonic,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         self.loads = loads
+        self.cpus = cpus  # where the loader thread runs (vllm_cpus); None: where it starts
         self.deadline_s = deadline_s
         self._clock = clock
         self._tickets: dict[str, Ticket] = {}  # engine thread only
@@ -78,6 +87,7 @@ class AsyncLoads:
             self._batches.put(batch)
 
     def _loop(self) -> None:
+        move_here(self.cpus)
         while (batch := self._batches.get()) is not None:
             live = [t for t in batch if not t.cancelled]
             t0 = time.perf_counter()

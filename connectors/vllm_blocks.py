@@ -21,6 +21,7 @@ from math import prod
 from typing import Any
 
 import torch
+from kvstore.connectors.vllm_cpus import move_here
 
 from kvstore import accel
 from kvstore.errors import InvalidArgument
@@ -353,8 +354,10 @@ class BackgroundSaver:
         run: Callable[[Any], int],
         max_pending_bytes: int,
         run_batch: Callable[[list[Any]], list[int]] | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self._run = run
+        self.cpus = cpus  # where the saver thread runs (vllm_cpus); None: where it starts
         self._run_batch = run_batch
         self.max_pending_bytes = max_pending_bytes
         self._jobs: queue.SimpleQueue[tuple[Any, int, Hashable] | str | None] = queue.SimpleQueue()
@@ -400,6 +403,7 @@ class BackgroundSaver:
             self._jobs.put(_END_BATCH)
 
     def _loop(self) -> None:
+        move_here(self.cpus)
         batch: list[tuple[Any, int, Hashable]] = []
         while (item := self._jobs.get()) is not None:
             if isinstance(item, str):  # _END_BATCH

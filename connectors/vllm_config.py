@@ -13,6 +13,7 @@ from kvstore.errors import ConfigError
 ShmMode = Literal["auto", "on", "off"]
 SaveMode = Literal["auto", "sync", "async"]
 LoadMode = Literal["auto", "sync", "async"]
+CpusMode = Literal["auto", "off"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class ConnectorConfig:
     # the longest an asynchronous load may take, from the step that starts it: past it
     # the blocks not loaded yet are reported failed and vLLM computes them
     load_deadline_ms: int = 5000
+    # CPU engines: auto runs the background loader and the async saver on the cores vLLM
+    # reserves (not on the ones its compute threads are bound to; see vllm_cpus), off
+    # leaves them on the worker's own cores
+    background_cpus: CpusMode = "auto"
     memory_capacity: str = "2GiB"  # private server only: L1 arena size
     disk_capacity: str = "16GiB"  # private server only: L2 size
     # private server only: where L2 lives; "" = a cache slot under $XDG_CACHE_HOME/kvstore/vllm

@@ -38,6 +38,7 @@ import numpy as np
 import xxhash
 from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient, Leased
+from kvstore.connectors.vllm_cpus import move_here
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
@@ -108,8 +109,13 @@ class Loads:
         layout: BlockLayout,
         client: BreakerClient,
         layouts: Sequence[BlockLayout] = (),
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.setup, self.layout, self.client = setup, layout, client
+        # Where the second copying thread runs (vllm_cpus): on a CPU engine the engine
+        # thread is bound to the compute cores, and a helper beside it there would copy
+        # on the same core, not in parallel.
+        self.cpus = cpus
         # A hybrid model's layers by KV-cache group (each group's blocks are its own)
         self.layouts = list(layouts) or [layout]
         self.cuda = layout.device.type == "cuda"
@@ -311,7 +317,9 @@ class Loads:
 
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "kvstore-copy")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, "kvstore-copy", initializer=move_here, initargs=(self.cpus,)
+            )
         return self._pool
 
     def _fits(self, t: _Task, lease: LeaseBase) -> bool:

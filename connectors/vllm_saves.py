@@ -94,6 +94,7 @@ class Saves:
         background: bool,
         save_buffer_bytes: int,
         window: int = 0,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.layout, self.backend, self.ns = layout, backend, ns
         self.block_size, self.chunk_tokens = block_size, chunk_tokens
@@ -110,6 +111,7 @@ class Saves:
                 lambda job: self._store_on(job, writer),
                 save_buffer_bytes,
                 run_batch=lambda jobs: self.store_all(jobs, writer),
+                cpus=cpus,
             )
         self._pins = PinnedArenas()
         self._lock = threading.Lock()

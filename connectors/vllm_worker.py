@@ -15,6 +15,7 @@ import torch
 from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
+from kvstore.connectors.vllm_cpus import spare_cpus
 from kvstore.connectors.vllm_loads import Loads
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_saves import SaveJob, Saves
@@ -56,14 +57,17 @@ class KVStoreWorker:
         if mode == "auto":
             gpu = layout.device.type == "cuda"
             mode = "async" if gpu and s.producer and s.consumer else "sync"
+        b = s.ns.base
+        cpus = spare_cpus(b.tp_size * b.pp_size) if s.cfg.background_cpus == "auto" else None
         if s.consumer:
-            self.loads = Loads(s, layout, self.client, layouts)
+            self.loads = Loads(s, layout, self.client, layouts, cpus=cpus)
             # Its own client: a failure on the loader thread must not close the one the
             # engine thread loads and saves with.
             self.background = AsyncLoads(
                 Loads(s, layout, self.client.sibling("loader"), layouts),
                 s.cfg.load_deadline_ms / 1000,
                 clock=self._clock,
+                cpus=cpus,
             )
         if s.producer:
             for g, group_layout in enumerate(layouts or [layout]):
@@ -78,6 +82,7 @@ class KVStoreWorker:
                         background=mode == "async",
                         save_buffer_bytes=s.cfg.save_buffer_bytes,
                         window=gs.window,
+                        cpus=cpus,
                     )
                 )
             self.saves = self.group_saves[0]

