@@ -355,14 +355,15 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
     def Put(
         self, request_iterator: Iterator[bytes], context: grpc.ServicerContext
     ) -> pb.PutResponse:
-        cid, watch = self.watchdog.watch(context, "data", self._tenant(context))
+        tenant = self._tenant(context)
+        cid, watch = self.watchdog.watch(context, "data", tenant)
         try:
             parts = pieces(touching(request_iterator, watch.touch))
             field, first = next(parts, (0, memoryview(b"")))
             if field != 1:
                 raise InvalidArgument("the first message of a Put stream must carry the header")
             header = self._header(bytes(first))
-            self.tenants.require(self._tenant(context), header.fingerprint)
+            self.tenants.require(tenant, header.fingerprint)
             status = receive_put(self.store, header, parts, watch)
         finally:
             self.watchdog.done(cid)

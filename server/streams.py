@@ -242,9 +242,9 @@ class Watchdog:
                     f"{self._alive[kind]} {kind} streams are running, the most this server "
                     f"takes ({setting}); retry later"
                 )
-            if most >= 0 and tenant is not None:
+            if tenant is not None:
                 mine = max(1, int(most * self.tenant_share))
-                if self._of_tenant[kind, tenant] >= mine:
+                if most >= 0 and self._of_tenant[kind, tenant] >= mine:
                     self.refused += 1
                     raise ResourceExhausted(
                         f"tenant {tenant} runs {mine} {kind} streams, its share of the "
@@ -260,7 +260,7 @@ class Watchdog:
     def _ended(self, w: Watch) -> None:
         """Caller holds ``_lock``."""
         self._alive[w.kind] -= 1
-        if w.tenant is not None and self._of_tenant[w.kind, w.tenant] > 0:
+        if w.tenant is not None:  # counted in watch, whatever the limit
             self._of_tenant[w.kind, w.tenant] -= 1
             if not self._of_tenant[w.kind, w.tenant]:
                 del self._of_tenant[w.kind, w.tenant]

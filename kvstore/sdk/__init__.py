@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The clients load grpc's channel machinery: on first use only, as kvstore.Client.
+    # The clients (their transports and the generated stubs) load on first use only.
     if name == "Client":
         from kvstore.sdk.client import Client
 

@@ -39,9 +39,10 @@ from the key, so a writer first claims the record (``SET w:... NX PX``, in the
 manifest's slot) and checks that no manifest exists, in one round trip: a second
 writer of the same chunk, possibly with other bytes (another host's GPU), never
 rewrites the parts of a stored record or of one being written; it answers
-``EXISTS``. A claim lapses after 3 x ``timeout_ms`` + 1 s if its writer died. Its bookkeeping
-follows in a non-transactional pipeline (idempotent: whoever creates the ``sz``
-entry adds to ``used``) and is removed after the record on delete/clear/evict.
+``EXISTS``. A claim lapses after 3 x ``timeout_ms`` + 1 s if its writer died.
+Its bookkeeping follows in a non-transactional pipeline (idempotent: whoever
+creates the ``sz`` entry adds to ``used``) and is removed after the record on
+delete/clear/evict.
 It is best effort: hosts write it concurrently without locks, and a lost reply or
 a crash between the steps can leave an entry behind or the counter off;
 ``recount()`` repairs the counter (eviction runs it when the numbers do not add
@@ -53,8 +54,8 @@ parts pipelined four at a time, the claim's end); get and contains cost one (a
 record in parts two), children two (the entries, then whether their records are
 still there).
 
-Cluster mode uses no hash tags but the parts' and the claims': every other command touches exactly
-one key, pipelines are never transactional, so records spread over all nodes
+Cluster mode uses no hash tags but the parts' and the claims': every other command
+touches exactly one key, pipelines are never transactional, so records spread over all nodes
 while each bookkeeping key lives on whichever node owns its slot, and the parts of
 one record share a node. With a node down, records on other nodes are still
 served; calls that need the missing node fail, count towards the one circuit
