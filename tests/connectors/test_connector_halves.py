@@ -302,6 +302,10 @@ def test_background_threads_run_on_the_cores_vllm_leaves_free(
             e = HalvesEngine(server.unix_url, clock, background_cpus=mode, save_mode="async")
             try:
                 e.request(SRC)  # computed and saved (the saver thread), or loaded
+                # The save is asynchronous: the next request finds the prompt only once the
+                # saver thread has stored it (vLLM holds the blocks until it reports).
+                saver = e.worker.group_saves[0].saver
+                assert saver is not None and saver.drain(30.0), f"{mode}: the save never ended"
                 assert e.request(DST) == STORED and not e.failed and e.loaded_right(), mode
                 background = e.worker.background
                 assert background is not None
