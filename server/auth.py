@@ -65,6 +65,23 @@ class TokenAuth(grpc.ServerInterceptor):
         self._expected = [f"Bearer {t}".encode() for t in tokens]
         self._on_refused = on_refused
 
+    def refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """Why a call with this metadata is refused, or None if its token is right (also
+        asked of the express plane's HELLO)."""
+        given = None
+        for key, value in metadata or ():
+            if key == AUTH_HEADER:
+                given = value.encode() if isinstance(value, str) else value
+                break
+        # Every token is compared (constant time each), so timing does not say which matched.
+        if given is not None and sum(hmac.compare_digest(given, e) for e in self._expected):
+            return None
+        return (
+            "missing bearer token (authorization metadata)"
+            if given is None
+            else "wrong bearer token"
+        )
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
@@ -74,19 +91,9 @@ class TokenAuth(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
-        given = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_HEADER:
-                given = value.encode() if isinstance(value, str) else value
-                break
-        # Every token is compared (constant time each), so timing does not say which matched.
-        if given is not None and sum(hmac.compare_digest(given, e) for e in self._expected):
+        why = self.refusal(handler_call_details.invocation_metadata)
+        if why is None:
             return handler
-        why = (
-            "missing bearer token (authorization metadata)"
-            if given is None
-            else "wrong bearer token"
-        )
         log.debug("refused %s: %s", method, why)
         if self._on_refused is not None:
             self._on_refused(method.rsplit("/", 1)[-1])

@@ -116,6 +116,13 @@ def _parser() -> argparse.ArgumentParser:
         help="do not offer the shared-memory data plane to same-host clients",
     )
     g.add_argument(
+        "--no-express",
+        dest="express",
+        action="store_const",
+        const=False,
+        help="do not offer the express plane (unary calls over <unix-socket>.express)",
+    )
+    g.add_argument(
         "--idle-timeout",
         dest="idle_timeout_s",
         type=float,
@@ -267,6 +274,7 @@ class _Running:
     socket_path: str
     socket_inode: int
     endpoints: list[str]
+    express: Any = None  # server.express.ExpressPlane, when offered
 
 
 def _prepare_socket(path: str) -> None:
@@ -325,7 +333,8 @@ def _start(
     from .auth import TokenAuth
     from .streams import add_to_server
 
-    interceptors = [TokenAuth(token, tenant_tokens=tenant_tokens)] if token or tenant_tokens else []
+    auth = TokenAuth(token, tenant_tokens=tenant_tokens) if token or tenant_tokens else None
+    interceptors = [auth] if auth is not None else []
     pool = futures.ThreadPoolExecutor(
         max_workers=cfg.max_concurrent_rpcs + cfg.max_sessions, thread_name_prefix="kvstore-rpc"
     )
@@ -385,12 +394,44 @@ def _start(
         except RuntimeError as e:
             raise StartError(f"cannot listen on unix socket {cfg.unix_socket}: {e}") from e
         endpoints.append(f"unix://{os.path.abspath(cfg.unix_socket)}")
+    plane = _start_express(cfg, service, auth)
     server.start()
     if cfg.unix_socket:
         inode = os.stat(cfg.unix_socket).st_ino
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return _Running(server, health_servicer, cfg.unix_socket, inode, endpoints)
+    return _Running(server, health_servicer, cfg.unix_socket, inode, endpoints, plane)
+
+
+def _start_express(cfg: ServerConfig, service: Any, auth: Any) -> Any:
+    """The express plane beside the Unix socket (None where it is not offered)."""
+    from kvstore import express
+
+    from .express import ExpressPlane
+
+    if not (cfg.express and cfg.unix_socket):
+        return None
+    path = express.socket_path(os.path.abspath(cfg.unix_socket))
+    if not path:
+        log.warning(
+            "express plane not offered: %s%s would be too long for a Unix socket's path",
+            cfg.unix_socket,
+            express.SUFFIX,
+        )
+        return None
+    _prepare_socket(path)
+    try:
+        plane = ExpressPlane(
+            service,
+            path,
+            refusal=auth.refusal if auth is not None else (lambda metadata: None),
+            max_frame=cfg.max_message_bytes,
+            max_connections=cfg.express_connections,
+        )
+    except OSError as e:
+        raise StartError(f"cannot listen on unix socket {path}: {e}") from e
+    service.offer_express(path)
+    return plane
 
 
 def _housekeeping(service: Any, store: Any, cfg: ServerConfig, stop: threading.Event) -> None:
@@ -489,6 +530,8 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     if not drained:
         log.warning("in-flight calls did not finish within %.1f s; cancelling them", cfg.grace_s)
     running.server.stop(0).wait(5.0)  # ends Session streams (their leases are dropped)
+    if running.express is not None:
+        running.express.stop()
     housekeeping_stop.set()
     keeper.join(timeout=5.0)
     metrics.stop()

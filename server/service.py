@@ -126,6 +126,11 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             lookup_by_keys=True,
         )
 
+    def offer_express(self, path: str) -> None:
+        """Tell clients (Info) where the express plane listens (``server.express``)."""
+        for info in (self._info, self._tenant_info):
+            info.express_socket = path
+
     # -- bookkeeping of calls ----------------------------------------------------------------------
     def _enter(self, name: str) -> bool:
         with self._lock:

@@ -316,7 +316,7 @@ class Undecodable:
         self.message = f"unreadable {type_name} message: {error}"
 
 
-def _parser(cls: Any) -> Callable[[bytes], Any]:
+def request_parser(cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
             return cls.FromString(data)
@@ -337,7 +337,7 @@ def add_to_server(servicer: Any, server: grpc.Server) -> None:
     }
     handlers = {}
     for m in desc.methods:
-        request: Callable[[bytes], Any] | None = _parser(getattr(pb, m.input_type.name))
+        request: Callable[[bytes], Any] | None = request_parser(getattr(pb, m.input_type.name))
         response = getattr(pb, m.output_type.name).SerializeToString
         if m.name == "Put":
             request = None  # the servicer reads frames: kvstore.protocol.unframe

@@ -59,6 +59,7 @@ from kvstore.sdk.base import (
     namespace_fingerprint,
     parse_url,
 )
+from kvstore.sdk.express import FALLBACK, ExpressLink
 from kvstore.sdk.shm import USE_GET, Lease, Reservation, UseGet, prefault
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
@@ -133,6 +134,13 @@ class Client(ClientBase):
         # Set once the server answered the Session's first ping: from then on it drops this
         # client's holds when the stream ends (before, a killed client's holds only expire).
         self.session_up = threading.Event()
+        # Unary calls go by the server's express plane (kvstore.express) when this client
+        # dials its Unix socket and the server offers one; False: gRPC always. Looked at
+        # once, at the first call.
+        self.use_express = True
+        self._express: ExpressLink | None = None
+        self._express_checked = False
+        self._express_lock = threading.Lock()
 
     # -- the transport: each step of a plan as a blocking call ----------------------------
     def _run(self, plan: core.Plan[T]) -> T:
@@ -142,6 +150,11 @@ class Client(ClientBase):
         if self._closed:
             raise KVStoreError("the client is closed")
         if type(step) is core.Call:
+            link = self._express if self._express_checked else self._express_link()
+            if link is not None:
+                out = link.call(step.method, step.request, self._deadline(step.timeout))
+                if out is not FALLBACK:
+                    return out
             try:
                 return self._methods[step.method](
                     step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
@@ -160,6 +173,9 @@ class Client(ClientBase):
                 raise self._error(e, "Get") from e
             return None
         if type(step) is core.ReleaseLater:
+            link = self._express if self._express_checked else self._express_link()
+            if link is not None and link.send("Release", step.request()):
+                return None
             try:
                 fut = self._stub.Release.future(
                     step.request(),
@@ -181,6 +197,27 @@ class Client(ClientBase):
             except grpc.RpcError:
                 return None
         raise TypeError(f"not a step of the client core: {step!r}")
+
+    def _express_link(self) -> ExpressLink | None:
+        """The express link, decided at the first call: the server's Info (asked over
+        gRPC, once, unless a call asked it already) says where its express socket is."""
+        with self._express_lock:
+            if self._express_checked:
+                return self._express
+            self._express_checked = True  # the Info below goes by gRPC
+            if not (self.use_express and self.endpoint.target.startswith("unix:")):
+                return None
+            info = self._info or self._run(core.info(self, None))
+            if info.express_socket:
+                self._express = ExpressLink(
+                    info.express_socket, self._metadata, self.url, clock=self._clock
+                )
+            return self._express
+
+    @property
+    def express(self) -> ExpressLink | None:
+        """The express link this client's unary calls take, if it has one now (no setup)."""
+        return self._express
 
     def _shm(self) -> ArenaView | None:
         """The mapped arena if the shared-memory plane is in use (set up on first use)."""
@@ -479,6 +516,8 @@ class Client(ClientBase):
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
         if self._session is not None:
             self._session.join(timeout=2.0)
+        if self._express is not None:
+            self._express.close()
         self._channel.close()
         if self._arena is not None:
             self._arena.close()

@@ -38,6 +38,7 @@ class ServerInfo:
     auth_required: bool
     native: str = ""  # the server's kvstore.accel.IMPL ("" from servers before it was sent)
     lookup_by_keys: bool = False  # Lookup takes chunk keys and sub-hashes (False: token ids only)
+    express_socket: str = ""  # the express plane's Unix socket (kvstore.express); "": none
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
         auth_required=m.auth_required,
         native=m.native,
         lookup_by_keys=m.lookup_by_keys,
+        express_socket=m.express_socket,
     )
 
 

@@ -73,7 +73,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys")
+    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys", "express_socket")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEY_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class InfoResponse(_message.Message):
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     NATIVE_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BY_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXPRESS_SOCKET_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     record_format: int
     key_scheme: str
@@ -108,7 +109,8 @@ class InfoResponse(_message.Message):
     auth_required: bool
     native: str
     lookup_by_keys: bool
-    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ...) -> None: ...
+    express_socket: str
+    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of")

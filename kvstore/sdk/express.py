@@ -1,0 +1,195 @@
+"""The blocking client's express link: its unary calls over the server's express socket.
+
+``kvstore.express`` says what the express plane is and why. A link keeps a pool of
+connections to one server's express socket (a call takes one for its round trip, so
+threads of one client call at once), each opened with a HELLO carrying the client's
+metadata. What it may not do, it says by returning ``FALLBACK``, and the client makes
+the call over gRPC instead: when the socket is not there or refuses the connection
+(no express plane, a server restarting, ``express_connections`` reached), or when a
+pooled connection was found dead before the request went out. Once a request is out,
+a lost connection is the call's failure (``ServerUnavailable``: the server may have
+done it), as a broken gRPC call's is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+from typing import Any, Final
+
+import grpc
+
+from kvstore import express
+from kvstore.clock import Clock, monotonic
+from kvstore.errors import KVStoreError
+from kvstore.protocol import ERROR_REASON_HEADER
+from kvstore.sdk.wire import error_from_status
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger("kvstore.sdk")
+
+FALLBACK: Final = object()  # ``call``'s answer when the call must go by gRPC
+RETRY_S: Final = 1.0  # after a connection was refused, gRPC alone for this long
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+# Each unary method's response message (what a reply's body parses into).
+_RESPONSES = {
+    m.name: getattr(pb, m.output_type.name)
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
+    if not (m.client_streaming or m.server_streaming)
+}
+
+
+class ExpressLink:
+    """Calls to the express socket at ``path`` with ``metadata`` (auth, session id)."""
+
+    def __init__(
+        self,
+        path: str,
+        metadata: express.Metadata,
+        target: str,
+        *,
+        clock: Clock = monotonic,
+    ) -> None:
+        self.path = path
+        self._hello = express.request_frame(express.HELLO, express.hello_body(metadata))
+        self._target = target  # named in errors
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._down_until = 0.0
+        self._closed = False
+        self.calls = 0  # calls this link carried (its tests and benchmarks read it)
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """``method``'s reply, its error raised, or FALLBACK (also for a method the express
+        plane does not carry: a streaming one)."""
+        response = _RESPONSES.get(method)
+        if response is None:
+            return FALLBACK
+        conn = self._take(timeout)
+        if conn is None:
+            return FALLBACK
+        frame = express.request_frame(method, request.SerializeToString())
+        try:
+            conn.settimeout(timeout)
+            try:
+                conn.sendall(frame)
+            except OSError:
+                # Not all of it went out: the server never read a whole request.
+                conn.close()
+                return FALLBACK
+            code, body = self._reply(conn, method)
+        except TimeoutError as e:
+            conn.close()
+            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method) from e
+        except (OSError, ConnectionError) as e:
+            conn.close()
+            raise self._error(grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method) from e
+        self._give(conn)
+        if code == 0:
+            return response.FromString(body)
+        details, trailers = express.parse_error(body)
+        reason = next((v for k, v in trailers if k == ERROR_REASON_HEADER), "")
+        raise error_from_status(
+            _CODES.get(code, grpc.StatusCode.UNKNOWN), details, method, self._target, reason=reason
+        )
+
+    def send(self, method: str, request: Any) -> bool:
+        """Send a call whose answer nobody waits for (a Release); False if it did not go."""
+        conn = self._take(1.0)
+        if conn is None:
+            return False
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(
+                express.request_frame(method, request.SerializeToString(), express.NO_REPLY)
+            )
+        except OSError:
+            conn.close()
+            return False
+        self._give(conn)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    # -- connections -----------------------------------------------------------------------
+    def _take(self, timeout: float) -> socket.socket | None:
+        """A live connection, or None when gRPC must carry the call."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise KVStoreError("the client is closed")
+                conn = self._idle.pop() if self._idle else None
+                if conn is None and self._clock() < self._down_until:
+                    return None
+            if conn is None:
+                return self._connect(timeout)
+            # A pooled connection the server ended (a restart, its shutdown) reads as
+            # ready: an end of file, or a refusal it sent. Such a one is let go unused.
+            readable, _, _ = select.select([conn], [], [], 0)
+            if not readable:
+                return conn
+            conn.close()
+
+    def _give(self, conn: socket.socket) -> None:
+        """Back to the pool after a call it carried."""
+        with self._lock:
+            self.calls += 1
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _connect(self, timeout: float) -> socket.socket | None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(timeout)
+            conn.connect(self.path)
+            conn.sendall(self._hello)
+            code, body = self._reply(conn, express.HELLO)
+        except (OSError, ConnectionError) as e:
+            conn.close()
+            self._down(f"cannot connect: {e}")
+            return None
+        if code != 0:
+            conn.close()
+            details, _ = express.parse_error(body)
+            if code == grpc.StatusCode.UNAUTHENTICATED.value[0]:
+                raise error_from_status(
+                    grpc.StatusCode.UNAUTHENTICATED, details, "express plane", self._target
+                )
+            self._down(details)
+            return None
+        return conn
+
+    def _down(self, why: str) -> None:
+        log.debug("express plane %s not used for %.0f s: %s", self.path, RETRY_S, why)
+        with self._lock:
+            self._down_until = self._clock() + RETRY_S
+
+    @staticmethod
+    def _reply(conn: socket.socket, method: str) -> tuple[int, bytes]:
+        head = express.recv_exact(conn, express.REPLY.size)
+        if head is None:
+            raise ConnectionError(f"the server closed the express socket before answering {method}")
+        size, code, _ = express.REPLY.unpack(head)
+        body = express.recv_exact(conn, size)
+        if body is None:
+            raise ConnectionError(f"the server closed the express socket within {method}'s answer")
+        return code, body
+
+    def _error(self, code: grpc.StatusCode, details: str, method: str) -> KVStoreError:
+        return error_from_status(code, details, method, self._target)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,228 @@
+"""The express plane (``kvstore.express``): the unary calls over a second Unix socket.
+
+The blocking client takes it by itself when it dials the server's Unix socket, so the
+contract suite (test_client_contract.py) runs every unary call of ``kvstore.Client``
+over it, and those of ``kvstore.AsyncClient`` over gRPC. Here: that the calls really go
+that way, what they answer is what gRPC answers (errors included), who may connect, and
+what a client does when the plane is not there, full, restarted or stalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+import kvstore
+from kvstore import express
+from kvstore.errors import InvalidArgument, KVStoreError, Unauthenticated
+from kvstore.keys import ROOT, Namespace
+from kvstore.sdk.client import chunk_header
+from kvstore.testing.server import KVServer
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.server.helpers import namespace, payload, put_chain, shape_for, tokens
+
+MakeServer = Callable[..., KVServer]
+TOKEN = "s3cret-express"
+
+
+def _raw_call(
+    path: str, metadata: list[tuple[str, str]], method: str, body: bytes
+) -> list[tuple[int, bytes]]:
+    """HELLO with ``metadata`` then one call, sent at once on a socket of its own: the
+    replies read (two, or fewer where the server ended the connection)."""
+    out: list[tuple[int, bytes]] = []
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(express.request_frame(express.HELLO, express.hello_body(metadata)))
+        s.sendall(express.request_frame(method, body))
+        while len(out) < 2 and (head := express.recv_exact(s, express.REPLY.size)) is not None:
+            size, code, _ = express.REPLY.unpack(head)
+            out.append((code, express.recv_exact(s, size) or b""))
+    return out
+
+
+def _store(c: kvstore.Client, ns: Namespace, n: int) -> np.ndarray:
+    """Put ``n`` chunks of one prompt; its tokens."""
+    toks = tokens(n * 256)
+    put_chain(c, ns, toks, 256, 512)
+    return toks
+
+
+def test_a_unix_client_makes_its_unary_calls_over_the_express_socket(server: KVServer) -> None:
+    ns = namespace("express-calls")
+    with kvstore.Client(server.unix_url) as c:
+        info = c.info()
+        assert info.express_socket == f"{server.socket}{express.SUFFIX}", info
+        assert os.path.exists(info.express_socket)
+        link = c.express
+        assert link is not None, "a client of the Unix socket takes the express plane"
+        toks = _store(c, ns, 4)
+        counts = server_counts(c)
+        before = link.calls
+        assert c.lookup(ns, toks).matched_tokens == 4 * 256
+        leases = c.acquire_many([m.key for m in c.lookup(ns, toks).chunks])
+        held = [x for x in leases if isinstance(x, kvstore.sdk.Lease)]
+        assert len(held) == 4, leases
+        c.release_many(held)
+        assert link.calls - before == 4, "Lookup, Lookup, AcquireMany, Release"
+        after = server_counts(c)
+        for name, n in (("Lookup", 2), ("AcquireMany", 1), ("Release", 1)):
+            assert after.get(name, 0) - counts.get(name, 0) == n, (name, counts, after)
+    with kvstore.Client(server.tcp_url) as tcp:
+        tcp.info()
+        assert tcp.express is None, "TCP clients stay on gRPC"
+
+
+def server_counts(c: kvstore.Client) -> dict[str, int]:
+    return {k: int(v) for k, v in c.stats().extra.get("requests", {}).items()}
+
+
+def test_errors_read_back_alike_over_both_transports(server: KVServer) -> None:
+    """A refused call raises the same class with the same message either way."""
+    seen = []
+    for use in (True, False):
+        with kvstore.Client(server.unix_url) as c:
+            c.use_express = use
+            with pytest.raises(InvalidArgument) as e:
+                c.exists([b"short"])
+            seen.append(str(e.value))
+            assert (c.express is not None) == use
+    assert seen[0] == seen[1], seen
+
+
+def test_the_hello_is_refused_without_the_right_token(make_server: MakeServer) -> None:
+    srv = make_server(args=["--token", TOKEN]).start()
+    path = f"{srv.socket}{express.SUFFIX}"
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    for metadata, why in (
+        ([], "missing bearer token"),
+        ([("authorization", "Bearer no")], "wrong"),
+    ):
+        replies = _raw_call(path, metadata, "Stats", pb.StatsRequest().SerializeToString())
+        assert len(replies) == 1, f"only the refusal, then the connection ends: {replies}"
+        code, body = replies[0]
+        assert code == unauthenticated and why in express.parse_error(body)[0], replies
+    good = [("authorization", f"Bearer {TOKEN}")]
+    replies = _raw_call(path, good, "Stats", pb.StatsRequest().SerializeToString())
+    assert [code for code, _ in replies] == [0, 0], replies
+    with kvstore.Client(srv.unix_url, token=TOKEN) as c:
+        assert c.stats().chunks == 0 and c.express is not None and c.express.calls >= 1
+    with kvstore.Client(srv.unix_url, token="wrong") as c, pytest.raises(Unauthenticated):
+        c.stats()
+
+
+def test_bad_frames_are_answered_and_end_the_connection(make_server: MakeServer) -> None:
+    srv = make_server(args=["--max-message-bytes", "65536", "--piece-bytes", "16384"]).start()
+    path = f"{srv.socket}{express.SUFFIX}"
+    codes = {c.value[0]: c for c in grpc.StatusCode}
+    replies = _raw_call(path, [], "Nope", b"")
+    assert [codes[c] for c, _ in replies] == [grpc.StatusCode.OK, grpc.StatusCode.UNIMPLEMENTED]
+    replies = _raw_call(path, [], "Lookup", b"\xff" * 70_000)
+    assert [codes[c] for c, _ in replies] == [
+        grpc.StatusCode.OK,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ]
+    assert "max_message_bytes" in express.parse_error(replies[1][1])[0]
+    replies = _raw_call(path, [], "Lookup", b"\xff\xff")
+    assert codes[replies[1][0]] == grpc.StatusCode.INVALID_ARGUMENT, replies
+    with socket.socket(socket.AF_UNIX) as s:  # a first frame that is not a HELLO
+        s.connect(path)
+        s.sendall(express.request_frame("Stats", b""))
+        head = express.recv_exact(s, express.REPLY.size)
+        assert head is not None and codes[express.REPLY.unpack(head)[1]].name == "INVALID_ARGUMENT"
+    with kvstore.Client(srv.unix_url) as c:
+        assert c.stats().chunks == 0, "the server serves on after all of them"
+
+
+def test_without_the_plane_or_with_it_full_calls_go_by_grpc(make_server: MakeServer) -> None:
+    off = make_server("off", args=["--no-express"]).start()
+    with kvstore.Client(off.unix_url) as c:
+        assert c.info().express_socket == "" and c.express is None
+        assert c.stats().chunks == 0
+    assert not os.path.exists(f"{off.socket}{express.SUFFIX}")
+
+    full = make_server("full", env={"KVSTORE_EXPRESS_CONNECTIONS": "1"}).start()
+    with socket.socket(socket.AF_UNIX) as hog:
+        hog.connect(f"{full.socket}{express.SUFFIX}")
+        hog.sendall(express.request_frame(express.HELLO, express.hello_body([])))
+        assert express.recv_exact(hog, express.REPLY.size) is not None
+        with kvstore.Client(full.unix_url) as c:
+            for _ in range(3):
+                assert c.stats().chunks == 0, "answered over gRPC"
+            assert c.express is not None and c.express.calls == 0, "the only connection is taken"
+
+
+def test_a_restarted_server_is_reached_again_over_its_new_socket(make_server: MakeServer) -> None:
+    srv = make_server().start()
+    ns = namespace("express-restart")
+    with kvstore.Client(srv.unix_url) as c:
+        toks = _store(c, ns, 2)
+        link = c.express
+        assert link is not None and link.calls > 0
+        srv.stop()
+        srv.start()
+        # The pooled connection is dead: it is let go unused, a new one made.
+        assert c.lookup(ns, toks).matched_tokens == 2 * 256, "L2 kept the chunks"
+        calls = link.calls
+        c.stats()
+        assert link.calls == calls + 1, "still over the express plane"
+
+
+def _stopped(pid: int) -> None:
+    """Wait until a SIGSTOP took effect: kill returns before the process stops, and on
+    this 2-core host the server may answer one more call in between."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            if "\nState:\tT" in f.read():
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def test_a_stalled_server_fails_the_call_at_its_deadline(make_server: MakeServer) -> None:
+    srv = make_server().start()
+    assert srv.proc is not None
+    with kvstore.Client(srv.unix_url, timeout=0.5) as c:
+        c.stats()
+        assert c.express is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            _stopped(srv.proc.pid)
+            t0 = time.monotonic()
+            with pytest.raises(KVStoreError) as e:
+                c.stats()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert 0.4 < took < 3.0, f"failed after {took:.2f} s, deadline 0.5 s"
+        assert "Deadline" in str(e.value) or "DEADLINE" in str(e.value), e.value
+        assert c.stats().chunks == 0, "the next call is answered"
+
+
+def test_tenants_take_the_express_plane_under_their_own_rules(
+    make_server: MakeServer, tmp_path: Any
+) -> None:
+    tenants = tmp_path / "tenants"
+    tenants.write_text("alpha:alpha-token\n")
+    srv = make_server(args=["--token", TOKEN, "--tenant-tokens", str(tenants)]).start()
+    with kvstore.Client(srv.unix_url, token="alpha-token", shm=False) as c:
+        assert c.info().express_socket, "offered to tenants too (unary calls only)"
+        ns = Namespace(model="server-test", dtype="bfloat16", layout="alpha", salt="alpha")
+        toks = tokens(256)
+        data = payload(256 * 512, 1)
+        h = chunk_header(ns, ROOT, toks, data, "bfloat16", shape_for(256, 512))
+        assert c.lookup(ns, toks).matched_tokens == 0  # proves the namespace
+        assert c.put(h, data).ok
+        assert c.lookup(ns, toks).matched_tokens == 256
+        assert c.express is not None and c.express.calls >= 2
+        assert not c.info().shm_path, "and still no shared memory"
