@@ -7,7 +7,9 @@ awaitable, nothing else changed), the way tests/tiers/test_contract.py runs one 
 over every tier. The servers are real kvstore-server processes: the shared one of
 tests/server/conftest.py, and servers of their own where a test needs flags (tenants,
 a tiny arena) or a restart. ``plane`` is how the bytes travel: ``shm`` (the Unix
-socket, shared memory) or ``grpc`` (TCP, streamed).
+socket, shared memory) or ``grpc`` (TCP, streamed). Over the Unix socket the two
+clients' unary calls take both transports: ``Client``'s go by the server's express
+plane, ``AsyncClient``'s by gRPC (tests/server/test_express.py checks which).
 """
 
 from __future__ import annotations
