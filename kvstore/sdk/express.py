@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import socket
 import threading
@@ -62,6 +63,7 @@ class ExpressLink:
         self._idle: list[socket.socket] = []
         self._down_until = 0.0
         self._closed = False
+        self._pid = os.getpid()
         self.calls = 0  # calls this link carried (its tests and benchmarks read it)
 
     def call(self, method: str, request: Any, timeout: float) -> Any:
@@ -128,6 +130,11 @@ class ExpressLink:
             with self._lock:
                 if self._closed:
                     raise KVStoreError("the client is closed")
+                if self._pid != os.getpid():
+                    # A forked child: the pooled sockets are its parent's too, and two
+                    # processes writing frames on one socket would mix them. Forgotten,
+                    # not closed (closing here would not end them for the parent).
+                    self._idle, self._pid = [], os.getpid()
                 conn = self._idle.pop() if self._idle else None
                 if conn is None and self._clock() < self._down_until:
                     return None

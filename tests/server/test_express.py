@@ -226,3 +226,34 @@ def test_tenants_take_the_express_plane_under_their_own_rules(
         assert c.lookup(ns, toks).matched_tokens == 256
         assert c.express is not None and c.express.calls >= 2
         assert not c.info().shm_path, "and still no shared memory"
+
+
+def test_a_forked_child_opens_connections_of_its_own(server: KVServer) -> None:
+    """A child forked with the pool would share its parent's sockets: frames of both
+    processes mixed on one, each reading answers to the other's calls (rarely: the
+    kernel mostly wakes the reader that waited first, so wrong answers alone do not
+    show it). It leaves them and dials its own: no socket of its pool is its parent's,
+    and both look up prompts of their own, each answered right."""
+    with kvstore.Client(server.unix_url) as c:
+        mine, theirs = namespace("fork-parent"), namespace("fork-child")
+        toks = _store(c, mine, 2)
+        _store(c, theirs, 1)
+        link = c.express
+        assert link is not None
+        parents = {os.fstat(s.fileno()).st_ino for s in link._idle}
+        assert parents, "the parent pooled a connection"
+        pid = os.fork()
+        if pid == 0:  # the child: only the express plane, then out without cleanup
+            code = 3
+            try:
+                got = {c.lookup(theirs, toks).matched_tokens for _ in range(100)}
+                own = {os.fstat(s.fileno()).st_ino for s in link._idle}
+                code = 1 if got != {256} else 2 if own & parents or not own else 0
+            finally:
+                os._exit(code)
+        got = {c.lookup(mine, toks).matched_tokens for _ in range(100)}
+        _, status = os.waitpid(pid, 0)
+        assert got == {512}, f"the parent read other answers: {got}"
+        code = os.waitstatus_to_exitcode(status)
+        assert code != 2, "the child made its calls on its parent's sockets"
+        assert code == 0, f"the child's calls failed ({code})"
