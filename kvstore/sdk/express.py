@@ -27,7 +27,7 @@ from kvstore import express
 from kvstore.clock import Clock, monotonic
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ERROR_REASON_HEADER
-from kvstore.sdk.wire import error_from_status
+from kvstore.sdk.wire import error_from_code, error_from_status
 from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.sdk")
@@ -35,7 +35,6 @@ log = logging.getLogger("kvstore.sdk")
 FALLBACK: Final = object()  # ``call``'s answer when the call must go by gRPC
 RETRY_S: Final = 1.0  # after a connection was refused, gRPC alone for this long
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 # Each unary method's response message (what a reply's body parses into).
 _RESPONSES = {
     m.name: getattr(pb, m.output_type.name)
@@ -96,9 +95,7 @@ class ExpressLink:
             return response.FromString(body)
         details, trailers = express.parse_error(body)
         reason = next((v for k, v in trailers if k == ERROR_REASON_HEADER), "")
-        raise error_from_status(
-            _CODES.get(code, grpc.StatusCode.UNKNOWN), details, method, self._target, reason=reason
-        )
+        raise error_from_code(code, details, method, self._target, reason=reason)
 
     def send(self, method: str, request: Any) -> bool:
         """Send a call whose answer nobody waits for (a Release); False if it did not go."""

@@ -99,9 +99,13 @@ def error_from_rpc(e: grpc.RpcError, what: str, target: str) -> errors.KVStoreEr
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def error_from_code(code: int, details: str, what: str, target: str) -> errors.KVStoreError:
-    """The error of one failed item of a batch call (``CommitResponse.error_code``)."""
-    return error_from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, what, target)
+def error_from_code(
+    code: int, details: str, what: str, target: str, *, reason: str = ""
+) -> errors.KVStoreError:
+    """The error of a status given by its number: one failed item of a batch call
+    (``CommitResponse.error_code``), or a failed call of the express plane."""
+    status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+    return error_from_status(status, details, what, target, reason=reason)
 
 
 def error_from_status(
