@@ -412,6 +412,8 @@ def test_info_and_health(server: Server, stored: dict) -> None:
         ["memory", "disk"],
         True,
     ), doc
+    assert doc["express_used"] and doc["express_socket"].endswith(".express"), doc
+    assert "used by this client" in fields["express plane"], info
     assert ok(cli(server, "health")).startswith(f"serving: {server.url}")
     assert as_json(call(server, "--json", "health")) | {"server_version": ""} == {
         "url": server.url,

@@ -158,6 +158,7 @@ def cmd_info(args: argparse.Namespace) -> Doc:
 
     with _client(args) as c:
         info = c.info()
+        express_used = c.express is not None
     why = ""
     if not info.shm_path:
         why = "the server does not offer it"
@@ -176,6 +177,7 @@ def cmd_info(args: argparse.Namespace) -> Doc:
         "client_native": accel.IMPL,
         "shm_usable": not why,
         "shm_unusable_reason": why,
+        "express_used": express_used,
     }
 
 

@@ -169,6 +169,14 @@ def _render_stats(d: dict[str, Any]) -> str:
     )
 
 
+def _express(d: dict[str, Any]) -> str:
+    if not d.get("express_socket"):
+        return "not offered"
+    if d.get("express_used"):
+        return f"{d['express_socket']}, used by this client"
+    return f"{d['express_socket']}, not used (gRPC: not dialed over the Unix socket)"
+
+
 def _render_info(d: dict[str, Any]) -> str:
     shm = "not offered"
     if d["shm_path"]:
@@ -198,6 +206,7 @@ def _render_info(d: dict[str, Any]) -> str:
             ("max message", human_bytes(d["max_message_bytes"])),
             ("stream piece", human_bytes(d["piece_bytes"])),
             ("shared memory", shm),
+            ("express plane", _express(d)),
             ("lease", f"{d['lease_ms']} ms"),
             ("auth", "token required" if d["auth_required"] else "none"),
         ]
