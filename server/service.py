@@ -13,6 +13,7 @@ the ``x-kvstore-session`` metadata of the call, tracked in ``holds``) is
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,14 @@ from kvstore.errors import (
     CorruptRecord,
     InvalidArgument,
 )
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, KEY_SCHEME, ChunkKey, Fingerprint
+from kvstore.keys import (
+    FINGERPRINT_BYTES,
+    KEY_BYTES,
+    KEY_SCHEME,
+    ChunkKey,
+    Fingerprint,
+    Namespace,
+)
 from kvstore.protocol import (
     SESSION_HEADER,
     boot_id,
@@ -60,6 +68,14 @@ from .streams import Watchdog, pieces, receive_put, send_get, touching
 from .tenants import Denied, Tenants
 
 log = logging.getLogger("kvstore.server")
+
+
+@functools.lru_cache(maxsize=256)
+def _described(raw: bytes) -> Namespace:
+    """A namespace a lookup describes, by its wire bytes: an engine sends the same one
+    with every lookup, and parsing it and hashing its fingerprint each time cost ~0.05 ms
+    of a 0.4 ms Lookup. Namespaces are immutable; a bad one raises and is not kept."""
+    return namespace_from_pb(pb.Namespace.FromString(raw))
 
 
 class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
@@ -283,7 +299,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             )
         ns = None
         if request.HasField("namespace"):
-            ns = namespace_from_pb(request.namespace)
+            ns = _described(request.namespace.SerializeToString())
             if ns.fingerprint != fp:
                 raise InvalidArgument(
                     "namespace does not match fingerprint (its fingerprint is "
