@@ -36,6 +36,13 @@ LINGER_S = 1.0
 LINGER_BYTES = 64 << 20
 
 
+def _whole(conn: socket.socket, n: int) -> bytes:
+    data = express.recv_exact(conn, n)
+    if data is None:
+        raise ConnectionError("the peer closed the express socket within a frame")
+    return data
+
+
 class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -84,8 +91,14 @@ class ExpressPlane:
         refusal: Callable[[express.Metadata], str | None],
         max_frame: int,
         max_connections: int,
+        frame_timeout_s: float = 30.0,
     ) -> None:
         self.path = path
+        # Once a frame's header is in, the rest must follow within this: a client that
+        # stops mid-frame (hung, hostile) does not hold its thread. Between frames a
+        # connection may sit idle (its client's pool keeps it); those are bounded by
+        # max_connections, past which clients use gRPC.
+        self._frame_timeout_s = frame_timeout_s
         self._methods = _unary_methods(service)
         self._refusal = refusal
         self._max_frame = max_frame
@@ -160,21 +173,25 @@ class ExpressPlane:
             conn.close()
 
     def _read(self, conn: socket.socket) -> tuple[str, bytes, int] | None:
-        head = express.recv_exact(conn, express.REQUEST.size)
-        if head is None:
+        """The next frame (name, body, flags); None at a clean end or a refused one."""
+        first = express.recv_exact(conn, 1)  # waits as long as the connection idles
+        if first is None:
             return None
-        size, name_len, flags = express.REQUEST.unpack(head)
-        if size > self._max_frame:
-            self._fail(
-                conn,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"a {size}-byte request; the server takes {self._max_frame} at most "
-                "(max_message_bytes)",
-            )
-            return None  # the rest of the frame is not read: the connection ends
-        rest = express.recv_exact(conn, name_len + size)
-        if rest is None:
-            raise ConnectionError("the peer closed the express socket within a frame")
+        conn.settimeout(self._frame_timeout_s)
+        try:
+            head = first + _whole(conn, express.REQUEST.size - 1)
+            size, name_len, flags = express.REQUEST.unpack(head)
+            if size > self._max_frame:
+                self._fail(
+                    conn,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a {size}-byte request; the server takes {self._max_frame} at most "
+                    "(max_message_bytes)",
+                )
+                return None  # the rest of the frame is not read: the connection ends
+            rest = _whole(conn, name_len + size)
+        finally:
+            conn.settimeout(None)
         return rest[:name_len].decode("ascii", errors="replace"), rest[name_len:], flags
 
     def _hello(self, conn: socket.socket) -> express.Metadata | None:

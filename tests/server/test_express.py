@@ -257,3 +257,47 @@ def test_a_forked_child_opens_connections_of_its_own(server: KVServer) -> None:
         code = os.waitstatus_to_exitcode(status)
         assert code != 2, "the child made its calls on its parent's sockets"
         assert code == 0, f"the child's calls failed ({code})"
+
+
+class _StatsOnly:
+    """A servicer answering every unary method with an empty StatsResponse: the listener
+    alone is under test (how it treats a client stalled within a frame)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda request, context: pb.StatsResponse()
+
+
+def test_a_client_stalled_within_a_frame_loses_its_connection(tmp_path: Any) -> None:
+    """A connection may idle between frames as long as it likes (its client's pool keeps
+    it), but once a frame began the rest must follow: a client that stops halfway does
+    not hold the thread serving it."""
+    from kvstore.server.express import ExpressPlane
+
+    path = str(tmp_path / "x.express")
+    plane = ExpressPlane(
+        _StatsOnly(),
+        path,
+        refusal=lambda metadata: None,
+        max_frame=1 << 20,
+        max_connections=4,
+        frame_timeout_s=0.3,
+    )
+    hello = express.request_frame(express.HELLO, express.hello_body([]))
+    try:
+        with socket.socket(socket.AF_UNIX) as idle, socket.socket(socket.AF_UNIX) as stalled:
+            for s in (idle, stalled):
+                s.settimeout(10)
+                s.connect(path)
+                s.sendall(hello)
+                assert express.recv_exact(s, express.REPLY.size) is not None
+            stalled.sendall(express.request_frame("Stats", b"")[:3])  # a header cut short
+            t0 = time.monotonic()
+            assert stalled.recv(1) == b"", "the server ends the stalled connection"
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.6)  # twice the frame timeout, between frames
+            idle.sendall(express.request_frame("Stats", b""))
+            head = express.recv_exact(idle, express.REPLY.size)
+            assert head is not None and express.REPLY.unpack(head)[1] == 0, "idle is kept"
+    finally:
+        plane.stop()
+    assert not os.path.exists(path), "stop removes its socket"
