@@ -207,7 +207,13 @@ class Client(ClientBase):
             self._express_checked = True  # the Info below goes by gRPC
             if not (self.use_express and self.endpoint.target.startswith("unix:")):
                 return None
-            info = self._info or self._run(core.info(self, None))
+            try:
+                info = self._info or self._run(core.info(self, None))
+            except KVStoreError:
+                # No answer yet (a server not up): this call goes by gRPC, and the next
+                # one asks again, so a client made before its server still takes the plane.
+                self._express_checked = False
+                return None
             if info.express_socket:
                 self._express = ExpressLink(
                     info.express_socket, self._metadata, self.url, clock=self._clock

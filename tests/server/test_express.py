@@ -301,3 +301,23 @@ def test_a_client_stalled_within_a_frame_loses_its_connection(tmp_path: Any) -> 
     finally:
         plane.stop()
     assert not os.path.exists(path), "stop removes its socket"
+
+
+def test_a_client_made_before_its_server_takes_the_plane_once_it_is_up(
+    make_server: MakeServer,
+) -> None:
+    srv = make_server()
+    with kvstore.Client(srv.unix_url, timeout=0.5) as c:
+        with pytest.raises(KVStoreError):
+            c.stats()  # nothing listens yet
+        srv.start()
+        deadline = time.monotonic() + 15
+        while True:  # gRPC's channel waits out its reconnect backoff first
+            try:
+                assert c.stats().chunks == 0
+                break
+            except KVStoreError:
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.2)
+        assert c.stats().chunks == 0
+        assert c.express is not None and c.express.calls >= 1, "looked again at a later call"
