@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Final
 
@@ -68,7 +69,7 @@ def parse_hello(body: bytes) -> Metadata:
         data = json.loads(body)
         version, pairs = data["version"], data["metadata"]
         metadata = tuple((str(k), str(v)) for k, v in pairs)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
         raise ValueError(f"not a hello frame: {e}") from e
     if version != VERSION:
         raise ValueError(f"express plane version {version}; this end speaks {VERSION}")
@@ -85,19 +86,26 @@ def parse_error(body: bytes) -> tuple[str, Metadata]:
     try:
         data = json.loads(body)
         return str(data["details"]), tuple((str(k), str(v)) for k, v in data["trailers"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return body.decode(errors="replace"), ()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     """Exactly ``n`` bytes, or None if the peer closed before the first of them (a clean
-    end between frames); ConnectionError if it closed within them."""
+    end between frames); ConnectionError if it closed within them. With ``deadline``
+    (``time.monotonic()``) all of them by then, else TimeoutError: a peer sending a byte
+    now and then does not stretch it. Without one, the socket's own timeout per read."""
     if n == 0:
         return b""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0:

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,11 @@ log = logging.getLogger("kvstore.server.express")
 
 # A refused connection's unread bytes are drained for this long, up to this many.
 LINGER_S = 1.0
-LINGER_BYTES = 64 << 20
+LINGER_BYTES = 4 << 20
 
 
-def _whole(conn: socket.socket, n: int) -> bytes:
-    data = express.recv_exact(conn, n)
+def _whole(conn: socket.socket, n: int, deadline: float) -> bytes:
+    data = express.recv_exact(conn, n, deadline)
     if data is None:
         raise ConnectionError("the peer closed the express socket within a frame")
     return data
@@ -91,20 +92,25 @@ class ExpressPlane:
         refusal: Callable[[express.Metadata], str | None],
         max_frame: int,
         max_connections: int,
+        max_calls: int,
         frame_timeout_s: float = 30.0,
     ) -> None:
         self.path = path
-        # Once a frame's header is in, the rest must follow within this: a client that
-        # stops mid-frame (hung, hostile) does not hold its thread. Between frames a
-        # connection may sit idle (its client's pool keeps it); those are bounded by
-        # max_connections, past which clients use gRPC.
+        # A connection's HELLO, and every later frame once its first byte is in, must
+        # arrive whole within this: a client that stops mid-frame, or connects and never
+        # says who it is (hung, hostile), does not keep its thread. Between frames a
+        # connection may sit idle (its client's pool keeps it); at most max_connections,
+        # past which clients use gRPC.
         self._frame_timeout_s = frame_timeout_s
         self._methods = _unary_methods(service)
         self._refusal = refusal
         self._max_frame = max_frame
         self._max_connections = max_connections
+        # Calls served at once, as gRPC's max_concurrent_rpcs bounds its worker threads:
+        # more wait for a turn.
+        self._calls = threading.BoundedSemaphore(max_calls)
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._closing = False
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -117,19 +123,24 @@ class ExpressPlane:
         self._thread = threading.Thread(target=self._accept, name="kvstore-express", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop accepting, end every connection (a call in flight finishes its own reply
-        or finds its socket gone) and remove the socket file if it is still ours."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, end every connection and wait (up to ``timeout_s``) for the
+        calls in flight on them to finish, then remove the socket file if it is still
+        ours. The server calls it once its calls drained, before it closes the store."""
         with self._lock:
             self._closing = True
-            conns = list(self._conns)
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self._thread.join(timeout=timeout_s)
+        with self._lock:
+            conns = dict(self._conns)
         for c in conns:
             with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5.0)
+                c.shutdown(socket.SHUT_RD)  # a call in flight still sends its reply
+        deadline = time.monotonic() + timeout_s
+        for t in conns.values():
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self.inode:
                 os.unlink(self.path)
@@ -143,22 +154,27 @@ class ExpressPlane:
             with self._lock:
                 refused = self._closing or len(self._conns) >= self._max_connections
                 if not refused:
-                    self._conns.add(conn)
-            if refused:  # the client makes its calls over gRPC instead
-                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                    thread = threading.Thread(
+                        target=self._serve, args=(conn,), name="kvstore-express-conn", daemon=True
+                    )
+                    self._conns[conn] = thread
+            if refused:
+                # Said at once, without waiting for the client's HELLO (no thread is spent
+                # on it); the client makes its calls over gRPC instead.
+                with contextlib.suppress(OSError):
+                    conn.setblocking(False)
+                    conn.send(
+                        express.reply_frame(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                            express.error_body(
+                                f"the server takes {self._max_connections} express "
+                                "connections at most (express_connections); use gRPC"
+                            ),
+                        )
+                    )
+                conn.close()
                 continue
-            threading.Thread(
-                target=self._serve, args=(conn,), name="kvstore-express-conn", daemon=True
-            ).start()
-
-    def _refuse(self, conn: socket.socket) -> None:
-        self._fail(
-            conn,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"the server takes {self._max_connections} express connections at most "
-            "(express_connections); use gRPC",
-        )
-        conn.close()
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -167,35 +183,41 @@ class ExpressPlane:
                 pass
         except (OSError, ConnectionError) as e:
             log.debug("express connection ended: %s", e)
+        except Exception:  # never expected: the connection ends, the server goes on
+            log.exception("express connection failed")
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
-    def _read(self, conn: socket.socket) -> tuple[str, bytes, int] | None:
-        """The next frame (name, body, flags); None at a clean end or a refused one."""
-        first = express.recv_exact(conn, 1)  # waits as long as the connection idles
+    def _read(self, conn: socket.socket, *, hello: bool = False) -> tuple[str, bytes, int] | None:
+        """The next frame (name, body, flags); None at a clean end or a refused one. The
+        HELLO is timed from the connection's start, a later frame from its first byte."""
+        deadline = time.monotonic() + self._frame_timeout_s
+        if hello:
+            first = express.recv_exact(conn, 1, deadline)
+        else:
+            conn.settimeout(None)
+            first = express.recv_exact(conn, 1)  # waits as long as the connection idles
+            deadline = time.monotonic() + self._frame_timeout_s
         if first is None:
             return None
-        conn.settimeout(self._frame_timeout_s)
-        try:
-            head = first + _whole(conn, express.REQUEST.size - 1)
-            size, name_len, flags = express.REQUEST.unpack(head)
-            if size > self._max_frame:
+        head = first + _whole(conn, express.REQUEST.size - 1, deadline)
+        size, name_len, flags = express.REQUEST.unpack(head)
+        if size > self._max_frame:
+            if not flags & express.NO_REPLY:  # a call not waited for gets no answer, ever
                 self._fail(
                     conn,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"a {size}-byte request; the server takes {self._max_frame} at most "
                     "(max_message_bytes)",
                 )
-                return None  # the rest of the frame is not read: the connection ends
-            rest = _whole(conn, name_len + size)
-        finally:
-            conn.settimeout(None)
+            return None  # the rest of the frame is not read: the connection ends
+        rest = _whole(conn, name_len + size, deadline)
         return rest[:name_len].decode("ascii", errors="replace"), rest[name_len:], flags
 
     def _hello(self, conn: socket.socket) -> express.Metadata | None:
-        frame = self._read(conn)
+        frame = self._read(conn, hello=True)
         if frame is None:
             return None
         name, body, _ = frame
@@ -229,13 +251,15 @@ class ExpressPlane:
             parse, handler = method
             context = _Context(metadata)
             try:
-                answer = handler(parse(body), context)
+                with self._calls:
+                    answer = handler(parse(body), context)
                 reply = express.reply_frame(0, answer.SerializeToString())
             except _Aborted as e:
                 reply = express.reply_frame(
                     e.code.value[0], express.error_body(e.details, context.trailers)
                 )
         if not flags & express.NO_REPLY:
+            conn.settimeout(self._frame_timeout_s)  # a client that stops reading
             conn.sendall(reply)
         return True
 
@@ -244,9 +268,12 @@ class ExpressPlane:
         is read and dropped first (briefly): closing a socket with unread bytes resets
         it, and the client could lose the answer that says why."""
         with contextlib.suppress(OSError):
+            conn.settimeout(LINGER_S)
             conn.sendall(express.reply_frame(code.value[0], express.error_body(details)))
             conn.shutdown(socket.SHUT_WR)
-            conn.settimeout(LINGER_S)
+            deadline = time.monotonic() + LINGER_S
             left = LINGER_BYTES
-            while left > 0 and (got := conn.recv(min(left, 1 << 20))):
+            while (
+                left > 0 and time.monotonic() < deadline and (got := conn.recv(min(left, 1 << 20)))
+            ):
                 left -= len(got)

@@ -395,7 +395,12 @@ def _start(
             raise StartError(f"cannot listen on unix socket {cfg.unix_socket}: {e}") from e
         endpoints.append(f"unix://{os.path.abspath(cfg.unix_socket)}")
     plane = _start_express(cfg, service, auth)
-    server.start()
+    try:
+        server.start()
+    except BaseException:
+        if plane is not None:
+            plane.stop()
+        raise
     if cfg.unix_socket:
         inode = os.stat(cfg.unix_socket).st_ino
     for name in ("", SERVICE_NAME):
@@ -427,6 +432,7 @@ def _start_express(cfg: ServerConfig, service: Any, auth: Any) -> Any:
             refusal=auth.refusal if auth is not None else (lambda metadata: None),
             max_frame=cfg.max_message_bytes,
             max_connections=cfg.express_connections,
+            max_calls=cfg.max_concurrent_rpcs,
         )
     except OSError as e:
         raise StartError(f"cannot listen on unix socket {path}: {e}") from e
@@ -529,9 +535,9 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     drained = service.shutdown(cfg.grace_s)
     if not drained:
         log.warning("in-flight calls did not finish within %.1f s; cancelling them", cfg.grace_s)
-    running.server.stop(0).wait(5.0)  # ends Session streams (their leases are dropped)
     if running.express is not None:
-        running.express.stop()
+        running.express.stop()  # its calls in flight finish before the store closes
+    running.server.stop(0).wait(5.0)  # ends Session streams (their leases are dropped)
     housekeeping_stop.set()
     keeper.join(timeout=5.0)
     metrics.stop()

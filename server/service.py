@@ -299,7 +299,10 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             )
         ns = None
         if request.HasField("namespace"):
-            ns = _described(request.namespace.SerializeToString())
+            raw = request.namespace.SerializeToString()
+            # Only small ones are kept: a client could otherwise fill the cache with
+            # namespaces of megabytes (their extra fields).
+            ns = _described(raw) if len(raw) <= 4096 else namespace_from_pb(request.namespace)
             if ns.fingerprint != fp:
                 raise InvalidArgument(
                     "namespace does not match fingerprint (its fingerprint is "

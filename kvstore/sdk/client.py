@@ -35,6 +35,7 @@ import builtins
 import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore import express
 from kvstore.arena import ArenaView
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
@@ -61,7 +63,7 @@ from kvstore.sdk.base import (
 )
 from kvstore.sdk.express import FALLBACK, ExpressLink
 from kvstore.sdk.shm import USE_GET, Lease, Reservation, UseGet, prefault
-from kvstore.sdk.wire import NamespaceInfo, ServerInfo
+from kvstore.sdk.wire import NamespaceInfo, ServerInfo, info_from_pb
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -140,6 +142,7 @@ class Client(ClientBase):
         self.use_express = True
         self._express: ExpressLink | None = None
         self._express_checked = False
+        self._express_asking = False  # a background Info is on its way
         self._express_lock = threading.Lock()
 
     # -- the transport: each step of a plan as a blocking call ----------------------------
@@ -150,14 +153,17 @@ class Client(ClientBase):
         if self._closed:
             raise KVStoreError("the client is closed")
         if type(step) is core.Call:
+            timeout = self._deadline(step.timeout)
             link = self._express if self._express_checked else self._express_link()
             if link is not None:
-                out = link.call(step.method, step.request, self._deadline(step.timeout))
+                deadline = time.monotonic() + timeout
+                out = link.call(step.method, step.request, deadline)
                 if out is not FALLBACK:
                     return out
+                timeout = max(0.0, deadline - time.monotonic())  # what is left of it
             try:
                 return self._methods[step.method](
-                    step.request, timeout=self._deadline(step.timeout), metadata=self._metadata
+                    step.request, timeout=timeout, metadata=self._metadata
                 )
             except grpc.RpcError as e:
                 raise self._error(e, step.method) from e
@@ -199,31 +205,50 @@ class Client(ClientBase):
         raise TypeError(f"not a step of the client core: {step!r}")
 
     def _express_link(self) -> ExpressLink | None:
-        """The express link, decided at the first call: the server's Info (asked over
-        gRPC, once, unless a call asked it already) says where its express socket is."""
+        """The express link, decided once the server's Info is known (it says where the
+        express socket is). Until then calls go by gRPC and an Info is asked in the
+        background, so no call waits for it (a scheduler's lookup has its own deadline),
+        and one that failed (no server yet) is asked again at a later call."""
         with self._express_lock:
             if self._express_checked:
                 return self._express
-            self._express_checked = True  # the Info below goes by gRPC
+            info = self._info
             if not (self.use_express and self.endpoint.target.startswith("unix:")):
-                return None
-            try:
-                info = self._info or self._run(core.info(self, None))
-            except KVStoreError:
-                # No answer yet (a server not up): this call goes by gRPC, and the next
-                # one asks again, so a client made before its server still takes the plane.
-                self._express_checked = False
-                return None
-            if info.express_socket:
-                self._express = ExpressLink(
-                    info.express_socket, self._metadata, self.url, clock=self._clock
-                )
-            return self._express
+                self._express_checked = True
+            elif info is not None:
+                self._express_checked = True
+                # The socket beside the one this client dialed, not the path Info names:
+                # in another mount namespace (a container) that may be another server's.
+                dialed = os.path.abspath(self.endpoint.target[len("unix:") :])
+                path = express.socket_path(dialed)
+                if info.express_socket and path:
+                    self._express = ExpressLink(path, self._metadata, self.url, clock=self._clock)
+            if self._express_checked:
+                return self._express
+            ask, self._express_asking = not self._express_asking, True
+        if ask:  # outside the lock: a future done already runs its callback right here
+            fut = self._stub.Info.future(
+                pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata
+            )
+            fut.add_done_callback(self._express_info)
+        return None
+
+    def _express_info(self, fut: grpc.Future) -> None:
+        """The background Info's answer (on a gRPC thread: nothing here waits)."""
+        try:
+            info = info_from_pb(fut.result())
+        except Exception:  # the server is not up: a later call asks again
+            info = None
+        with self._express_lock:
+            self._express_asking = False
+            if info is not None and self._info is None:
+                self._info = info
 
     @property
     def express(self) -> ExpressLink | None:
-        """The express link this client's unary calls take, if it has one now (no setup)."""
-        return self._express
+        """The express link this client's unary calls take, if it has one (decided here
+        if the server's Info is known; None until then)."""
+        return self._express if self._express_checked else self._express_link()
 
     def _shm(self) -> ArenaView | None:
         """The mapped arena if the shared-memory plane is in use (set up on first use)."""

@@ -19,6 +19,8 @@ import os
 import select
 import socket
 import threading
+import time
+import weakref
 from typing import Any, Final
 
 import grpc
@@ -57,33 +59,35 @@ class ExpressLink:
         self.path = path
         self._hello = express.request_frame(express.HELLO, express.hello_body(metadata))
         self._target = target  # named in errors
-        self._clock = clock
+        self._clock = clock  # when a refused plane is tried again
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._down_until = 0.0
         self._closed = False
-        self._pid = os.getpid()
         self.calls = 0  # calls this link carried (its tests and benchmarks read it)
+        _LINKS.add(self)
 
-    def call(self, method: str, request: Any, timeout: float) -> Any:
+    def call(self, method: str, request: Any, deadline: float) -> Any:
         """``method``'s reply, its error raised, or FALLBACK (also for a method the express
-        plane does not carry: a streaming one)."""
+        plane does not carry: a streaming one). ``deadline`` (``time.monotonic()``) bounds
+        the whole call, a connection made for it included; what is left of it after a
+        FALLBACK is the gRPC call's."""
         response = _RESPONSES.get(method)
         if response is None:
             return FALLBACK
-        conn = self._take(timeout)
+        conn = self._take(deadline)
         if conn is None:
             return FALLBACK
         frame = express.request_frame(method, request.SerializeToString())
         try:
-            conn.settimeout(timeout)
             try:
+                conn.settimeout(_left(deadline))
                 conn.sendall(frame)
             except OSError:
                 # Not all of it went out: the server never read a whole request.
                 conn.close()
                 return FALLBACK
-            code, body = self._reply(conn, method)
+            code, body = _reply(conn, method, deadline)
         except TimeoutError as e:
             conn.close()
             raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method) from e
@@ -98,16 +102,20 @@ class ExpressLink:
         raise error_from_code(code, details, method, self._target, reason=reason)
 
     def send(self, method: str, request: Any) -> bool:
-        """Send a call whose answer nobody waits for (a Release); False if it did not go."""
-        conn = self._take(1.0)
+        """Send a call whose answer nobody waits for (a Release) on a connection of the
+        pool; False if there is none idle or it did not go (the caller sends it by gRPC,
+        also without waiting: this never dials nor waits for a stalled server)."""
+        conn = self._take(None)
         if conn is None:
             return False
         try:
-            conn.settimeout(1.0)
-            conn.sendall(
-                express.request_frame(method, request.SerializeToString(), express.NO_REPLY)
-            )
+            conn.setblocking(False)
+            body = request.SerializeToString()
+            frame = express.request_frame(method, body, express.NO_REPLY)
+            if conn.send(frame) != len(frame):
+                raise BlockingIOError("the socket's buffer is full")
         except OSError:
+            # A part may have gone out: the connection can carry nothing more.
             conn.close()
             return False
         self._give(conn)
@@ -121,26 +129,24 @@ class ExpressLink:
             conn.close()
 
     # -- connections -----------------------------------------------------------------------
-    def _take(self, timeout: float) -> socket.socket | None:
-        """A live connection, or None when gRPC must carry the call."""
+    def _take(self, deadline: float | None) -> socket.socket | None:
+        """A live connection, or None when gRPC must carry the call. Without a deadline
+        only one of the pool (no dialing)."""
         while True:
             with self._lock:
                 if self._closed:
                     raise KVStoreError("the client is closed")
-                if self._pid != os.getpid():
-                    # A forked child: the pooled sockets are its parent's too, and two
-                    # processes writing frames on one socket would mix them. Forgotten,
-                    # not closed (closing here would not end them for the parent).
-                    self._idle, self._pid = [], os.getpid()
                 conn = self._idle.pop() if self._idle else None
-                if conn is None and self._clock() < self._down_until:
+                if conn is None and (deadline is None or self._clock() < self._down_until):
                     return None
             if conn is None:
-                return self._connect(timeout)
+                assert deadline is not None
+                return self._connect(deadline)
             # A pooled connection the server ended (a restart, its shutdown) reads as
             # ready: an end of file, or a refusal it sent. Such a one is let go unused.
-            readable, _, _ = select.select([conn], [], [], 0)
-            if not readable:
+            poller = select.poll()  # not select(): descriptors past 1023 are common
+            poller.register(conn, select.POLLIN)
+            if not poller.poll(0):
                 return conn
             conn.close()
 
@@ -153,13 +159,13 @@ class ExpressLink:
                 return
         conn.close()
 
-    def _connect(self, timeout: float) -> socket.socket | None:
+    def _connect(self, deadline: float) -> socket.socket | None:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(timeout)
+            conn.settimeout(_left(deadline))
             conn.connect(self.path)
             conn.sendall(self._hello)
-            code, body = self._reply(conn, express.HELLO)
+            code, body = _reply(conn, express.HELLO, deadline)
         except (OSError, ConnectionError) as e:
             conn.close()
             self._down(f"cannot connect: {e}")
@@ -180,20 +186,48 @@ class ExpressLink:
         with self._lock:
             self._down_until = self._clock() + RETRY_S
 
-    @staticmethod
-    def _reply(conn: socket.socket, method: str) -> tuple[int, bytes]:
-        head = express.recv_exact(conn, express.REPLY.size)
-        if head is None:
-            raise ConnectionError(f"the server closed the express socket before answering {method}")
-        size, code, _ = express.REPLY.unpack(head)
-        body = express.recv_exact(conn, size)
-        if body is None:
-            raise ConnectionError(f"the server closed the express socket within {method}'s answer")
-        return code, body
-
     def _error(self, code: grpc.StatusCode, details: str, method: str) -> KVStoreError:
         return error_from_status(code, details, method, self._target)
+
+    def _forked(self) -> None:
+        """In a forked child: the pooled sockets are its parent's connections too, and two
+        processes writing frames on one would mix them (each reading the other's
+        answers). The child closes its copies (the parent's stay open) and dials its own;
+        the lock is new, as another thread of the parent may have held it at the fork."""
+        self._lock = threading.Lock()
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed")
+    return left
+
+
+def _reply(conn: socket.socket, method: str, deadline: float) -> tuple[int, bytes]:
+    head = express.recv_exact(conn, express.REPLY.size, deadline)
+    if head is None:
+        raise ConnectionError(f"the server closed the express socket before answering {method}")
+    size, code, _ = express.REPLY.unpack(head)
+    body = express.recv_exact(conn, size, deadline)
+    if body is None:
+        raise ConnectionError(f"the server closed the express socket within {method}'s answer")
+    return code, body
+
+
+_LINKS: weakref.WeakSet[ExpressLink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for link in list(_LINKS):
+        link._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

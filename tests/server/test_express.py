@@ -58,6 +58,8 @@ def _store(c: kvstore.Client, ns: Namespace, n: int) -> np.ndarray:
 
 
 def test_a_unix_client_makes_its_unary_calls_over_the_express_socket(server: KVServer) -> None:
+    """Once the server's Info is known (asked in the background by the first call, which
+    goes by gRPC, or by the client itself)."""
     ns = namespace("express-calls")
     with kvstore.Client(server.unix_url) as c:
         info = c.info()
@@ -115,6 +117,7 @@ def test_the_hello_is_refused_without_the_right_token(make_server: MakeServer) -
     replies = _raw_call(path, good, "Stats", pb.StatsRequest().SerializeToString())
     assert [code for code, _ in replies] == [0, 0], replies
     with kvstore.Client(srv.unix_url, token=TOKEN) as c:
+        c.info()  # the plane is taken once the server's Info is known
         assert c.stats().chunks == 0 and c.express is not None and c.express.calls >= 1
     with kvstore.Client(srv.unix_url, token="wrong") as c, pytest.raises(Unauthenticated):
         c.stats()
@@ -280,6 +283,7 @@ def test_a_client_stalled_within_a_frame_loses_its_connection(tmp_path: Any) -> 
         refusal=lambda metadata: None,
         max_frame=1 << 20,
         max_connections=4,
+        max_calls=2,
         frame_timeout_s=0.3,
     )
     hello = express.request_frame(express.HELLO, express.hello_body([]))
@@ -321,3 +325,18 @@ def test_a_client_made_before_its_server_takes_the_plane_once_it_is_up(
                 time.sleep(0.2)
         assert c.stats().chunks == 0
         assert c.express is not None and c.express.calls >= 1, "looked again at a later call"
+
+
+def test_the_first_call_waits_for_no_info(server: KVServer) -> None:
+    """A client's first call goes by gRPC while the Info that locates the plane is asked
+    in the background: a scheduler's first lookup has a deadline of its own, shorter than
+    the client's. Later calls take the plane once the answer is in."""
+    with kvstore.Client(server.unix_url) as c:
+        assert c.stats().chunks >= 0
+        deadline = time.monotonic() + 10
+        while c.express is None:
+            assert time.monotonic() < deadline, "the background Info never set the plane up"
+            time.sleep(0.01)
+        calls = c.express.calls
+        c.stats()
+        assert c.express.calls == calls + 1
