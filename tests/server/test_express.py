@@ -94,6 +94,7 @@ def test_errors_read_back_alike_over_both_transports(server: KVServer) -> None:
     for use in (True, False):
         with kvstore.Client(server.unix_url) as c:
             c.use_express = use
+            c.info()  # the plane is taken (or not) from here on
             with pytest.raises(InvalidArgument) as e:
                 c.exists([b"short"])
             seen.append(str(e.value))
@@ -135,6 +136,17 @@ def test_bad_frames_are_answered_and_end_the_connection(make_server: MakeServer)
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     ]
     assert "max_message_bytes" in express.parse_error(replies[1][1])[0]
+    with socket.socket(socket.AF_UNIX) as s:  # too big, and not waited for: no answer
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(express.request_frame(express.HELLO, express.hello_body([])))
+        assert express.recv_exact(s, express.REPLY.size) is not None
+        s.sendall(express.request_frame("Release", b"\0" * 70_000, express.NO_REPLY))
+        try:  # the rest of the frame unread: the end may come as a reset
+            got = s.recv(1)
+        except ConnectionResetError:
+            got = b""
+        assert got == b"", "the connection ends without a reply a next call could take"
     replies = _raw_call(path, [], "Lookup", b"\xff\xff")
     assert codes[replies[1][0]] == grpc.StatusCode.INVALID_ARGUMENT, replies
     with socket.socket(socket.AF_UNIX) as s:  # a first frame that is not a HELLO
@@ -196,7 +208,7 @@ def test_a_stalled_server_fails_the_call_at_its_deadline(make_server: MakeServer
     srv = make_server().start()
     assert srv.proc is not None
     with kvstore.Client(srv.unix_url, timeout=0.5) as c:
-        c.stats()
+        c.info()
         assert c.express is not None
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -295,8 +307,13 @@ def test_a_client_stalled_within_a_frame_loses_its_connection(tmp_path: Any) -> 
                 s.sendall(hello)
                 assert express.recv_exact(s, express.REPLY.size) is not None
             stalled.sendall(express.request_frame("Stats", b"")[:3])  # a header cut short
+            silent = socket.socket(socket.AF_UNIX)  # connects, never says who it is
+            silent.settimeout(10)
+            silent.connect(path)
             t0 = time.monotonic()
             assert stalled.recv(1) == b"", "the server ends the stalled connection"
+            with silent:
+                assert silent.recv(1) == b"", "and the one that sent no HELLO"
             assert time.monotonic() - t0 < 5
             time.sleep(0.6)  # twice the frame timeout, between frames
             idle.sendall(express.request_frame("Stats", b""))
@@ -323,8 +340,13 @@ def test_a_client_made_before_its_server_takes_the_plane_once_it_is_up(
             except KVStoreError:
                 assert time.monotonic() < deadline, "the server never answered"
                 time.sleep(0.2)
+        while c.express is None:  # the Info asked again in the background
+            assert time.monotonic() < deadline, "the plane was never taken"
+            c.stats()
+            time.sleep(0.01)
+        calls = c.express.calls
         assert c.stats().chunks == 0
-        assert c.express is not None and c.express.calls >= 1, "looked again at a later call"
+        assert c.express.calls == calls + 1, "looked again at a later call"
 
 
 def test_the_first_call_waits_for_no_info(server: KVServer) -> None:
@@ -340,3 +362,29 @@ def test_the_first_call_waits_for_no_info(server: KVServer) -> None:
         calls = c.express.calls
         c.stats()
         assert c.express.calls == calls + 1
+
+
+def test_pooled_connections_past_descriptor_1023_are_checked(server: KVServer) -> None:
+    """The pool's check of a connection before reuse worked on descriptors below 1024
+    only (select): vLLM raises the open-file limit, and every call then failed."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the open-file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fillers = []
+    try:
+        with open(os.devnull) as f:
+            while not fillers or fillers[-1] < 1100:
+                fillers.append(os.dup(f.fileno()))
+        with kvstore.Client(server.unix_url) as c:
+            c.info()
+            for _ in range(3):
+                assert c.stats().chunks >= 0
+            assert c.express is not None and c.express.calls == 3
+            assert all(conn.fileno() >= 1024 for conn in c.express._idle), "not past 1023"
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
