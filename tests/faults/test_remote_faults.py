@@ -277,6 +277,12 @@ def test_redis_refusing_writes(
             time.sleep(REFUSING_S)  # 30 sweeps, each of which retried the backlog before
             during = _remote(c).detail
             tries = during["writes_refused"] - before["writes_refused"]
+            # While a probe of the refusing tier runs, its retries are out of the backlog
+            # (they come back refused a moment later): one sample may find it empty.
+            deadline = time.monotonic() + 2.0
+            while not during["backlog"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+                during = _remote(c).detail
             lost, wrong = _read_back(c, chunks)
             logged = _warnings(srv, "NOREPLICAS" if noreplicas else "WRONGTYPE")
             if noreplicas:
