@@ -314,32 +314,25 @@ def bench_shm(s: Servers, sizes: list[int], reps: int, progress: Progress) -> li
                 )
             if batch:
                 limit = _gbs(BATCH * size, t["memcpy_batch"])
+                what = {
+                    "put": ("ReserveMany + CommitMany", "each hashed while copied in "
+                            "(Client.reserve / commit)"),
+                    "get": ("AcquireMany", "each verified while copied out, one Release not "
+                            "waited for (Client.acquire_many / release_later)"),
+                }  # fmt: skip
                 for plane, how in (("", "express plane"), (".grpc", "gRPC")):
-                    out.append(
-                        Record(
-                            f"server.shm.put_batch{plane}.{size_label(size)}",
-                            _gbs(BATCH * size, t[f"put_batch{plane}"]),
-                            "GB/s",
-                            limit,
-                            limit_name=MEMCPY,
-                            target="0.5 of memcpy at 1 MiB" if not plane else "",
-                            notes=f"{BATCH} chunks per ReserveMany + CommitMany ({how}), "
-                            "each hashed while copied in (Client.reserve / commit)",
+                    for case, (calls, copies) in what.items():
+                        out.append(
+                            Record(
+                                f"server.shm.{case}_batch{plane}.{size_label(size)}",
+                                _gbs(BATCH * size, t[f"{case}_batch{plane}"]),
+                                "GB/s",
+                                limit,
+                                limit_name=MEMCPY,
+                                target="0.5 of memcpy at 1 MiB" if not plane else "",
+                                notes=f"{BATCH} chunks per {calls} ({how}), {copies}",
+                            )
                         )
-                    )
-                    out.append(
-                        Record(
-                            f"server.shm.get_batch{plane}.{size_label(size)}",
-                            _gbs(BATCH * size, t[f"get_batch{plane}"]),
-                            "GB/s",
-                            limit,
-                            limit_name=MEMCPY,
-                            target="0.5 of memcpy at 1 MiB" if not plane else "",
-                            notes=f"{BATCH} chunks per AcquireMany ({how}), each verified "
-                            "while copied out, one Release not waited for "
-                            "(Client.acquire_many / release_later)",
-                        )
-                    )
                 c.delete([h.key for h in stored])
             c.delete([get_h.key])
     return out

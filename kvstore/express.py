@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+from kvstore.v1 import kvstore_pb2 as pb
+
 REQUEST: Final = struct.Struct("<IBB")  # body bytes, method name bytes, flags
 REPLY: Final = struct.Struct("<IBB")  # body bytes, status code (gRPC's numbers), unused
 NO_REPLY: Final = 1  # request flag: the server sends no reply
@@ -41,6 +43,14 @@ SUFFIX: Final = ".express"  # the express socket's path: the gRPC Unix socket's 
 MAX_PATH: Final = 103  # bytes of a Unix socket's path (sun_path, NUL excluded), on any OS
 
 Metadata = tuple[tuple[str, str], ...]
+
+# The methods the plane carries, each with its request and response message: every
+# unary method of the service (the streams, Put, Get and Session, stay on gRPC).
+METHODS: Final = {
+    m.name: (getattr(pb, m.input_type.name), getattr(pb, m.output_type.name))
+    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
+    if not (m.client_streaming or m.server_streaming)
+}
 
 
 def socket_path(unix_socket: str) -> str:

@@ -26,7 +26,6 @@ from typing import Any
 import grpc
 
 from kvstore import express
-from kvstore.v1 import kvstore_pb2 as pb
 
 from .streams import request_parser
 
@@ -71,13 +70,11 @@ class _Context:
 
 
 def _unary_methods(service: Any) -> dict[str, tuple[Callable[[bytes], Any], Any]]:
-    """name -> (request parser, servicer method) for every unary-unary method."""
-    out = {}
-    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
-        if m.client_streaming or m.server_streaming:
-            continue
-        out[m.name] = (request_parser(getattr(pb, m.input_type.name)), getattr(service, m.name))
-    return out
+    """name -> (request parser, servicer method) for every method the plane carries."""
+    return {
+        name: (request_parser(request), getattr(service, name))
+        for name, (request, _) in express.METHODS.items()
+    }
 
 
 class ExpressPlane:

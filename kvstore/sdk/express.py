@@ -30,19 +30,11 @@ from kvstore.clock import Clock, monotonic
 from kvstore.errors import KVStoreError
 from kvstore.protocol import ERROR_REASON_HEADER
 from kvstore.sdk.wire import error_from_code, error_from_status
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.sdk")
 
 FALLBACK: Final = object()  # ``call``'s answer when the call must go by gRPC
 RETRY_S: Final = 1.0  # after a connection was refused, gRPC alone for this long
-
-# Each unary method's response message (what a reply's body parses into).
-_RESPONSES = {
-    m.name: getattr(pb, m.output_type.name)
-    for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods
-    if not (m.client_streaming or m.server_streaming)
-}
 
 
 class ExpressLink:
@@ -72,9 +64,10 @@ class ExpressLink:
         plane does not carry: a streaming one). ``deadline`` (``time.monotonic()``) bounds
         the whole call, a connection made for it included; what is left of it after a
         FALLBACK is the gRPC call's."""
-        response = _RESPONSES.get(method)
-        if response is None:
+        types = express.METHODS.get(method)
+        if types is None:
             return FALLBACK
+        response = types[1]
         conn = self._take(deadline)
         if conn is None:
             return FALLBACK
