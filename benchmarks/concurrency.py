@@ -7,7 +7,7 @@ GIL and would measure it, not the server). Each client has its own
 one kind on 4 MiB chunks:
 
 - ``put``: ``Client.put`` of ``OPS`` fresh chunks (Reserve, copy into the arena,
-  Commit: the server checksums the bytes); deleted again, untimed, after the round;
+  Commit: the server checks the header and publishes); deleted again, untimed, after the round;
 - ``get``: ``Client.get_into`` of the client's own stored chunk (Acquire: the server
   verifies it; copy out; Release);
 - ``save``: an engine step's save: ``Client.reserve`` of 16 fresh 1 MiB chunks (one

@@ -26,8 +26,12 @@ page cache warm as the server's is).
 Decodes around a load: with the server restarted again (the longest prompt on disk
 only), the ``auto`` engine runs ``itl_decodes`` decoding requests; once each has
 ``ITL_BEFORE`` tokens, the longest prompt joins the batch and is loaded in the
-background from LMDB. The decodes' inter-token gaps (one engine step each) from its
-arrival to its first token are set against their gaps before it arrived, same run.
+background from LMDB. The decodes' inter-token gaps (one engine step each) while it
+loads (from its arrival to the step before its first token) are set against their gaps
+before it arrived, same run; the step that then runs it (one token attending over the
+whole prefix) against the same step when the prompt is in vLLM's own cache (the same
+decodes again, right after: no load at all); and the whole window, arrival to first
+token, against the gaps before, as before.
 """
 
 from __future__ import annotations
@@ -253,11 +257,17 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
                 "load_seed": seed,
             }
             res = run("auto", {"itl": cmd})
-            if res.get("token") != cold_token:
-                raise AssertionError(
-                    f"decodes around a load: first token {res.get('token')} "
-                    f"!= cold {cold_token}: the loaded KV is wrong"
-                )
+            # The same again, the long prompt now in vLLM's own cache: no load at all, so
+            # its first step is what running it costs the decodes without kvstore's part.
+            res["floor"] = run("auto", {"itl": {**cmd, "seed": cmd["seed"] + 50}})
+            for got in (res, res["floor"]):
+                if got.get("token") != cold_token:
+                    raise AssertionError(
+                        f"decodes around a load: first token {got.get('token')} "
+                        f"!= cold {cold_token}: the loaded KV is wrong"
+                    )
+            if res["floor"].get("num_cached_tokens", 0) < n - BLOCK:
+                raise AssertionError(f"decodes, floor: not a prefix-cache hit ({res['floor']})")
             out["itl"].append(res)  # fmt: skip
         return out
     finally:
@@ -267,17 +277,32 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
             server.stop()
 
 
-def itl_gaps(run: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """The decodes' inter-token gaps (s): before the load request joined (the first two
-    steps left out: the decodes' own prefills), and from its arrival to its first token."""
+@dataclass(frozen=True)
+class Gaps:
+    """The decodes' inter-token gaps (s) in one run around the long prompt's arrival."""
+
+    before: list[float]  # before it joined (the first two steps, their own prefills, left out)
+    loading: list[float]  # from its arrival until the step before its first token
+    first: float  # the step that computed its first token (one token over its whole prefix)
+
+    @property
+    def window(self) -> list[float]:
+        return [*self.loading, self.first]
+
+
+def itl_gaps(run: dict[str, Any], loads: bool = True) -> Gaps:
+    """Split a run's step times at the long prompt's arrival and first token; ``loads``:
+    the run loaded it (some steps must have run meanwhile)."""
     steps, added, done = run["steps"], run["added"], run["done"]
     gaps = [(b, b - a) for a, b in itertools.pairwise(steps)]
     before = [g for t, g in gaps[2:] if t <= added]
-    during = [g for t, g in gaps if added < t <= done + 1e-6]
-    if not before or not during:
+    loading = [g for t, g in gaps if added < t < done - 1e-9]
+    first = [g for t, g in gaps if abs(t - done) <= 1e-9]
+    if not before or len(first) != 1 or (loads and not loading):
         raise AssertionError(f"decodes around a load: {len(before)} gaps before, "
-                             f"{len(during)} during: nothing to compare")  # fmt: skip
-    return before, during
+                             f"{len(loading)} while loading, {len(first)} at its first "
+                             "token: nothing to compare")  # fmt: skip
+    return Gaps(before, loading, first[0])
 
 
 def itl_records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
@@ -288,23 +313,37 @@ def itl_records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
     loads = [load_of(r) for r in runs]
     if any(not bg for _, _, bg in loads):
         raise AssertionError("decodes around a load: the load from L2 was not in the background")
-    before = [statistics.mean(itl_gaps(r)[0]) for r in runs]
-    during = [statistics.mean(itl_gaps(r)[1]) for r in runs]
-    worst = [max(itl_gaps(r)[1]) for r in runs]
-    mid = [statistics.median(itl_gaps(r)[1]) for r in runs]
-    window = [r["done"] - r["added"] for r in runs]
+    gaps = [itl_gaps(r) for r in runs]
+    floors = [itl_gaps(r["floor"], loads=False) for r in runs]
+    before = [statistics.mean(g.before) for g in gaps]
+    loading = [statistics.mean(g.loading) for g in gaps]
+    window = [statistics.mean(g.window) for g in gaps]
+    first, first_floor = [g.first for g in gaps], [f.first for f in floors]
+    worst = [max(g.loading) for g in gaps]
+    span = [r["done"] - r["added"] for r in runs]
+    med = statistics.median
     ms = lambda xs: ", ".join(f"{x * 1e3:.0f}" for x in sorted(xs))  # noqa: E731
+    what = (f"{p.itl_decodes} decodes running; a {n}-token prompt on kvstore's disk only "
+            f"(server restarted, L1 empty) joins: loaded in the background in "
+            f"{med(s for _, s, _ in loads) * 1e3:.0f} ms, first token after "
+            f"{med(span) * 1e3:.0f} ms (median of {len(runs)})")  # fmt: skip
     return [
-        Record(f"connector.itl.during_l2_load.{n // 1024}k", statistics.median(during), "s",
-               statistics.median(before), None,
-               "the same decodes' mean inter-token latency before the load request joined",
+        Record(f"connector.itl.while_l2_load.{n // 1024}k", med(loading), "s", med(before),
+               None, "the same decodes' mean inter-token latency before the load request joined",
                "ratio <= 1.2",
-               f"{p.itl_decodes} decodes running; a {n}-token prompt on kvstore's disk only "
-               f"(server restarted, L1 empty) joins: loaded in the background in "
-               f"{statistics.median(s for _, s, _ in loads) * 1e3:.0f} ms, first token after "
-               f"{statistics.median(window) * 1e3:.0f} ms (median of {len(runs)}); mean ITL "
-               f"during that window {ms(during)} ms vs before {ms(before)} ms; longest gap "
-               f"during {ms(worst)} ms; median gap during {ms(mid)} ms"),
+               f"{what}; mean ITL while it loads (its arrival to the step before its first "
+               f"token: {med(len(g.loading) for g in gaps)} steps) {ms(loading)} ms vs "
+               f"before {ms(before)} ms; longest gap while loading {ms(worst)} ms"),
+        Record(f"connector.itl.arrival_to_first_token.{n // 1024}k", med(window), "s",
+               med(before), None,
+               "the same decodes' mean inter-token latency before the load request joined",
+               "", f"{what}; mean ITL from its arrival to its first token, the step that "
+               f"runs it included, {ms(window)} ms vs before {ms(before)} ms"),
+        Record(f"connector.itl.first_step.{n // 1024}k", med(first), "s", med(first_floor),
+               None, "the same step with the prompt in vLLM's own cache (no load), same run",
+               "", f"{what}; the step that computes its first token (one token over "
+               f"{n} tokens of context): {ms(first)} ms after the load, {ms(first_floor)} ms "
+               "with its prefix already in vLLM's cache"),
     ]  # fmt: skip
 
 

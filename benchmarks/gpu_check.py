@@ -17,7 +17,7 @@
      straight from the registered arena on the side stream (target >= 0.8 of pinned h2d);
    - saves written in place, as the connector does on the server's host: a batch
      reserved in one round trip, the device copying straight into the registered arena,
-     the pages hashed once the copy landed and checked by the server at Commit;
+     the pages hashed once the copy landed, the checksum sealed at Commit;
      checked byte for byte.
 3. ``tests/connectors/test_blocks.py`` on CUDA: byte-exact round trips in three layouts,
    and the ordering of the side stream with the compute stream.
@@ -418,7 +418,7 @@ def server_figures(
 def in_place_figures(work: Path, c: _Cache, limits: dict[str, float]) -> list[dict[str, Any]]:
     """What the connector does on the server's host: a step's chunks reserved in one
     round trip, the blocks copied by the device straight into the registered arena,
-    the pages hashed once the copy landed, the server checking them at Commit.
+    the pages hashed once the copy landed, their checksum sealed at Commit.
     Checked byte for byte against a staged copy."""
     import numpy as np
     import torch

@@ -7,7 +7,7 @@ kvstore-server runs in a subprocess (L1 only: an LMDB write-through would compet
 for the CPU with what is measured), the clients in this process.
 
 1. Same host, shared memory: ``Client.put`` (Reserve, copy into the arena,
-   Commit, which checksums the bytes) and ``Client.get_into`` (Acquire, which
+   Commit, which checks the header and publishes) and ``Client.get_into`` (Acquire, which
    verifies them, copy out, Release) of 64 KiB-64 MiB chunks (quick: 64 KiB,
    1 and 32 MiB), against a single-thread memcpy of the same bytes into a
    touched buffer; and, up to 4 MiB, puts of 16 chunks at once (``Client.reserve``,

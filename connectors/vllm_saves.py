@@ -300,7 +300,8 @@ class Saves:
 
     def _landed(self, job: SaveJob) -> int | None:
         """Wait until the job's bytes are in its reservation; the checksum for its commit
-        (None: the pages are hashed at commit). The reservation is given back on failure."""
+        (None: the client hashes the pages in place for it). The reservation is given
+        back on failure."""
         res = job.reservation
         assert res is not None
         try:

@@ -96,7 +96,7 @@ class MemoryConfig:
     path: str = ""  # the arena file; "" = a fresh file under /dev/shm named after the process
     lease_ms: int = 30_000  # a reservation or read lease not released by then is reclaimed
     verify_reads: bool = (
-        True  # checksum every read (catches arena corruption; costs ~1/3 of a copy)
+        True  # checksum every read (catches arena corruption); off: commits are hashed instead
     )
 
     def __post_init__(self) -> None:

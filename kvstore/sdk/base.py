@@ -163,7 +163,7 @@ def chunk_header(
     """The record header of one chunk (keys.chunk_key over parent, namespace and tokens).
 
     ``payload=None``: the checksum is left a placeholder (0), for ``Client.reserve`` with
-    ``checksum_at_commit``, where the server hashes the bytes once they are written.
+    ``checksum_at_commit``, where the writer gives the checksum with the commit.
     """
     fp, _ = namespace_fingerprint(ns)
     tb = _tokens_to_bytes(tokens)

@@ -6,9 +6,9 @@ together (``commit``).
 A put goes through shared memory where the client has the server's arena mapped
 (ReserveMany, one copy into the pages, Commit) and is streamed (Put) otherwise,
 or when L1 cannot take the chunk now (FULL, TOO_LARGE: the server's Put writes
-it to a lower tier). ``put_chunk`` leaves the payload's checksum to the server
-when it goes through shared memory (hashed as it is copied, checked at Commit),
-and hashes it here only when it must stream.
+it to a lower tier). ``put_chunk`` does not hash the payload up front when it
+goes through shared memory (it is hashed as it is copied, and the checksum goes with
+the Commit), and hashes it first only when it must stream.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def put_chunk(
     is proved with a Lookup that carries it (docs/security.md), and the put retried."""
     if c._info is None:
         yield from info(c, timeout)
-    # Through shared memory the server hashes the payload at Commit: not hashed here.
+    # Through shared memory the payload is hashed as it is copied in: not hashed here.
     sealed = (yield NEED_ARENA) is None
     header = chunk_header(namespace, parent, tokens, payload if sealed else None, dtype, shape)
     try:

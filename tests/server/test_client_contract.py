@@ -662,9 +662,11 @@ def test_a_reservation_past_its_time_hands_out_no_pages(drive: Drive) -> None:
     drive(body, "shm")
 
 
-def test_commit_refuses_bytes_that_do_not_match_their_checksum(drive: Drive) -> None:
+def test_bytes_that_do_not_match_their_checksum_are_never_served(drive: Drive) -> None:
     """Given up front (a sealed header), or computed by the writer before a stray write:
-    either way the server refuses the pages, and nothing is served."""
+    either way nothing is served. The server does not hash the pages at commit (every
+    read of them does, this client's included), so the commit stores them and the first
+    read finds them bad: a miss, counted, the chunk deleted."""
     ns = namespace(f"contract-bad-{drive.kind}", 512)
     data = payload(64 * 512, seed=5)
     sealed = chunk_header(ns, ROOT, tokens(64), data, "bfloat16", shape_for(64, 512))
@@ -675,25 +677,26 @@ def test_commit_refuses_bytes_that_do_not_match_their_checksum(drive: Drive) -> 
         bad = data.copy()
         bad[-1] ^= 1
         res.write(bad)
-        with pytest.raises(CorruptRecord):
-            await res.commit()
+        assert await res.commit() == PutStatus.STORED
+        corrupt = (await kv.stats()).tiers[0].corrupt
         assert await kv.get(sealed.key) is None, "bytes failing their checksum were served"
+        assert (await kv.stats()).tiers[0].corrupt == corrupt + 1, "the bad chunk went uncounted"
+        assert not any(await kv.exists([sealed.key])), "a chunk found bad must be forgotten"
 
         (res,) = await kv.reserve([placeholder])
         view = res.contiguous()
         assert view is not None
         view[:] = data
         view[100] ^= 0xFF  # the stray write
-        with pytest.raises(CorruptRecord):
-            await res.commit(xxhash.xxh3_64_intdigest(data.data))
+        assert await res.commit(xxhash.xxh3_64_intdigest(data.data)) == PutStatus.STORED
         assert await kv.get(placeholder.key) is None, "bytes failing the writer's sum were served"
 
     drive(body, "shm")
 
 
 def test_commit_many_stores_each_chunk_on_its_own(drive: Drive) -> None:
-    """One CommitMany for a batch: the good chunks are stored, the one whose bytes do not
-    match its checksum is refused alone, with the error a single commit would raise."""
+    """One CommitMany for a batch: the good chunks are stored, the one whose header a
+    stray write overwrote is refused alone, with the error a single commit would raise."""
     ns = namespace(f"contract-commit-many-{drive.kind}", 512)
     datas = [payload(64 * 512, seed=200 + i) for i in range(3)]
     headers = [
@@ -709,7 +712,8 @@ def test_commit_many_stores_each_chunk_on_its_own(drive: Drive) -> None:
             assert view is not None
             view[:] = data
             sums.append(xxhash.xxh3_64_intdigest(data.data))
-        held[1].contiguous()[7] ^= 1  # changed after its writer hashed it
+        header_at = held[1]._extents[0][0]
+        held[1].arena.array[header_at + 8] ^= 0xFF  # the stray write, into its header
         got = await kv.commit(held, sums)
         assert got[0] == got[2] == PutStatus.STORED, got
         assert isinstance(got[1], CorruptRecord), f"the damaged chunk must fail alone: {got}"

@@ -395,12 +395,17 @@ def test_reserve_commit_publishes_only_verified_bytes(make_tier: Callable[..., M
         tier.commit(res.id)
 
 
+@pytest.mark.parametrize("verify_reads", [True, False], ids=["verify-reads", "no-verify-reads"])
 @pytest.mark.parametrize("tamper", ["payload", "header"])
-def test_commit_rejects_bad_bytes_from_an_untrusted_client(
+def test_bad_bytes_from_an_untrusted_client_are_never_served(
     make_tier: Callable[..., MemoryTier],
     tamper: str,
+    verify_reads: bool,
 ) -> None:
-    tier = make_tier(pages=8)
+    """An overwritten header always fails the commit. A payload that does not match its
+    checksum fails it when reads are not verified (the commit is then the one check);
+    with ``verify_reads`` the commit skips that pass and the first read finds it."""
+    tier = make_tier(pages=8, verify_reads=verify_reads)
     h, p = record(6, 5000)
     res = tier.reserve(h)
     assert isinstance(res, Reservation)
@@ -410,8 +415,12 @@ def test_commit_rejects_bad_bytes_from_an_untrusted_client(
         client.write(res.extents, HS, bad if tamper == "payload" else p)
         if tamper == "header":
             client.write(res.extents, 8, b"\xff")
-    with pytest.raises(CorruptRecord):
-        tier.commit(res.id)
+    if tamper == "payload" and verify_reads:
+        assert tier.commit(res.id) is PutStatus.STORED, "commit should not hash the payload"
+        assert tier.get(h.key) is None, "bytes failing their checksum were served"
+    else:
+        with pytest.raises(CorruptRecord):
+            tier.commit(res.id)
     s = tier.stats()
     assert (s.corrupt, s.chunks, detail(tier, "pages_used")) == (1, 0, 0), s
     assert tier.contains([h.key]) == [False]
@@ -423,9 +432,10 @@ def test_checksum_at_commit_seals_the_record_with_the_writers_checksum(
     tamper: str,
 ) -> None:
     """A writer that could not hash before writing (a device copy into the arena) gives
-    the checksum at commit: the header is sealed with it, and the pages are still checked
-    against it, so a stray write into them before the commit is caught."""
-    tier = make_tier(pages=8)
+    the checksum at commit: the header is sealed with it, and the pages are checked
+    against it (at commit with ``verify_reads`` off, by their first read with it on), so a
+    stray write into them before the commit is caught."""
+    tier = make_tier(pages=8, verify_reads=tamper != "payload")
     h, p = record(10, 2 * PAGE + 100)
     res = tier.reserve(replace(h, payload_checksum=0), checksum_at_commit=True)
     assert isinstance(res, Reservation)

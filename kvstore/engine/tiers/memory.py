@@ -29,11 +29,16 @@ Data plane for other processes (the server relays these calls):
 - Hold ids are random 62-bit numbers, not a sequence: an id is a capability, and a
   client cannot name (commit, abort or release) a hold it was not handed.
 
-Verification policy: ``commit`` always verifies. The in-process ``put`` does not
-hash the payload again: its header came from ``make_header`` over the same
-bytes, and even a one-pass hashed copy runs ~15% slower than a plain one. Reads (``get``,
-``get_into``, ``acquire``) and evictions verify when ``config.verify_reads``;
-a record that fails is deleted, counted in ``stats().corrupt`` and a miss.
+Verification policy: every payload is hashed at least once on its way out of the
+arena, never on its way in when a reader will. Reads (``get``, ``get_into``,
+``acquire``, the write-down's reads) and evictions verify when ``config.verify_reads``;
+a record that fails is deleted, counted in ``stats().corrupt`` and a miss. ``commit``
+always checks the header, and the payload only when reads do not (``verify_reads``
+off): with reads verifying, hashing the pages at commit too would be a second pass over
+every saved byte that no reader needs (it only told a faulty writer sooner), and on a
+host that runs the engine too that pass is CPU taken from it. The in-process ``put``
+does not hash the payload again: its header came from ``make_header`` over the same
+bytes.
 Header checks compare the arena's header bytes with the packed header kept in
 the index, which also catches flips in the padding. ``get_into`` hashes the
 bytes as it copies them (``accel.scatter_xxh3``; with AVX2 what is stored and what
@@ -365,8 +370,8 @@ class MemoryTier(Tier):
         ``checksum_at_commit``: ``header.payload_checksum`` is a placeholder; the writer
         hashes its bytes once they are in place (after a device-to-host copy straight
         into the arena, or piece by piece as it copies) and gives the checksum to
-        ``commit``, which seals the header with it and verifies the pages against it as
-        for any reservation: a stray write into the pages before the commit is caught.
+        ``commit``, which seals the header with it: a stray write into the pages before the
+        commit fails the first read's check (the commit's own, with ``verify_reads`` off).
         """
         self._check_raw(header)
         with self._lock:
@@ -383,13 +388,15 @@ class MemoryTier(Tier):
         return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
     def commit(self, reservation_id: int, checksum: int | None = None) -> PutStatus:
-        """Verify what the client wrote and publish it: STORED, or EXISTS if the key won a race.
+        """Check what the client wrote and publish it: STORED, or EXISTS if the key won a race.
 
         ``checksum``: the payload's xxh3_64, required for a ``checksum_at_commit``
         reservation; otherwise optional and it must equal the header's. Raises
         ``LeaseError`` for an unknown or expired reservation, ``InvalidArgument`` for a
         missing or contradicting checksum (pages freed), and ``CorruptRecord``
-        (pages freed, counted) if the bytes do not verify.
+        (pages freed, counted) if the header was overwritten, or, with ``verify_reads``
+        off, if the payload does not match its checksum (with it on, every read hashes
+        the payload, so a bad one is published and found by its first reader).
         """
         with self._lock:
             self._check_open()
@@ -414,7 +421,7 @@ class MemoryTier(Tier):
         if header_ok and hold.checksum_at_commit:
             assert checksum is not None
             self._seal(entry, checksum)
-        if not (header_ok and self._payload_ok(entry)):
+        if not header_ok or (not self._verify and not self._payload_ok(entry)):
             with self._lock:
                 self._free_locked(entry)
                 self._stats.corrupt += 1
