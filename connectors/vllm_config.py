@@ -57,6 +57,9 @@ class ConnectorConfig:
     # reserves (not on the ones its compute threads are bound to; see vllm_cpus), off
     # leaves them on the worker's own cores
     background_cpus: CpusMode = "auto"
+    # CPU engines: fault in every page of vLLM's paged KV cache at start, in the background
+    # (vLLM leaves it untouched, and a load into a never-used block paid its page faults)
+    prefault_kv_cache: bool = True
     memory_capacity: str = "2GiB"  # private server only: L1 arena size
     disk_capacity: str = "16GiB"  # private server only: L2 size
     # private server only: where L2 lives; "" = a cache slot under $XDG_CACHE_HOME/kvstore/vllm

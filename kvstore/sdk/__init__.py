@@ -27,6 +27,7 @@ from kvstore.sdk.shm import (
     Reservation,
     ReservationBase,
     UseGet,
+    populate,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "ReservationBase",
     "UseGet",
     "chunk_header",
+    "populate",
     "unsealed_header",
 ]
 

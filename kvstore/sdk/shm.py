@@ -15,6 +15,7 @@ blocking ``Client``), ``AsyncLease`` / ``AsyncReservation`` are awaited (the
 from __future__ import annotations
 
 import enum
+import mmap
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "Reservation",
     "ReservationBase",
     "UseGet",
+    "populate",
     "prefault",
 ]
 
@@ -373,23 +375,47 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PIECE = 32 << 20  # bytes a madvise call covers: the mapping lock is held that long at most
 
 
-def _pieces(arena: ArenaView, advice: int, stop: threading.Event | None = None) -> None:
-    """madvise the whole arena ``_PIECE`` bytes at a time (ctypes drops the GIL around
-    each call); stops at the first refusal (an older kernel), when ``stop`` is set or
-    the arena closed."""
+def _advise(base: int, size: int, advice: int, halt: Callable[[], bool]) -> bool:
+    """madvise ``size`` bytes from ``base`` ``_PIECE`` bytes at a time (ctypes drops the
+    GIL around each call); False at the first refusal (an older kernel), or once
+    ``halt()`` says to stop."""
     import ctypes
 
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for off in range(0, size, _PIECE):
+        if halt() or madvise(base + off, min(_PIECE, size - off), advice) != 0:
+            return False
+    return True
+
+
+def _pieces(arena: ArenaView, advice: int, stop: threading.Event | None = None) -> None:
+    """madvise the whole arena; stops at the first refusal, when ``stop`` is set or the
+    arena closed."""
+    try:
         base = arena.array.ctypes.data
-    except (OSError, AttributeError, KVStoreError):
+    except (KVStoreError, AttributeError):  # closed already
         return
-    for off in range(0, arena.size, _PIECE):
-        if (stop is not None and stop.is_set()) or arena.closed:
-            return
-        if madvise(base + off, min(_PIECE, arena.size - off), advice) != 0:
-            return
+    _advise(base, arena.size, advice, lambda: (stop is not None and stop.is_set()) or arena.closed)
+
+
+def populate(address: int, nbytes: int, stop: threading.Event | None = None) -> bool:
+    """Fault in every page of ``nbytes`` of this process's memory from ``address``, for
+    writing, without changing a byte (MADV_POPULATE_WRITE): memory another thread is
+    using meanwhile is safe. For a buffer allocated but never touched (an engine's
+    paged KV cache on CPU): the first copy into a fresh page costs a page fault and
+    zeroing, ~4x the copy itself here. True once all of it is in; False where the kernel
+    refused (older than 5.14) or ``stop`` was set."""
+    start = address & ~(mmap.PAGESIZE - 1)  # madvise wants a page-aligned start
+    return _advise(
+        start,
+        nbytes + address - start,
+        _MADV_POPULATE_WRITE,
+        lambda: stop is not None and stop.is_set(),
+    )
 
 
 def retire(arena: ArenaView) -> None:

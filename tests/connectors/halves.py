@@ -77,7 +77,15 @@ def step_output(
 class Engine:
     """One scheduler half and one worker half over one paged cache, as one engine."""
 
-    def __init__(self, url: str, clock: Clock = monotonic, *, blocks: int = 96, **cfg: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        clock: Clock = monotonic,
+        *,
+        blocks: int = 96,
+        fill: str = "random",
+        **cfg: Any,
+    ) -> None:
         settings: dict[str, Any] = dict(
             url=url,
             retry_after_ms=5000,
@@ -96,7 +104,7 @@ class Engine:
         )
         self.scheduler = KVStoreScheduler(setup, sched, clock=clock)
         self.worker = KVStoreWorker(setup, work, clock=clock)
-        self.cache = make_cache("cpu", "LBHNC", blocks=blocks, block_size=BS)
+        self.cache = make_cache("cpu", "LBHNC", blocks=blocks, block_size=BS, fill=fill)
         self.worker.register_kv_caches(self.cache)
         self._n = 0
 

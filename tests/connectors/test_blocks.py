@@ -42,8 +42,9 @@ def make_cache(
     head_dim: int = 32,
     fill: str = "random",
 ) -> dict[str, torch.Tensor]:
-    """Per-layer logical ``[blocks, heads, block_size, 2*head_dim]`` views, as vLLM makes them."""
-    new = torch.randn if fill == "random" else torch.zeros
+    """Per-layer logical ``[blocks, heads, block_size, 2*head_dim]`` views, as vLLM makes them.
+    ``fill``: random, zeros, or empty (allocated untouched, as vLLM allocates it)."""
+    new = {"random": torch.randn, "zeros": torch.zeros, "empty": torch.empty}[fill]
     c = 2 * head_dim
     kw: dict[str, Any] = {"dtype": torch.bfloat16, "device": device}
     if layout == "LBHNC":
