@@ -392,6 +392,37 @@ def test_write_down_writes_below_only_what_verifies(tmp_path: Path) -> None:
         assert blob is not None and blob.endswith(chain[0][1])
 
 
+def test_evicting_what_is_written_through_reads_no_byte_of_it(tmp_path: Path) -> None:
+    """A chunk already in LMDB leaves L1 without its bytes being copied or hashed (with
+    write-through, the common eviction): damage to its L1 copy is not even seen, and the
+    LMDB copy serves it. One not below yet (write-back) is read, verified, and moved."""
+    with TieredStore(config(tmp_path, memory=64 * KiB)) as s:
+        chain = put_chain(s, list(range(9000, 9000 + 3 * C)), bpt=256)
+        assert s.flush(10)
+        lease = s.acquire(chain[0][0].key)
+        assert lease is not None
+        off = lease.extents[0][0] + lease.payload_offset + 100
+        s.release(lease.id)
+        s.arena.array[off] ^= 0xFF  # L1's copy damaged; LMDB's is intact
+        put_chain(s, list(range(20_000, 20_000 + 16 * 40)), bpt=256)  # evicts the first
+        assert s.contains([chain[0][0].key]) == [(2,)], "the damaged chunk should be on disk only"
+        assert s.stats().tiers[0].corrupt == 0, "evicting a chunk kept below read its bytes"
+        blob = s.get(chain[0][0].key)
+        assert blob is not None and blob.endswith(chain[0][1]), "LMDB's copy must serve it"
+    with TieredStore(config(tmp_path / "wb", memory=64 * KiB, policy="write-back")) as s:
+        chain = put_chain(s, list(range(9000, 9000 + 3 * C)), bpt=256)
+        lease = s.acquire(chain[0][0].key)
+        assert lease is not None
+        off = lease.extents[0][0] + lease.payload_offset + 100
+        s.release(lease.id)
+        s.arena.array[off] ^= 0xFF
+        put_chain(s, list(range(20_000, 20_000 + 16 * 40)), bpt=256)
+        s.flush(10)
+        assert s.stats().tiers[0].corrupt == 1, "a chunk moved down must be read and verified"
+        assert s.contains([chain[0][0].key]) == [()], "a damaged chunk must not move down"
+        assert s.contains([chain[1][0].key]) == [(2,)], "an intact one moves down"
+
+
 def test_write_down_makes_way_for_writers_within_bounds() -> None:
     """While reserves and commits keep coming (``writing``), a queued copy waits for a
     quiet moment, but never past ``max_defer_s``; with a backlog it does not wait."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.engine.fallback import Fallbacks
 from kvstore.engine.index import Index, layout_of, tier_levels
-from kvstore.engine.tiers.base import Tier
+from kvstore.engine.tiers.base import EvictCallback, Tier
 from kvstore.engine.tiers.memory import MemoryTier
 from kvstore.engine.writer import Backlog, Job, WriteDown
 from kvstore.keys import ChunkKey, Fingerprint
@@ -45,8 +45,8 @@ class WriteDownPath:
 
         def _lower(self, level: int) -> list[Tier]: ...
 
-    def _evict_callback(self, tier: Tier) -> Callable[[ChunkKey, RecordHeader, bytes], None]:
-        def on_evict(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
+    def _evict_callback(self, tier: Tier) -> EvictCallback:
+        def on_evict(key: ChunkKey, header: RecordHeader, read: Callable[[], bytes | None]) -> None:
             with self._lock:
                 entry = self.index.get(key)
                 below = self._lower(tier.level)
@@ -61,9 +61,14 @@ class WriteDownPath:
                 if below and not holds_below:
                     # Keep the entry alive under the target tier while the bytes travel.
                     entry.tiers = (entry.tiers & ~(1 << tier.level)) | (1 << below[0].level)
-                else:
+                else:  # already below (written through): its bytes are not even read
                     self.index.drop_tier(key, tier.level, "evicted")
                     return
+            blob = read()
+            if blob is None:  # damaged (the tier counted it): nothing to move
+                with self._lock:
+                    self.index.drop_tier(key, below[0].level, "corrupt")
+                return
             self._writer.submit_move(key, header, blob, below[0].level)
 
         return on_evict

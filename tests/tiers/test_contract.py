@@ -232,7 +232,9 @@ def test_lru_eviction_hands_chunks_over(harness: Harness) -> None:
     tier = harness.make(capacity_for(harness, 8))
     evicted: list[ChunkKey] = []
 
-    def on_evict(key: ChunkKey, header: Any, blob: bytes) -> None:
+    def on_evict(key: ChunkKey, header: Any, read: Callable[[], bytes | None]) -> None:
+        blob = read()
+        assert blob is not None, "an intact chunk's reader returned nothing"
         verify(blob, expect_key=key)  # what is handed over must be a whole, valid record
         evicted.append(key)
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
@@ -148,7 +148,7 @@ def test_lru_eviction_order_and_on_evict(open_tier) -> None:
     clock = FakeClock()
     t = open_tier(clock=clock)
     evicted: list[tuple[bytes, RecordHeader, bytes]] = []
-    t.on_evict = lambda k, h, b: evicted.append((k, h, b))
+    t.on_evict = lambda k, h, read: evicted.append((k, h, read()))
     chunks = [chunk(i) for i in range(20)]
     per = chunks[0][0].record_size
     fit = (1 * MiB) // per
@@ -221,7 +221,7 @@ def test_readers_run_while_on_evict_does(open_tier) -> None:
         seen.append(t.contains([chunks[fit - 1][0].key]))
         seen.append(t.stats().chunks)
 
-    def on_evict(k: bytes, h: RecordHeader, b: bytes) -> None:
+    def on_evict(k: bytes, h: RecordHeader, read: Callable[[], bytes | None]) -> None:
         th = threading.Thread(target=reader)
         th.start()
         th.join(10)

@@ -228,7 +228,7 @@ def test_lru_eviction_order_hands_verifiable_blobs_to_on_evict(
 ) -> None:
     tier = make_tier(pages=4)
     evicted: list[tuple[ChunkKey, bytes]] = []
-    tier.on_evict = lambda k, h, b: evicted.append((k, b))
+    tier.on_evict = lambda k, h, read: evicted.append((k, read()))
     recs = [pages_record(i, 1) for i in range(6)]
     for h, p in recs[:4]:
         assert tier.put(h, p) is PutStatus.STORED
@@ -273,7 +273,7 @@ def test_on_evict_failure_is_counted_and_the_put_still_succeeds(
 ) -> None:
     tier = make_tier(pages=1)
 
-    def boom(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
+    def boom(key: ChunkKey, header: RecordHeader, read: Callable[[], bytes | None]) -> None:
         raise RuntimeError("lower tier down")
 
     tier.on_evict = boom
@@ -370,12 +370,27 @@ def test_a_corrupt_chunk_is_not_pushed_down_on_eviction(
 ) -> None:
     tier = make_tier(pages=1)
     evicted: list[ChunkKey] = []
-    tier.on_evict = lambda k, h, b: evicted.append(k)
+    tier.on_evict = lambda k, h, read: evicted.append(k) if read() is not None else None
     h, p = pages_record(1, 1)
     tier.put(h, p)
     flip_bit(tier, h.key, HS + 100)
     assert tier.put(*pages_record(2, 1)) is PutStatus.STORED
-    assert evicted == [] and tier.stats().corrupt == 1
+    assert evicted == [] and tier.stats().corrupt == 1, "the reader must refuse damaged bytes"
+
+
+def test_an_evicted_chunk_is_read_only_if_its_evictor_asks(
+    make_tier: Callable[..., MemoryTier],
+) -> None:
+    """A chunk already kept below (written through) is evicted without a copy or a hash of
+    its bytes: damage nobody reads is not even found."""
+    tier = make_tier(pages=1)
+    evicted: list[ChunkKey] = []
+    tier.on_evict = lambda k, h, read: evicted.append(k)
+    h, p = pages_record(1, 1)
+    tier.put(h, p)
+    flip_bit(tier, h.key, HS + 100)
+    assert tier.put(*pages_record(2, 1)) is PutStatus.STORED
+    assert evicted == [h.key] and tier.stats().corrupt == 0, "the evicted chunk was read"
 
 
 # -- reserve / commit ----------------------------------------------------------------------
@@ -649,7 +664,7 @@ def test_concurrent_puts_gets_and_evictions_keep_the_books_straight(
 ) -> None:
     tier = make_tier(pages=16)
     evicted: list[ChunkKey] = []
-    tier.on_evict = lambda k, h, b: evicted.append(verify(b, expect_key=k).key)
+    tier.on_evict = lambda k, h, read: evicted.append(verify(read(), expect_key=k).key)
     recs = [record(i, (i % 3 + 1) * PAGE - HS) for i in range(60)]
     payloads = {h.key: p for h, p in recs}
     errors: list[BaseException] = []

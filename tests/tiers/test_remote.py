@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,8 +274,11 @@ def test_capacity_lru_eviction_pins_and_full(backend: Backend) -> None:
     evicted: list[ChunkKey] = []
     with make_tier(backend.url, capacity_bytes=3 * size) as tier:
 
-        def on_evict(key: ChunkKey, header: RecordHeader, blob: bytes) -> None:
-            assert verify(blob, expect_key=key) == header, "on_evict gets the whole record"
+        def on_evict(key: ChunkKey, header: RecordHeader, read: Callable[[], bytes | None]) -> None:
+            blob = read()
+            assert blob is not None and verify(blob, expect_key=key) == header, (
+                "on_evict gets the whole record"
+            )
             assert tier.contains([key]) == [True], "on_evict runs before the chunk is gone"
             evicted.append(key)
 

@@ -17,8 +17,10 @@ Contract, for every tier:
    never returned.
 4. Capacity is in bytes of stored records. To make room ``put`` evicts
    least-recently-used chunks that are neither pinned nor being read, handing
-   each to ``on_evict`` (if set) before it is gone, so the store can move it
-   down. If no room can be made ``put`` returns ``FULL``; a record larger than
+   each to ``on_evict`` (if set) before it is gone, with a reader of its whole
+   verified record (None if it fails verification, counted and reported as in
+   3), so the store can move it down; a chunk already kept below is not read at
+   all. If no room can be made ``put`` returns ``FULL``; a record larger than
    the whole capacity is ``TOO_LARGE``. Nothing committed is dropped silently.
 5. Expected outcomes are return values (``None``, ``PutStatus``); a backend
    failure raises ``TierError`` (``TierUnavailable`` when a remote is down),
@@ -57,8 +59,11 @@ class ChunkInfo:
     hits: int = 0
 
 
-EvictCallback = Callable[[ChunkKey, RecordHeader, bytes], None]
-"""Called with (key, header, whole record) for each chunk a tier evicts, before it is gone."""
+EvictCallback = Callable[[ChunkKey, RecordHeader, Callable[[], "bytes | None"]], None]
+"""Called with (key, header, read) for each chunk a tier evicts, before it is gone:
+``read()`` returns the whole verified record, or None when it fails verification. Called
+only by a callback that moves the bytes: a chunk a lower tier already holds (written
+through) is evicted without reading it."""
 
 CorruptCallback = Callable[[ChunkKey], None]
 """Called with the key of each record a tier deleted because it failed verification."""

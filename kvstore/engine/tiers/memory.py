@@ -54,6 +54,7 @@ size rounded down to whole pages. ``last_access_ms`` is wall-clock time (like
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -233,21 +234,18 @@ class MemoryTier(Tier):
 
     def _evict(self, victims: list[_Entry]) -> None:
         """Hand each victim to on_evict (outside the lock), then give its pages back."""
-        errors = corrupt = 0
+        errors = 0
         try:
             for entry in victims:
                 callback = self.on_evict
                 if callback is None:
                     continue
-                blob = self._arena.read(entry.extents, 0, entry.size)
-                if self._verify and not self._blob_ok(entry, blob):
-                    # Pushing it down would only move the damage.
-                    if self._mark_damaged(entry):
-                        corrupt += 1
-                        self._report_corrupt(entry.header.key)
-                    continue
                 try:
-                    callback(entry.header.key, entry.header, blob)
+                    callback(
+                        entry.header.key,
+                        entry.header,
+                        functools.partial(self._evicted_record, entry),
+                    )
                 except Exception:
                     errors += 1
                     log.exception("on_evict failed for chunk %s", entry.header.key.hex())
@@ -257,7 +255,19 @@ class MemoryTier(Tier):
                     self._evicting_pages -= entry.n_pages
                     self._free_locked(entry)
                 self._stats.errors += errors
-                self._stats.corrupt += corrupt
+
+    def _evicted_record(self, entry: _Entry) -> bytes | None:
+        """An evicted chunk's whole record, verified (``on_evict``'s reader): a copy read
+        only when the store moves it down (one already written through is not read)."""
+        blob = self._arena.read(entry.extents, 0, entry.size)
+        if self._verify and not self._blob_ok(entry, blob):
+            # Pushing it down would only move the damage.
+            if self._mark_damaged(entry):
+                with self._lock:
+                    self._stats.corrupt += 1
+                self._report_corrupt(entry.header.key)
+            return None
+        return blob
 
     def _unindex(self, entry: _Entry) -> None:
         del self._chunks[entry.header.key]

@@ -113,7 +113,7 @@ class RemoteListing(RemoteBase):
         record = self._read("evict", key, None, count=False)  # a bad one is removed there
         header = parse_header(record) if record is not None else None
         if header is not None and self.on_evict is not None:
-            self.on_evict(key, header, record)
+            self.on_evict(key, header, lambda: record)
         deleted, freed = self._remove([(key, header)])
         if deleted and header is not None:
             self._count(evictions=1)
