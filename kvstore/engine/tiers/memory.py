@@ -485,7 +485,7 @@ class MemoryTier(Tier):
         with self._lock:
             self._counted_locked(entry, internal)
             lid, expires = self._hold(self._leases, entry, owner, lasting)  # keeps the ref
-        return ReadLease(lid, key, entry.header, entry.extents, expires)
+        return ReadLease(lid, key, entry.header, entry.extents, expires, entry.packed)
 
     def release(self, lease_id: int) -> bool:
         """End a read lease. False if it was unknown or had expired: then the pages may

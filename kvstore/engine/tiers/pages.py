@@ -47,6 +47,8 @@ class ReadLease:
     header: RecordHeader
     extents: tuple[Extent, ...]  # the whole record: header, then payload
     expires_at: float
+    # the header as packed in the arena (what a client is sent: not packed again per lease)
+    packed: bytes = b""
 
     @property
     def payload_offset(self) -> int:
