@@ -6,8 +6,10 @@ scheduler's lookup already found the chunks (``LoadSpec.chunks``: keys, stored s
 so the worker does not look up again; one AcquireMany lends every chunk of every
 request of the batch, and one Release, not waited for, ends the leases once the bytes
 are copied. On CPU each payload is copied from the leased pages into its cache blocks
-in one pass, hashed as it lands (``Lease.read_scattered``): no host buffer in between,
-and a payload whose bytes do not verify is a failed load. On CUDA the pages (the arena
+in one pass, hashed as it lands (``Lease.read_scattered``): no host buffer in between.
+A payload whose bytes do not verify is read again with Get (the server verifies it and
+deletes a damaged copy, serving a good one from below if it has one), and is a failed
+load if that fails too. On CUDA the pages (the arena
 registered with ``cudaHostRegister``) go to the device in one transfer per chunk on a
 side stream (``BlockLayout.load_cuda``).
 
@@ -349,8 +351,12 @@ class Loads:
             self._staged(t, lease, ticket, None, loaded)
             return
         with _fence(ticket) as go:
-            if go and lease.read_scattered(layout.flat, pieces):
+            if not go:
+                return
+            if lease.read_scattered(layout.flat, pieces):
                 self._landed(t, ticket, loaded)
+                return
+        self._reread(t, ticket, loaded)
 
     def _copy_cuda(
         self,
@@ -380,6 +386,8 @@ class Loads:
         # before the release, which waits for the transfer.
         if xxhash.xxh3_64_intdigest(views[0]) == lease.header.payload_checksum:
             self._landed(t, ticket, loaded)
+        else:
+            self._reread(t, ticket, loaded)
 
     def _staged(
         self,
@@ -395,6 +403,7 @@ class Loads:
         buf = layout.host_buffer(layout.nbytes(t.stored))
         if lease is not None:
             if not lease.read_verified(buf.numpy()):
+                self._reread(t, ticket, loaded)
                 return
         else:
             left = None if deadline is None else deadline - time.monotonic()
@@ -412,6 +421,18 @@ class Loads:
             if self.cuda and ticket is not None:  # queued on this thread's stream
                 layout.synchronize()
             self._landed(t, ticket, loaded)
+
+    def _reread(self, t: _Task, ticket: Ticket | None, loaded: set[tuple[int, int]]) -> None:
+        """A leased chunk whose bytes did not verify here: read it again with Get. The
+        server verifies what it serves, so a record damaged in its arena (a stray or
+        faulty writer: the commit does not hash the payload) is counted and deleted
+        there, not left to fail every load and block its own re-save; an intact one (the
+        pages were changed only while this copy ran) still lands. Rare: one call each."""
+        if ticket is not None and ticket.cancelled:
+            return
+        # No deadline of its own: the call's timeout bounds it, and the ticket's fence
+        # keeps a late answer out of blocks a cancelled load no longer owns.
+        self._staged(t, None, ticket, None, loaded)
 
     def _landed(self, t: _Task, ticket: Ticket | None, loaded: set[tuple[int, int]]) -> None:
         loaded.update((t.spec, b) for b in t.ids)

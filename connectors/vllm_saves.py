@@ -8,8 +8,9 @@ reserved pages: on CPU by ``index_select`` into the arena, on CUDA by one
 device-to-host copy into the arena registered with ``cudaHostRegister``. The
 checksum goes with the Commit (``checksum_at_commit``): on CPU each layer's
 blocks are hashed right after they are gathered, while in cache; on CUDA the
-pages are hashed once the copy has landed. The server checks the pages against
-it, so a stray write into them before the commit is caught. Copies into a
+pages are hashed once the copy has landed. Every read of the chunk checks the
+pages against it, so a stray write into them before the commit is caught by the
+first load (which reads the chunk again with Get: the server deletes a bad one). Copies into a
 client's reservations are waited for before that client is closed (a failure
 elsewhere), so a late device copy never lands in pages the server has handed
 to another writer. A payload split over several extents, a CUDA

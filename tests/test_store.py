@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,13 +310,18 @@ def test_prefetch_never_waits_is_deduplicated_and_bounded(tmp_path: Path) -> Non
         keys = [m.key for m in s.lookup(FP, toks).chunks]
         gate = threading.Event()
         assert s.disk is not None
-        read = s.disk.get
+        read, read_with = s.disk.get, s.disk.read_with
 
         def slow_get(key: bytes) -> bytes | None:  # fault injection: a disk that stalls
             gate.wait(30)
             return read(key)
 
+        def slow_read_with(key: ChunkKey, use: Any) -> Any:  # (promotions read in place)
+            gate.wait(30)
+            return read_with(key, use)
+
         s.disk.get = slow_get  # type: ignore[method-assign]
+        s.disk.read_with = slow_read_with  # type: ignore[method-assign]
         t0 = time.monotonic()
         queued = s.prefetch(FP, keys)
         again = s.prefetch(FP, keys[:queued])

@@ -64,7 +64,12 @@ class WriteDownPath:
                 else:  # already below (written through): its bytes are not even read
                     self.index.drop_tier(key, tier.level, "evicted")
                     return
-            blob = read()
+            try:
+                blob = read()
+            except BaseException:  # nothing moves: the entry must not point below
+                with self._lock:
+                    self.index.drop_tier(key, below[0].level, "evicted")
+                raise
             if blob is None:  # damaged (the tier counted it): nothing to move
                 with self._lock:
                     self.index.drop_tier(key, below[0].level, "corrupt")

@@ -366,7 +366,8 @@ class Client(ClientBase):
         write), FULL or TOO_LARGE (L1 cannot take it now; ``put`` sends it below). With
         ``checksum_at_commit`` the headers' checksums are placeholders (``chunk_header``
         with ``payload=None``) and the checksum of what was written goes with the commit
-        (``Reservation.commit``), where the server checks the pages against it.
+        (``Reservation.commit``): the header is sealed with it, and every read checks the
+        pages against it.
         Only on the server's host; raises KVStoreError when shared memory is not in use.
         """
         make = self._reservation(timeout)

@@ -331,8 +331,10 @@ class Reservation(ReservationBase):
         With ``checksum_at_commit`` the payload's checksum goes with it: ``checksum`` if
         given, else the one ``write`` computed, else ``checksum()`` hashes the pages now
         (after the last write into them has finished: wait for a device copy first). The
-        server checks the pages against it. Raises ``CorruptRecord`` if they do not match
-        and ``NotFound`` if the reservation expired."""
+        server seals the header with it; every read of the chunk checks the pages against
+        it (a mismatch is a miss there, the chunk deleted). Raises ``CorruptRecord`` if the
+        header was overwritten (or, on a server with ``verify_reads`` off, the pages do not
+        match) and ``NotFound`` if the reservation expired."""
         return self._finish(self.id, True, self.closing(checksum))
 
     def abort(self) -> None:

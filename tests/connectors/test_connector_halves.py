@@ -330,8 +330,14 @@ def test_a_cpu_kv_cache_is_faulted_in_at_start(
     used before paid its page faults inside the step (~5x the copy here). With
     prefault_kv_cache (the default) the worker faults the whole cache in on a background
     thread at registration, without writing a byte; off, the cache stays as allocated."""
+    import numpy as np
+
+    from kvstore.sdk import populate
     from kvstore.testing.memory import resident_fraction
 
+    probe = np.zeros(4096, dtype=np.uint8)
+    if not populate(probe.ctypes.data, probe.nbytes):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
     # 3,072 blocks of 3 layers: 36 MiB in one allocation, as vLLM's; past glibc's largest
     # mmap threshold (32 MiB), so always fresh pages, never reused heap.
     e = HalvesEngine(server.unix_url, clock, blocks=3072, fill="empty", prefault_kv_cache=prefault)
@@ -350,3 +356,50 @@ def test_a_cpu_kv_cache_is_faulted_in_at_start(
         assert e.request(DST) == STORED and e.loaded_right()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("disk", [True, False], ids=["with-l2", "l1-only"])
+def test_a_chunk_damaged_in_the_arena_is_caught_by_the_load_that_reads_it(
+    tmp_path: Path, clock: FakeClock, disk: bool
+) -> None:
+    """The commit does not hash a payload (every read does): a stored chunk whose pages a
+    stray writer changed stays listed until someone reads it. The load that finds it bad
+    in its own verified copy reads it again with Get, where the server verifies it: the
+    L1 copy is counted and deleted there, and the good copy on disk is loaded; with no
+    disk the blocks are recomputed, and the chunk no longer shadows the re-save."""
+    args = [] if disk else ["--no-disk"]
+    server = KVServer(tmp_path / "srv", memory="128MiB", args=args).start()
+    e = HalvesEngine(server.unix_url, clock)
+    try:
+        assert e.request(SRC) == 0, "an empty server has nothing to load"
+        with Client(server.unix_url) as c:
+            first = next(v for v in c.list() if v.parent == b"\x00" * len(v.parent))
+            if disk:  # the write-down's copy is on disk before the damage
+                deadline = time.monotonic() + 10
+                while 2 not in c.exists([first.key])[0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            lease = c.acquire(first.key)
+            assert lease is not None
+            at = lease._extents[0][0] + lease._offset + 100
+            lease.release()
+            fd = os.open(c.info().shm_path, os.O_RDWR)
+            try:
+                byte = os.pread(fd, 1, at)
+                os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
+            finally:
+                os.close(fd)
+            corrupt = c.stats().tiers[0].corrupt
+            told = e.request(DST)
+            assert c.stats().tiers[0].corrupt == corrupt + 1, "the damage went uncounted"
+            # With a disk the good copy was promoted again; without one it is forgotten.
+            assert c.exists([first.key])[0] == ((1, 2) if disk else ()), "still listed damaged"
+        assert told == STORED, "the lookup found the stored prompt"
+        if disk:
+            assert not e.failed and e.loaded_right(), "the good copy on disk must be loaded"
+        else:
+            assert e.failed, "a chunk that cannot be verified must be recomputed"
+            e.request(SRC)  # computed again and saved: the chunk is stored anew
+            assert e.request(DST) == STORED and not e.failed and e.loaded_right()
+    finally:
+        e.close()
+        server.stop()

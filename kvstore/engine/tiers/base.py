@@ -19,9 +19,11 @@ Contract, for every tier:
    least-recently-used chunks that are neither pinned nor being read, handing
    each to ``on_evict`` (if set) before it is gone, with a reader of its whole
    verified record (None if it fails verification, counted and reported as in
-   3), so the store can move it down; a chunk already kept below is not read at
-   all. If no room can be made ``put`` returns ``FULL``; a record larger than
-   the whole capacity is ``TOO_LARGE``. Nothing committed is dropped silently.
+   3), so the store can move it down; the reader is valid only while the
+   callback runs, and a tier may defer the read to it (L1 does: a chunk already
+   kept below is then not read at all). If no room can be made ``put`` returns
+   ``FULL``; a record larger than the whole capacity is ``TOO_LARGE``. Nothing
+   committed is dropped silently.
 5. Expected outcomes are return values (``None``, ``PutStatus``); a backend
    failure raises ``TierError`` (``TierUnavailable`` when a remote is down),
    chained with ``raise ... from``.
@@ -61,9 +63,10 @@ class ChunkInfo:
 
 EvictCallback = Callable[[ChunkKey, RecordHeader, Callable[[], "bytes | None"]], None]
 """Called with (key, header, read) for each chunk a tier evicts, before it is gone:
-``read()`` returns the whole verified record, or None when it fails verification. Called
-only by a callback that moves the bytes: a chunk a lower tier already holds (written
-through) is evicted without reading it."""
+``read()`` returns the whole verified record, or None when it fails verification; only
+while the callback runs (the pages are freed after it). Called only by a callback that
+moves the bytes, so L1 evicts a chunk a lower tier already holds (written through)
+without reading it."""
 
 CorruptCallback = Callable[[ChunkKey], None]
 """Called with the key of each record a tier deleted because it failed verification."""

@@ -11,9 +11,10 @@ Data plane for other processes (the server relays these calls):
 
 - ``reserve`` allocates pages and writes the header; the client writes the
   payload at ``payload_offset`` over the extents; ``commit`` checks the header
-  is untouched and the payload checksum matches (the client is untrusted) and
-  only then makes the key visible. A bad commit frees the pages, counts in
-  ``stats().corrupt`` and raises ``CorruptRecord``.
+  is untouched (the client is untrusted) and makes the key visible; the payload
+  is checked by every read (and at commit only with ``verify_reads`` off: see the
+  policy below). A bad commit frees the pages, counts in ``stats().corrupt`` and
+  raises ``CorruptRecord``.
 - ``acquire`` returns a verified ``ReadLease``; the pages stay put (never
   evicted or freed, even if the chunk is deleted) until ``release``.
 - Reservations and leases expire ``config.lease_ms`` after they were handed
