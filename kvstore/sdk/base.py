@@ -188,7 +188,8 @@ def unsealed_header(
     dtype: str,
     shape: Sequence[int],
 ) -> RecordHeader:
-    """A RAW record header whose payload checksum the server fills in at Commit."""
+    """A RAW record header whose payload checksum the writer gives at Commit (where the
+    server seals it into the header)."""
     size = prod(int(d) for d in shape) * dtype_itemsize(dtype)
     return make_header(
         key=key,

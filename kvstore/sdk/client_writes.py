@@ -190,7 +190,8 @@ def commit(
     out: builtins.list[PutStatus | KVStoreError] = []
     for i in range(0, len(reqs), MAX_RESERVE_BATCH):
         batch = reqs[i : i + MAX_RESERVE_BATCH]
-        # The server hashes every payload of the batch: allow for it (1 GB/s at worst).
+        # A server with verify_reads off hashes every payload of the batch: allow for it
+        # (1 GB/s at worst).
         nbytes = sum(r.header.stored_size for r in reservations[i : i + MAX_RESERVE_BATCH])
         try:
             r = yield Call("CommitMany", pb.CommitManyRequest(commits=batch), base + nbytes / 1e9)
