@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore.connectors import vllm_blocks, vllm_loads
+from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
 
@@ -191,14 +192,17 @@ def test_blocks_go_from_the_arena_into_the_cache_without_a_host_buffer(
     assert not staged, "a load starting inside a chunk must not stage either"
 
 
-def test_a_payload_that_does_not_verify_is_a_load_error(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("reread", ["good", "fails"])
+def test_a_payload_that_does_not_verify_is_read_again_or_a_load_error(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, reread: str
 ) -> None:
     """The bytes copied out of the arena are hashed as they land; a digest that is not the
-    record's (a rogue writer, pages reused after a lease ran out) fails that chunk's blocks."""
+    record's (a rogue writer, pages reused after a lease ran out) sends that chunk, and
+    only it, to be read again with Get, where the server verifies it. Its bytes land if
+    that read is good; its blocks fail if it is not."""
     lay = Layout()
     p = prompt(2)
-    store(engine, [p], lay)
+    src = store(engine, [p], lay)[0]
     real = shm.accel.scatter_xxh3
     calls: list[int] = []
 
@@ -208,10 +212,24 @@ def test_a_payload_that_does_not_verify_is_a_load_error(
         return digest ^ 1 if len(calls) == 2 else digest  # the second chunk's copy
 
     monkeypatch.setattr(shm.accel, "scatter_xxh3", tampered)
+    gets: list[bytes] = []
+    get_into = BreakerClient.get_into
+
+    def counted(self: BreakerClient, key: bytes, *args: Any) -> Any:
+        gets.append(key)
+        if reread == "fails":
+            return None  # the server found it damaged too: a miss
+        return get_into(self, key, *args)
+
+    monkeypatch.setattr(BreakerClient, "get_into", counted)
     dst = lay.take(len(p))
     (a,) = engine.step([(p, dst)])
     assert calls, "the verified copy was never used"
-    assert a.failed == set(dst[16:32]), "exactly the second chunk's blocks must be reported"
+    assert len(gets) == 1, f"exactly the chunk that failed its check is read again: {gets}"
+    if reread == "good":
+        assert not a.failed and engine.same(dst[:32], src[:32]), "the Get's bytes must land"
+    else:
+        assert a.failed == set(dst[16:32]), "exactly the second chunk's blocks must be reported"
 
 
 def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) -> None:
