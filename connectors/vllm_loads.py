@@ -387,6 +387,9 @@ class Loads:
         if xxhash.xxh3_64_intdigest(views[0]) == lease.header.payload_checksum:
             self._landed(t, ticket, loaded)
         else:
+            # The bad transfer lands first: a background load's scatter goes on another
+            # stream than the transfer and could otherwise be overwritten by it.
+            event.synchronize()
             self._reread(t, ticket, loaded)
 
     def _staged(
