@@ -68,6 +68,12 @@ while the callback runs (the pages are freed after it). Called only by a callbac
 moves the bytes, so L1 evicts a chunk a lower tier already holds (written through)
 without reading it."""
 
+
+def read_already(record: bytes) -> Callable[[], bytes | None]:
+    """``on_evict``'s reader for a tier that had to read (and verify) the record anyway."""
+    return lambda: record
+
+
 CorruptCallback = Callable[[ChunkKey], None]
 """Called with the key of each record a tier deleted because it failed verification."""
 

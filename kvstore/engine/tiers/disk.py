@@ -55,7 +55,7 @@ import lmdb
 
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import DiskConfig, MiB
-from kvstore.engine.tiers.base import ChunkInfo, T, Tier
+from kvstore.engine.tiers.base import ChunkInfo, T, Tier, read_already
 from kvstore.engine.tiers.disk_format import (
     DATA_FILE,
     META_FIXED,
@@ -403,7 +403,7 @@ class DiskTier(Tier):
         for key in damaged:
             self._report_corrupt(ChunkKey(key))
         for key, header, blob in blobs:  # read already: the header comes from verifying it
-            cb(ChunkKey(key), header, _given(blob))
+            cb(ChunkKey(key), header, read_already(blob))
 
     def _commit_evictions(self, victims: list[bytes]) -> None:
         if not victims:
@@ -680,8 +680,3 @@ class DiskTier(Tier):
         for fd in self._lock_fds:
             os.close(fd)
         self._lock_fds = ()
-
-
-def _given(blob: bytes) -> Callable[[], bytes | None]:
-    """``on_evict``'s reader of a record read already."""
-    return lambda: blob

@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from kvstore.engine.tiers.base import ChunkInfo
+from kvstore.engine.tiers.base import ChunkInfo, read_already
 from kvstore.engine.tiers.remote_base import RemoteBase
 from kvstore.engine.tiers.remote_parts import HEAD_GUESS
 from kvstore.errors import CorruptRecord, TierError
@@ -113,7 +113,7 @@ class RemoteListing(RemoteBase):
         record = self._read("evict", key, None, count=False)  # a bad one is removed there
         header = parse_header(record) if record is not None else None
         if header is not None and self.on_evict is not None:
-            self.on_evict(key, header, lambda: record)
+            self.on_evict(key, header, read_already(record))
         deleted, freed = self._remove([(key, header)])
         if deleted and header is not None:
             self._count(evictions=1)
