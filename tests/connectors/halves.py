@@ -201,8 +201,10 @@ class Engine:
             view[ids] = 0
 
     def same(self, a: list[int], b: list[int]) -> bool:
-        """Blocks ``a`` hold the bytes of blocks ``b``, in every layer."""
-        return all(torch.equal(v[a], v[b]) for v in self.cache.values())
+        """Blocks ``a`` hold the bytes of blocks ``b``, in every layer. Compared as bytes:
+        a block that was never written may hold NaN patterns, never equal as floats."""
+        u8 = torch.uint8
+        return all(torch.equal(v[a].view(u8), v[b].view(u8)) for v in self.cache.values())
 
     def stats(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(scheduler, worker) counters since the last call."""

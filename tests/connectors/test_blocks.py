@@ -8,6 +8,8 @@ checked on the device itself, not assumed.
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,8 +45,12 @@ def make_cache(
     fill: str = "random",
 ) -> dict[str, torch.Tensor]:
     """Per-layer logical ``[blocks, heads, block_size, 2*head_dim]`` views, as vLLM makes them.
-    ``fill``: random, zeros, or empty (allocated untouched, as vLLM allocates it)."""
+    ``fill``: random, zeros, or empty (fresh pages never touched, as vLLM's large
+    allocation is; on CPU from an anonymous mapping of its own: torch.empty may be served
+    from freed heap holding old bytes)."""
     new = {"random": torch.randn, "zeros": torch.zeros, "empty": torch.empty}[fill]
+    if fill == "empty" and device == "cpu":
+        new = _untouched
     c = 2 * head_dim
     kw: dict[str, Any] = {"dtype": torch.bfloat16, "device": device}
     if layout == "LBHNC":
@@ -57,6 +63,13 @@ def make_cache(
         base = new(blocks, layers, heads, block_size, c, **kw)
         views = [base[:, i] for i in range(layers)]
     return {f"model.layers.{i}.attn": v for i, v in enumerate(views)}
+
+
+def _untouched(*shape: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A CPU tensor over an anonymous mapping of its own: pages the kernel has not yet
+    given, zero when first read. The tensor keeps the mapping alive."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8).view(dtype).view(shape)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import torch
 from kvstore.connectors.vllm_blocks import BlockLayout
 
 from kvstore.clock import FakeClock
@@ -338,8 +339,7 @@ def test_a_cpu_kv_cache_is_faulted_in_at_start(
     probe = np.zeros(4096, dtype=np.uint8)
     if not populate(probe.ctypes.data, probe.nbytes):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    # 3,072 blocks of 3 layers: 36 MiB in one allocation, as vLLM's; past glibc's largest
-    # mmap threshold (32 MiB), so always fresh pages, never reused heap.
+    # 3,072 blocks of 3 layers: 36 MiB of fresh pages, as vLLM's one large allocation.
     e = HalvesEngine(server.unix_url, clock, blocks=3072, fill="empty", prefault_kv_cache=prefault)
     try:
         first = next(iter(e.cache.values()))
@@ -352,6 +352,8 @@ def test_a_cpu_kv_cache_is_faulted_in_at_start(
             assert resident == 1.0, f"only {resident:.0%} of the KV cache was faulted in"
         else:
             assert resident < 0.5, f"{resident:.0%} of an untouched cache is resident: who?"
+        for view in e.cache.values():  # the KV the engine computes for SRC
+            view[SRC] = torch.randn_like(view[SRC])
         e.request(SRC)  # the engine still works on it: computed and stored
         assert e.request(DST) == STORED and e.loaded_right()
     finally:
