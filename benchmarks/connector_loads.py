@@ -179,8 +179,10 @@ def push_out_of_l1(url: str, l1_bytes: int, tag: str) -> None:
             if not status.ok:
                 raise AssertionError(f"pushing the prompts out of L1: a put got {status}")
         deadline = time.monotonic() + 120
-        while c.stats().pending_writes and time.monotonic() < deadline:
+        while (pending := c.stats().pending_writes) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if pending:  # a prompt still in L1 would be measured as an L2 hit
+            raise AssertionError(f"pushing the prompts out of L1: {pending} writes still pending")
 
 
 def load_of(run: dict[str, Any]) -> tuple[int, float, bool]:

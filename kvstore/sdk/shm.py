@@ -404,6 +404,13 @@ def _pieces(arena: ArenaView, advice: int, stop: threading.Event | None = None) 
     _advise(base, arena.size, advice, lambda: (stop is not None and stop.is_set()) or arena.closed)
 
 
+def page_span(address: int, nbytes: int) -> tuple[int, int]:
+    """(start, length) of the whole pages that hold ``nbytes`` from ``address``: what
+    madvise and mincore take (a page-aligned start)."""
+    start = address & ~(mmap.PAGESIZE - 1)
+    return start, nbytes + address - start
+
+
 def populate(address: int, nbytes: int, stop: threading.Event | None = None) -> bool:
     """Fault in every page of ``nbytes`` of this process's memory from ``address``, for
     writing, without changing a byte (MADV_POPULATE_WRITE): memory another thread is
@@ -411,10 +418,8 @@ def populate(address: int, nbytes: int, stop: threading.Event | None = None) -> 
     paged KV cache on CPU): the first copy into a fresh page costs a page fault and
     zeroing, ~4x the copy itself here. True once all of it is in; False where the kernel
     refused (older than 5.14) or ``stop`` was set."""
-    start = address & ~(mmap.PAGESIZE - 1)  # madvise wants a page-aligned start
     return _advise(
-        start,
-        nbytes + address - start,
+        *page_span(address, nbytes),
         _MADV_POPULATE_WRITE,
         lambda: stop is not None and stop.is_set(),
     )

@@ -6,13 +6,14 @@ from __future__ import annotations
 import ctypes
 import mmap
 
+from kvstore.sdk.shm import page_span
+
 __all__ = ["resident_fraction"]
 
 
 def resident_fraction(address: int, nbytes: int) -> float:
     """The share of the pages spanning ``nbytes`` from ``address`` that are in memory now."""
-    start = address & ~(mmap.PAGESIZE - 1)
-    length = nbytes + address - start
+    start, length = page_span(address, nbytes)
     pages = -(-length // mmap.PAGESIZE)
     vec = (ctypes.c_ubyte * pages)()
     libc = ctypes.CDLL(None, use_errno=True)
