@@ -5,7 +5,9 @@ Two kvstore engines (``benchmarks/ttft_driver.py``) on one random Llama share on
 kvstore-server (L1 arena and an LMDB L2): ``auto`` (the default ``load_mode``: an L1
 hit is loaded in the step that computes the rest, a hit on disk in the background)
 and ``async`` (``load_mode: async``: every hit waits while a worker thread loads it).
-vLLM's own prefix cache is on in both, which is how the floor is measured:
+vLLM's own prefix cache is on in both, which is how the floor is measured. The engines
+reserve one CPU (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``) and the server runs there
+(``--cpus``, ``server_cpus``), as a host serving a CPU engine deploys it:
 
 - warm: vLLM's prefix cache is emptied (``reset_prefix_cache``), then the prompt runs:
   its KV comes from kvstore (``n - 1`` of ``n = k * 128 + 1`` tokens), one token is
@@ -185,6 +187,14 @@ def push_out_of_l1(url: str, l1_bytes: int, tag: str) -> None:
             raise AssertionError(f"pushing the prompts out of L1: {pending} writes still pending")
 
 
+def server_cpus() -> list[str]:
+    """The server's ``--cpus``, as a host running a CPU engine deploys it: the core vLLM
+    leaves free (``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` reserves the last one it may use, and
+    binds its compute threads to the rest); none on a one-CPU host."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ["--cpus", str(cpus[-1])] if len(cpus) > 1 else []
+
+
 def load_of(run: dict[str, Any]) -> tuple[int, float, bool]:
     """(tokens, seconds, in the background) of the connector's load in one warm run."""
     loads = [m for m in map(LOAD_LINE.search, run["log"]) if m]
@@ -210,7 +220,7 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
     l1_bytes = 2 * stored * p.kv_bytes_per_token + (64 << 20)
     server = KVServer(
         work / "srv-loads", memory=str(l1_bytes),
-        args=["--log-level", "warning"],
+        args=["--log-level", "warning", *server_cpus()],
     )  # fmt: skip
     env = engine_env(2 * p.max_model_len * p.kv_bytes_per_token)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
@@ -363,7 +373,8 @@ def itl_records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
     what = (f"{p.itl_decodes} decodes running; a {n}-token prompt on kvstore's disk only "
             f"(pushed out of L1 by other chunks) joins: loaded in the background in "
             f"{med(s for _, s, _ in loads) * 1e3:.0f} ms, first token after "
-            f"{med(span) * 1e3:.0f} ms (median of {len(runs)})")  # fmt: skip
+            f"{med(span) * 1e3:.0f} ms (median of {len(runs)}); kvstore-server on "
+            f"{' '.join(server_cpus()) or 'any CPU'}")  # fmt: skip
     return [
         Record(f"connector.itl.while_l2_load.{n // 1024}k", med(loading), "s", med(before),
                None, "the same decodes' mean inter-token latency before the load request joined",

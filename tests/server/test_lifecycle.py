@@ -43,12 +43,53 @@ def test_help_documents_every_option() -> None:
         "--max-concurrent-rpcs",
         "--log-format",
         "--config",
+        "--cpus",
         "--data-dir",
         "--memory-capacity",
         "--remote",
         "KVSTORE_",
     ):
         assert option in done.stdout, f"--help does not mention {option}"
+
+
+def _cpus_of(pid: int) -> dict[str, set[int]]:
+    """Each thread of a process (by name) and the CPUs it may run on."""
+    import os
+
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            out[f"{f.read().strip()}/{tid}"] = os.sched_getaffinity(int(tid))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+def test_cpus_binds_every_thread_and_refuses_cpus_it_may_not_use(
+    make_server: Callable[..., KVServer],
+) -> None:
+    """--cpus: every thread of the server, gRPC's and the store's included, runs on the
+    CPUs given; a CPU the process may not use stops the start, saying which it may."""
+    import os
+
+    one = max(os.sched_getaffinity(0))
+    srv = make_server("bound", args=["--cpus", str(one)]).start()
+    with kvstore.Client(srv.unix_url, timeout=10) as c:  # threads that start on demand too
+        key, status = c.put_chunk(
+            namespace("cpus", 64), ROOT, tokens(16), payload(1024, 1), "bfloat16", (16, 32)
+        )
+        assert status.ok and c.get(key) is not None
+    assert srv.proc is not None
+    threads = _cpus_of(srv.proc.pid)
+    assert len(threads) > 3, f"a serving kvstore-server has more threads than {threads}"
+    stray = {name: cpus for name, cpus in threads.items() if cpus != {one}}
+    assert not stray, f"threads not on CPU {one}: {stray}"
+
+    bad = make_server("unbound", args=["--cpus", "4096"]).start(wait=False)
+    rc, log = bad.wait(30), bad.log()
+    assert rc == 2 and "not CPUs this process may run on" in log, f"exit {rc}:\n{log}"
+    worse = make_server("negative", args=["--cpus", "-1"]).start(wait=False)
+    rc, log = worse.wait(30), worse.log()
+    assert rc == 2 and "CPU numbers, 0 or more" in log, f"exit {rc}:\n{log}"
 
 
 def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KVServer]) -> None:
