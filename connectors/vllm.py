@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from kvstore.connectors.vllm_client import open_client
 from kvstore.connectors.vllm_config import ConnectorConfig
+from kvstore.connectors.vllm_cpus import spare_cpus
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_namespace import engine_groups, engine_namespace
 from kvstore.connectors.vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
@@ -104,11 +105,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = ConnectorConfig.parse(tc.kv_connector_extra_config)
         worker = role == KVConnectorRole.WORKER
         name = "worker" if worker else "scheduler"
+        engine = engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=False)
+        # A CPU worker is bound to its compute cores, and a private server it starts would
+        # inherit them: it goes where the connector's own threads go (KVStoreWorker).
+        ranks = engine.base.tp_size * engine.base.pp_size
         client = open_client(
             cfg,
             engine_id=str(tc.engine_id),
             role=name,
-            engine=engine_namespace(vllm_config, kv_cache_config, cfg.salt, worker=False),
+            engine=engine,
+            cpus=spare_cpus(ranks) if worker and cfg.background_cpus == "auto" else None,
         )
         block_size = vllm_config.cache_config.block_size
         groups = engine_groups(kv_cache_config)

@@ -48,13 +48,17 @@ def open_client(
     role: str,
     engine: EngineNamespace,
     clock: Clock = monotonic,
+    cpus: frozenset[int] | None = None,
 ) -> BreakerClient:
     """The client of one process: to ``cfg.url``, or to this engine's private server,
     started here if no other process of the engine has started it yet. ``engine`` (rank
-    0's namespace, the same in every process of the engine) picks the cache it last used."""
+    0's namespace, the same in every process of the engine) picks the cache it last used.
+    ``cpus``: where a private server started here runs (``open_private``)."""
     if cfg.url:
         return BreakerClient(cfg, cfg.url, role=role, clock=clock)
-    url, server = open_private(cfg, engine_id, engine.fingerprint.hex(), engine.describe())
+    url, server = open_private(
+        cfg, engine_id, engine.fingerprint.hex(), engine.describe(), cpus=cpus
+    )
     return BreakerClient(cfg, url, role=role, server=server, clock=clock)
 
 

@@ -100,12 +100,19 @@ class PrivateServer:
 
 
 def open_private(
-    cfg: ConnectorConfig, engine_id: str, tag: str, describe: str
+    cfg: ConnectorConfig,
+    engine_id: str,
+    tag: str,
+    describe: str,
+    cpus: frozenset[int] | None = None,
 ) -> tuple[str, PrivateServer | None]:
     """The URL of this engine's private server, and the server if this process started it.
 
     ``tag`` names the engine's namespace (model, dtype, KV layout, parallelism):
     a slot last used by the same tag is preferred, so a restart finds its cache.
+    ``cpus``: where a server started here runs (``kvstore-server --cpus``): a CPU
+    worker's spare cores (``vllm_cpus.spare_cpus``); it would otherwise inherit the
+    worker's binding, and promote and copy on the compute core.
     """
     run = run_root()
     os.makedirs(run, mode=0o700, exist_ok=True)
@@ -126,24 +133,33 @@ def open_private(
         if url and _healthy(url):
             return url, None
         if cfg.data_dir:
-            server = _start(cfg, engine_dir, cfg.data_dir, os.path.join(engine_dir, "kvstore.sock"))
+            sock = os.path.join(engine_dir, "kvstore.sock")
+            server = _start(cfg, engine_dir, cfg.data_dir, sock, cpus)
             _announce(server, cfg, cfg.data_dir, "kept across restarts")
         elif not cfg.persist:
-            server = _start_temporary(cfg, engine_dir)
+            server = _start_temporary(cfg, engine_dir, cpus)
         else:
-            server = _start_in_slot(cfg, engine_dir, tag, describe)
+            server = _start_in_slot(cfg, engine_dir, tag, describe, cpus)
         _write(os.path.join(engine_dir, "server"), server.url)
     return server.url, server
 
 
-def _start_temporary(cfg: ConnectorConfig, engine_dir: str) -> PrivateServer:
+def _start_temporary(
+    cfg: ConnectorConfig, engine_dir: str, cpus: frozenset[int] | None = None
+) -> PrivateServer:
     data = os.path.join(engine_dir, "data")
-    server = _start(cfg, engine_dir, data, os.path.join(engine_dir, "kvstore.sock"))
+    server = _start(cfg, engine_dir, data, os.path.join(engine_dir, "kvstore.sock"), cpus)
     _announce(server, cfg, data, "temporary: removed when the engine stops")
     return server
 
 
-def _start_in_slot(cfg: ConnectorConfig, engine_dir: str, tag: str, describe: str) -> PrivateServer:
+def _start_in_slot(
+    cfg: ConnectorConfig,
+    engine_dir: str,
+    tag: str,
+    describe: str,
+    cpus: frozenset[int] | None = None,
+) -> PrivateServer:
     root = cache_root()
     os.makedirs(root, mode=0o700, exist_ok=True)
     # One engine at a time picks and starts, until its server holds the slot's disk
@@ -157,11 +173,11 @@ def _start_in_slot(cfg: ConnectorConfig, engine_dir: str, tag: str, describe: st
                 MAX_SLOTS,
                 root,
             )
-            return _start_temporary(cfg, engine_dir)
+            return _start_temporary(cfg, engine_dir, cpus)
         mine = [n for n in free if _read(os.path.join(slot_dir(n), "engine")) == tag]
         n = (mine or free)[0]
         data = slot_dir(n)
-        server = _start(cfg, engine_dir, data, slot_socket(n))
+        server = _start(cfg, engine_dir, data, slot_socket(n), cpus)
         _write(os.path.join(data, "engine"), f"{tag}\n{describe}\n")
     _announce(server, cfg, data, "kept across restarts; persist=false for a temporary one")
     return server
@@ -173,7 +189,13 @@ def _slot_busy(n: int) -> bool:
     return _lock_held(lock) or _listening(slot_socket(n))
 
 
-def _start(cfg: ConnectorConfig, engine_dir: str, data: str, sock: str) -> PrivateServer:
+def _start(
+    cfg: ConnectorConfig,
+    engine_dir: str,
+    data: str,
+    sock: str,
+    cpus: frozenset[int] | None = None,
+) -> PrivateServer:
     url = f"unix://{sock}"
     cmd = [
         sys.executable,
@@ -194,6 +216,8 @@ def _start(cfg: ConnectorConfig, engine_dir: str, data: str, sock: str) -> Priva
     ]
     if cfg.chunk_tokens:
         cmd += ["--chunk-tokens", str(cfg.chunk_tokens)]
+    if cpus:
+        cmd += ["--cpus", ",".join(map(str, sorted(cpus)))]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     server = PrivateServer(proc, url, engine_dir)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -1,4 +1,5 @@
-"""Stopping a test's child process with SIGSTOP, and knowing it has stopped.
+"""A test's child processes: stopping one with SIGSTOP (and knowing it has stopped), and
+where its threads may run.
 
 ``kill(2)`` returns once the signal is queued, not once the process is stopped: a
 server busy on another core goes on answering for a moment, so a test that sends
@@ -8,12 +9,14 @@ answered in CI). ``freeze`` waits until the kernel reports the process stopped.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["freeze", "thaw"]
+__all__ = ["freeze", "thaw", "thread_cpus"]
 
 
 def _state(pid: int) -> str:
@@ -42,3 +45,13 @@ def freeze(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
 def thaw(proc: subprocess.Popen[bytes]) -> None:
     """SIGCONT: the process runs again (callers wait for it to answer as they need)."""
     proc.send_signal(signal.SIGCONT)
+
+
+def thread_cpus(pid: int) -> dict[str, set[int]]:
+    """Each thread of a process ("name/tid") and the CPUs it may run on."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended meanwhile
+            name = (task / "comm").read_text().strip()
+            out[f"{name}/{task.name}"] = os.sched_getaffinity(int(task.name))
+    return out

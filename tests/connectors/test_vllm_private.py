@@ -32,6 +32,7 @@ from kvstore.connectors.vllm_private import PrivateServer, open_private, sweep_e
 from kvstore import Client
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ROOT, Namespace
+from kvstore.testing.procs import thread_cpus
 from kvstore.testing.server import KVServer
 
 CFG = ConnectorConfig(memory_capacity="64MiB", disk_capacity="64MiB")
@@ -158,6 +159,22 @@ def test_persist_false_is_temporary_and_data_dir_is_kept(
     assert disk_path(url) == str(data / "lmdb")
     started.pop().stop()
     assert (data / "lmdb" / "data.mdb").exists(), "a data_dir given must stay"
+
+
+def test_a_server_started_by_a_bound_worker_runs_on_the_cpus_it_is_given(
+    dirs: tuple[Path, Path], started: list[PrivateServer]
+) -> None:
+    """A CPU worker is bound to its compute cores and a server it starts would inherit
+    them: with ``cpus`` (the worker's spare cores) every thread of the server runs there."""
+    one = max(os.sched_getaffinity(0))
+    url, server = open_private(CFG, "cpus-1", "tagC", "model tagC", cpus=frozenset({one}))
+    assert server is not None, "nothing ran: this test must start the server"
+    started.append(server)
+    with Client(url) as c:  # calls start the server's threads that start on demand
+        key, status = c.put_chunk(NS, ROOT, TOKENS, np.zeros(1024, np.float32), "float32", (1024,))
+        assert status.ok and c.get(key) is not None
+    stray = {t: c for t, c in thread_cpus(server.proc.pid).items() if c != {one}}
+    assert not stray, f"threads of the private server not on CPU {one}: {stray}"
 
 
 def test_config_persist() -> None:

@@ -15,6 +15,7 @@ import pytest
 import kvstore
 from kvstore.errors import KVStoreError
 from kvstore.keys import ROOT, ChunkKey
+from kvstore.testing.procs import thread_cpus
 from kvstore.testing.redis import RedisServer, available, free_port
 from kvstore.testing.server import KVServer, clean_env
 from tests.server.helpers import namespace, payload, tokens
@@ -52,17 +53,6 @@ def test_help_documents_every_option() -> None:
         assert option in done.stdout, f"--help does not mention {option}"
 
 
-def _cpus_of(pid: int) -> dict[str, set[int]]:
-    """Each thread of a process (by name) and the CPUs it may run on."""
-    import os
-
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/comm") as f:
-            out[f"{f.read().strip()}/{tid}"] = os.sched_getaffinity(int(tid))
-    return out
-
-
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
 def test_cpus_binds_every_thread_and_refuses_cpus_it_may_not_use(
     make_server: Callable[..., KVServer],
@@ -79,7 +69,7 @@ def test_cpus_binds_every_thread_and_refuses_cpus_it_may_not_use(
         )
         assert status.ok and c.get(key) is not None
     assert srv.proc is not None
-    threads = _cpus_of(srv.proc.pid)
+    threads = thread_cpus(srv.proc.pid)
     assert len(threads) > 3, f"a serving kvstore-server has more threads than {threads}"
     stray = {name: cpus for name, cpus in threads.items() if cpus != {one}}
     assert not stray, f"threads not on CPU {one}: {stray}"
