@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from kvstore.connectors.vllm_client import open_client
 from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_cpus import spare_cpus
+from kvstore.connectors.vllm_cpus import background_cpus
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_namespace import engine_groups, engine_namespace
 from kvstore.connectors.vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
@@ -114,7 +114,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             engine_id=str(tc.engine_id),
             role=name,
             engine=engine,
-            cpus=spare_cpus(ranks) if worker and cfg.background_cpus == "auto" else None,
+            cpus=background_cpus(cfg.background_cpus, ranks) if worker else None,
         )
         block_size = vllm_config.cache_config.block_size
         groups = engine_groups(kv_cache_config)

@@ -22,7 +22,14 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["move_here", "spare_cpus"]
+__all__ = ["background_cpus", "move_here", "spare_cpus"]
+
+
+def background_cpus(mode: str, world_size: int) -> frozenset[int] | None:
+    """Where the connector's background work runs (its threads, a private server it
+    starts), for the ``background_cpus`` setting: ``auto`` the spare CPUs, ``off`` (None)
+    where vLLM put this process."""
+    return spare_cpus(world_size) if mode == "auto" else None
 
 
 def spare_cpus(world_size: int) -> frozenset[int] | None:

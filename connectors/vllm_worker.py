@@ -16,7 +16,7 @@ import torch
 from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_cpus import move_here, spare_cpus
+from kvstore.connectors.vllm_cpus import background_cpus, move_here
 from kvstore.connectors.vllm_loads import Loads
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_saves import SaveJob, Saves
@@ -61,7 +61,7 @@ class KVStoreWorker:
             gpu = layout.device.type == "cuda"
             mode = "async" if gpu and s.producer and s.consumer else "sync"
         b = s.ns.base
-        cpus = spare_cpus(b.tp_size * b.pp_size) if s.cfg.background_cpus == "auto" else None
+        cpus = background_cpus(s.cfg.background_cpus, b.tp_size * b.pp_size)
         if s.cfg.prefault_kv_cache and layout.device.type == "cpu":
             threading.Thread(
                 target=prefault_kv_cache,

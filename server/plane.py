@@ -177,7 +177,7 @@ class SharedMemoryPlane:
         return pb.AcquireResponse(
             found=True,
             lease_id=lease.id,
-            header=lease.packed or lease.header.pack(),
+            header=lease.packed,
             extents=[pb.Extent(offset=o, length=n) for o, n in lease.extents],
             payload_offset=lease.payload_offset,
             expires_ms=self.store.config.memory.lease_ms,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -53,14 +54,12 @@ def test_help_documents_every_option() -> None:
         assert option in done.stdout, f"--help does not mention {option}"
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
 def test_cpus_binds_every_thread_and_refuses_cpus_it_may_not_use(
     make_server: Callable[..., KVServer],
 ) -> None:
     """--cpus: every thread of the server, gRPC's and the store's included, runs on the
     CPUs given; a CPU the process may not use stops the start, saying which it may."""
-    import os
-
     one = max(os.sched_getaffinity(0))
     srv = make_server("bound", args=["--cpus", str(one)]).start()
     with kvstore.Client(srv.unix_url, timeout=10) as c:  # threads that start on demand too

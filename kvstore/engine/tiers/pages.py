@@ -48,7 +48,7 @@ class ReadLease:
     extents: tuple[Extent, ...]  # the whole record: header, then payload
     expires_at: float
     # the header as packed in the arena (what a client is sent: not packed again per lease)
-    packed: bytes = b""
+    packed: bytes
 
     @property
     def payload_offset(self) -> int:
