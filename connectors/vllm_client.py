@@ -233,8 +233,10 @@ class BreakerClient:
         granularity: int = 0,
         worker: bool = False,
         prefetch: bool = False,
+        reads_disk: bool = False,
     ) -> LookupResult | None:
-        """``prefetch``: the server starts promoting the matched chunks below L1 into L1."""
+        """``prefetch``: the server starts promoting the matched chunks below L1 into L1
+        (``reads_disk``: only those below L2, the workers reading L2's in place)."""
         client = self._connect()
         if client is None:
             return None
@@ -247,6 +249,7 @@ class BreakerClient:
                 granularity=granularity,
                 repeat=worker,  # the scheduler counted this request's lookup
                 prefetch=prefetch,
+                reads_disk=reads_disk,
                 timeout=timeout,
             )
         except Exception as e:
@@ -259,11 +262,12 @@ class BreakerClient:
         return bool(client is not None and client.shm_active)
 
     def acquire_many(
-        self, keys: Sequence[ChunkKey], timeout_s: float | None = None
+        self, keys: Sequence[ChunkKey], timeout_s: float | None = None, *, disk: bool = False
     ) -> Leased | None:
         """Read leases on many chunks in one AcquireMany (``Client.acquire_many``: per key
         a ``Lease``, ``USE_GET`` or None), the client verifying each payload as it is
-        copied; None when the call failed (the server is down: every chunk is a miss)."""
+        copied; None when the call failed (the server is down: every chunk is a miss).
+        ``disk``: chunks only in L2 may be lent where they lie in L2's file."""
         client = self._connect()
         if client is None:
             return None
@@ -271,7 +275,7 @@ class BreakerClient:
             return Leased(client, [])
         timeout = self.cfg.timeout_ms / 1000 if timeout_s is None else timeout_s
         try:
-            got = client.acquire_many(keys, verify=True, timeout=max(timeout, 0.001))
+            got = client.acquire_many(keys, verify=True, timeout=max(timeout, 0.001), disk=disk)
         except Exception as e:
             self.failed("load", e)
             return None

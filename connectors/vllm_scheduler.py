@@ -104,6 +104,9 @@ class KVStoreScheduler:
             url.startswith("unix://") or url.startswith(("grpc://127.", "grpc://localhost:"))
         )
         self._always = {"sync": False, "async": True}.get(mode, not local)
+        # A host-memory worker on the server's host reads L2 hits where they lie in LMDB's file
+        # (one pass): a prefetch promoting them into L1 would be a second pass over them.
+        self._reads_disk = local and setup.ns.base.device != "cuda"  # as Loads decides
         # vllm_observe's hooks: its KV events learn of every save planned, and a prefix-cache
         # reset moves every later request to a new key generation.
         self.on_save: Callable[[str, int, int], None] | None = None
@@ -160,6 +163,7 @@ class KVStoreScheduler:
                     min_tokens=s.cfg.min_tokens,
                     granularity=s.block_size,
                     prefetch=self._prefetch,
+                    reads_disk=self._reads_disk,
                 )
                 matched = result.matched_tokens if result else 0
                 if s.window:  # a window's records serve a hit only where they end
@@ -192,6 +196,7 @@ class KVStoreScheduler:
                 min_tokens=s.cfg.min_tokens,
                 granularity=s.block_size,
                 prefetch=self._prefetch,
+                reads_disk=self._reads_disk,
             )
             chunks = tuple(result.chunks) if result else ()
             found.append((gs.window, result.matched_tokens if result else 0, chunks))

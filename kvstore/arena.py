@@ -21,12 +21,14 @@ walk: at 1 MiB a copy takes ~35 us, so each microsecond of bookkeeping is ~3%.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
 import re
 import secrets
 import tempfile
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -186,14 +188,27 @@ class ArenaView:
     """
 
     def __init__(
-        self, path: str, fd: int, size: int, *, writable: bool, populate: bool, owner: bool = False
+        self,
+        path: str,
+        fd: int,
+        size: int,
+        *,
+        writable: bool,
+        populate: bool,
+        owner: bool = False,
+        growing: bool = False,
     ) -> None:
         flags = mmap.MAP_SHARED
         if populate and hasattr(mmap, "MAP_POPULATE"):
             flags |= mmap.MAP_POPULATE  # map every page now, not on first touch mid-copy
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mm: mmap.mmap | None = None
         try:
-            self._mm: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=prot)
+            if growing:
+                array = _map_past_end(fd, size, prot, flags)
+            else:
+                self._mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+                array = np.frombuffer(self._mm, dtype=np.uint8)
         except OSError as e:
             raise TierError(f"cannot map arena {path} ({size} bytes): {e}") from e
         self.path = path
@@ -201,17 +216,26 @@ class ArenaView:
         self.writable = writable
         self._fd = fd if owner else None  # the owner keeps its fd: it holds the flock
         self._unlink_pid = os.getpid() if owner else None
-        self._mv: memoryview | None = memoryview(self._mm)
-        self._array: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
+        self._mv: memoryview | None = array.data
+        self._array: np.ndarray | None = array
 
     @classmethod
     def open(
-        cls, path: str, size: int | None = None, *, writable: bool = True, populate: bool = False
+        cls,
+        path: str,
+        size: int | None = None,
+        *,
+        writable: bool = True,
+        populate: bool = False,
+        growing: bool = False,
     ) -> ArenaView:
         """Map an existing arena file (``size`` defaults to the file's size).
 
         ``populate`` maps every page now: slower to open (~0.6 s per GiB here),
         but no page faults later; first touches otherwise copy at ~1.5 GB/s.
+        ``growing``: a file that grows in place up to ``size`` (L2's LMDB file, whose
+        loans are read here): mapped whole now, though only what the file holds may be
+        read (a page past its end raises SIGBUS).
         """
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -220,9 +244,9 @@ class ArenaView:
         try:
             actual = os.fstat(fd).st_size
             size = actual if size is None else size
-            if size <= 0 or size > actual:
+            if size <= 0 or (size > actual and not growing):
                 raise InvalidArgument(f"arena {path} is {actual} bytes; cannot map {size}")
-            return cls(path, fd, size, writable=writable, populate=populate)
+            return cls(path, fd, size, writable=writable, populate=populate, growing=growing)
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
 
@@ -408,3 +432,25 @@ class ArenaView:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _map_past_end(fd: int, size: int, prot: int, flags: int) -> np.ndarray:
+    """``size`` bytes of the file ``fd`` mapped, though the file may be shorter now (it
+    grows in place: pages past its end are never read). Python's mmap refuses a mapping
+    past the end, so libc's is used; the mapping lives while any array over it does (the
+    returned array's base owns it and unmaps it when the last view goes)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = libc.mmap(None, size, prot, flags, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    buf = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(buf, libc.munmap, addr, size)
+    array = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    array.flags.writeable = bool(prot & mmap.PROT_WRITE)
+    return array

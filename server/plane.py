@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvstore.engine.store import TieredStore
+from kvstore.engine.store import Lent, ReadLease, TieredStore
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import ChunkKey
 from kvstore.protocol import MAX_RESERVE_BATCH, status_of, status_to_pb
@@ -156,6 +156,8 @@ class SharedMemoryPlane:
                 f"{len(request.keys)} keys in one AcquireMany; at most {MAX_RESERVE_BATCH}"
             )
         keys, owner = self._keys(request.keys), self._owner(context)
+        if request.client_reads_disk and request.client_verifies:
+            return self._lend(keys, owner)
         out = pb.AcquireManyResponse()
         try:
             for key in keys:
@@ -168,12 +170,38 @@ class SharedMemoryPlane:
             raise
         return out
 
+    def _lend(self, keys: list[ChunkKey], owner: str) -> pb.AcquireManyResponse:
+        """AcquireMany for a client that reads L2's file itself: what only L2 holds is
+        lent where it lies there (``on_disk``), not promoted (``TieredStore.lend``)."""
+        got = self.store.lend(keys, owner)
+        out = pb.AcquireManyResponse()
+        lease_s = self.store.config.memory.lease_ms
+        for key, g in zip(keys, got, strict=True):
+            if g is None:
+                out.responses.append(pb.AcquireResponse(found=False, use_get=key in self.store))
+                continue
+            self._moved("out", "disk" if isinstance(g, Lent) else "shm", g.header.stored_size)
+            if isinstance(g, Lent):
+                out.responses.append(
+                    pb.AcquireResponse(
+                        found=True, on_disk=True, lease_id=g.id, header=g.packed,
+                        extents=[pb.Extent(offset=g.offset, length=g.length)],
+                        payload_offset=g.header.header_size, expires_ms=lease_s,
+                    )
+                )  # fmt: skip
+            else:
+                out.responses.append(self._granted(g))
+        return out
+
     def _acquire(self, key: ChunkKey, owner: str, client_verifies: bool) -> pb.AcquireResponse:
         lease = self.store.acquire(key, owner=owner, payload=not client_verifies)
         if lease is None:
             # Stored below but L1 could not take it now: the client falls back to Get.
             return pb.AcquireResponse(found=False, use_get=key in self.store)
         self._moved("out", "shm", lease.header.stored_size)
+        return self._granted(lease)
+
+    def _granted(self, lease: ReadLease) -> pb.AcquireResponse:
         return pb.AcquireResponse(
             found=True,
             lease_id=lease.id,

@@ -116,7 +116,10 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self._tenant_info.CopyFrom(self._info)
         # Tenants look up by token ids: keys a client sends could name another tenant's
         # chunks (in L3 above all, which the server cannot check by namespace).
-        for name in ("shm_path", "shm_size", "boot_id", "shm_inode", "lookup_by_keys"):
+        for name in (
+            "shm_path", "shm_size", "boot_id", "shm_inode", "lookup_by_keys",
+            "disk_path", "disk_inode", "disk_map_size",
+        ):  # fmt: skip
             self._tenant_info.ClearField(name)
 
     def _make_info(self, auth_required: bool) -> pb.InfoResponse:
@@ -140,7 +143,17 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             auth_required=auth_required,
             native=accel.IMPL,
             lookup_by_keys=True,
+            **self._disk_plane() if shm else {},
         )
+
+    def _disk_plane(self) -> dict[str, Any]:
+        """L2's data file, for same-host clients to read loans from (AcquireMany's
+        client_reads_disk): offered with the arena, when L2 is LMDB."""
+        where = self.store.lending_file()
+        if where is None:
+            return {}
+        path, map_size = where
+        return {"disk_path": path, "disk_inode": os.stat(path).st_ino, "disk_map_size": map_size}
 
     def offer_express(self, path: str) -> None:
         """Tell clients (Info) where the express plane listens (``server.express``)."""
@@ -359,7 +372,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         if request.prefetch:
             below = [m.key for m in result.chunks if m.tier != TierLevel.MEMORY]
             if below:
-                self.store.prefetch(fp, below)
+                self.store.prefetch(fp, below, skip_disk=request.client_reads_disk)
 
     def _explain(
         self, fp: Fingerprint, tokens: np.ndarray, result: Any, tenant: str | None

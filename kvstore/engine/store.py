@@ -32,6 +32,7 @@ from kvstore.engine.store_drops import DropPath
 from kvstore.engine.store_reads import ReadPath
 from kvstore.engine.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
 from kvstore.engine.tiers.base import Tier
+from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lent, Loans
 from kvstore.engine.tiers.memory import MemoryTier
 from kvstore.engine.tiers.pages import ReadLease, Reservation
 from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
@@ -40,7 +41,8 @@ from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.records import RecordHeader, check_put, make_header
 from kvstore.types import ChunkView, PutStatus, StoreStats
 
-__all__ = ["ReadLease", "Reservation", "TieredStore"]  # the holds the store's methods hand out
+# the holds the store's methods hand out
+__all__ = ["Lent", "ReadLease", "Reservation", "TieredStore"]
 
 log = logging.getLogger("kvstore.engine.store")
 
@@ -66,7 +68,9 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
             if disk is None and cfg.disk.enabled:
                 from kvstore.engine.tiers.disk import DiskTier
 
-                disk = DiskTier(cfg.disk, cfg.data_dir, clock=clock)
+                disk = DiskTier(
+                    cfg.disk, cfg.data_dir, clock=clock, lease_s=cfg.memory.lease_ms / 1000
+                )
             if remote is None and cfg.remote.url:
                 from kvstore.engine.tiers.remote import RemoteTier
 
@@ -474,28 +478,48 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
         return None if entry is None else entry.fingerprint
 
     def renew(self, hold_id: int) -> bool:
-        """Extend an L1 lease or reservation (``MemoryTier.renew``)."""
+        """Extend an L1 lease or reservation (``MemoryTier.renew``), or an L2 loan."""
+        if hold_id & LOAN_BIT:
+            return (loans := self._loans()) is not None and loans.renew(hold_id)
         return self.memory.renew(hold_id)
 
     def hold_info(self, hold_id: int) -> tuple[str, str, int] | None:
-        """(owner, kind, payload bytes) of an L1 lease or reservation (``MemoryTier.hold_info``)."""
+        """(owner, kind, payload bytes) of an L1 lease or reservation
+        (``MemoryTier.hold_info``) or of an L2 loan (kind "lease")."""
+        if hold_id & LOAN_BIT:
+            return None if (loans := self._loans()) is None else loans.info(hold_id)
         return self.memory.hold_info(hold_id)
 
     def renew_owner(self, owner: str) -> int:
-        """Renew every L1 lease and reservation of ``owner`` (``MemoryTier.renew_owner``)."""
-        return self.memory.renew_owner(owner)
+        """Renew every L1 lease and reservation and every L2 loan of ``owner``."""
+        loans = self._loans()
+        return self.memory.renew_owner(owner) + (loans.renew_owner(owner) if loans else 0)
 
     def release_owner(self, owner: str) -> int:
-        """Drop every L1 lease and reservation of ``owner`` (``MemoryTier.release_owner``)."""
-        n = self.memory.release_owner(owner)
+        """Drop every L1 lease and reservation and every L2 loan of ``owner``."""
+        loans = self._loans()
+        n = self.memory.release_owner(owner) + (loans.release_owner(owner) if loans else 0)
         self._drop_due()
         return n
+
+    def lending_file(self) -> tuple[str, int] | None:
+        """(path, map size) of the file L2 lends records in (``lend``), if L2 is LMDB."""
+        if self._loans() is None:
+            return None
+        return self.disk.data_file, self.disk.map_size  # type: ignore[union-attr]
+
+    def _loans(self) -> Loans | None:
+        """L2's loans (``DiskTier.lend``), if L2 is LMDB."""
+        loans: Loans | None = getattr(self.disk, "loans", None)
+        return loans
 
     def upkeep(self) -> int:
         """What must happen now and then, whoever runs the store: expired leases and
         reservations reclaimed, copies the remote refused queued again once it takes
         writes. Returns how many holds were reclaimed. A server calls it periodically."""
         reclaimed = self.memory.sweep()
+        if (loans := self._loans()) is not None:
+            reclaimed += loans.sweep()
         self._drop_due()  # dropped chunks whose last hold expired, or was an in-process read
         self.retry_remote()
         return reclaimed

@@ -25,6 +25,7 @@ from kvstore.engine.fallback import Fallbacks
 from kvstore.engine.index import Entry, Index, layout_of, tier_levels
 from kvstore.engine.lookup import KeyChain, RemoteView, lookup
 from kvstore.engine.tiers.base import Tier, copy_into
+from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lent, Loans
 from kvstore.engine.tiers.memory import MemoryTier, ReadLease
 from kvstore.engine.writer import Prefetcher, WriteDown
 from kvstore.errors import CorruptRecord
@@ -56,6 +57,7 @@ class ReadPath:
         def _begin(self, key: ChunkKey) -> None: ...
         def _end(self, key: ChunkKey) -> bool: ...
         def _drop_due(self) -> int: ...
+        def _loans(self) -> Loans | None: ...
 
     def acquire(
         self, key: ChunkKey, owner: str = "", *, payload: bool = True, lasting: bool = False
@@ -68,6 +70,12 @@ class ReadPath:
         self._check_open()
         self._count("gets")
         lease = self.memory.acquire(key, owner=owner, payload=payload, lasting=lasting)
+        return self._acquired(key, lease, owner, payload, lasting)
+
+    def _acquired(
+        self, key: ChunkKey, lease: ReadLease | None, owner: str, payload: bool, lasting: bool
+    ) -> ReadLease | None:
+        """``acquire`` after L1 answered ``lease``: promoted from below on a miss."""
         if lease is None and self._fallbacks.refused(key):
             return None  # L1 could not take it a moment ago: its record is kept for read()
         if lease is None and self._promote_below(key):
@@ -79,6 +87,33 @@ class ReadPath:
             self._count("hits")
             self._touch(key)
         return lease
+
+    def lend(self, keys: Sequence[ChunkKey], owner: str = "") -> list[ReadLease | Lent | None]:
+        """For each key a lease on the chunk in L1, or else its record lent where it lies
+        in L2's file (``DiskTier.lend``: one read transaction for them all, no
+        promotion), or else a lease after a promotion from below (L3, or a record L2
+        holds encoded), or None. For a reader on this host that maps L2's data file and
+        verifies every payload as it copies it: only headers are checked here."""
+        self._check_open()
+        self._count("gets", len(keys))
+        out: list[ReadLease | Lent | None] = [
+            self.memory.acquire(key, owner=owner, payload=False) for key in keys
+        ]
+        from kvstore.engine.tiers.disk import DiskTier  # as the store: lmdb only if used
+
+        disk = self.disk if isinstance(self.disk, DiskTier) else None
+        missed = [i for i, got in enumerate(out) if got is None]
+        if disk is not None and missed:
+            here = [i for i in missed if self._may_hold(disk, self.index.get(keys[i]))]
+            for i, lent in zip(here, disk.lend([keys[i] for i in here], owner), strict=True):
+                out[i] = lent
+        for i, got in enumerate(out):
+            if got is None:
+                out[i] = self._acquired(keys[i], None, owner, False, False)
+            else:
+                self._count("hits")
+                self._touch(keys[i])
+        return out
 
     def read(
         self, key: ChunkKey, owner: str = "", *, lasting: bool = False
@@ -107,6 +142,9 @@ class ReadPath:
         return lease
 
     def release(self, lease_id: int) -> bool:
+        """End an L1 lease or an L2 loan; False if it was not held or had expired."""
+        if lease_id & LOAN_BIT:
+            return (loans := self._loans()) is not None and loans.release(lease_id)
         released = self.memory.release(lease_id)
         self._drop_due()  # a dropped chunk this lease was the last hold on goes now
         return released
@@ -328,21 +366,27 @@ class ReadPath:
                 self._counters["matched_tokens"] += result.matched_tokens
 
     # -- prefetch: promotion ahead of the reads --------------------------------
-    def prefetch(self, fingerprint: Fingerprint, keys: Sequence[ChunkKey]) -> int:
+    def prefetch(
+        self, fingerprint: Fingerprint, keys: Sequence[ChunkKey], *, skip_disk: bool = False
+    ) -> int:
         """Start promoting these chunks of namespace ``fingerprint`` into L1 where they
         are only below it (L2, L3), in the background: an ``acquire`` soon after finds
         them in L1. How many were queued. Never waits: chunks in L1 already, or being
         promoted, are skipped, and past the prefetcher's byte budget (bytes queued or
         running) the rest are left to the reads. A chunk L1 refuses (full of pinned or
         leased pages) is offered once (``kvstore.engine.fallback``): not again while that
-        refusal stands, and its record is kept for the read that follows."""
+        refusal stands, and its record is kept for the read that follows.
+
+        ``skip_disk``: chunks L2 holds stay there (a reader that ``lend`` serves from
+        L2's file in place); only those below it are promoted."""
         self._check_open()
         l1 = 1 << self.memory.level
+        keep = l1 | (1 << self.disk.level if skip_disk and self.disk is not None else 0)
         items: list[tuple[ChunkKey, int]] = []
         for key in keys:
             entry = self.index.get(key)
             if entry is not None:
-                if not entry.tiers & l1:
+                if not entry.tiers & keep:
                     items.append((key, entry.record_size))
             elif self.remote is not None:  # only the shared tier knows it
                 items.append((key, self._record_estimate(fingerprint)))

@@ -310,12 +310,19 @@ class AsyncClient(ClientBase):
         return await self._run(core.acquire(self, key, timeout, self._lease(timeout)))
 
     async def acquire_many(
-        self, keys: Sequence[bytes], *, verify: bool | None = None, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        verify: bool | None = None,
+        timeout: float | None = None,
+        disk: bool = False,
     ) -> builtins.list[AsyncLease | UseGet | None]:
         """Leases on many chunks, one round trip per 1024 keys: for each a lease,
         ``USE_GET`` (stream it with get/get_into) or None (a miss); see
         ``Client.acquire_many``."""
-        return await self._run(core.acquire_many(self, keys, verify, timeout, self._lease(timeout)))
+        return await self._run(
+            core.acquire_many(self, keys, verify, timeout, self._lease(timeout), disk)
+        )
 
     async def release_many(
         self, leases: Sequence[AsyncLease], *, timeout: float | None = None
@@ -365,6 +372,7 @@ class AsyncClient(ClientBase):
         explain: bool = False,
         repeat: bool = False,
         prefetch: bool = False,
+        reads_disk: bool = False,
         timeout: float | None = None,
     ) -> LookupResult:
         """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC.
@@ -378,10 +386,21 @@ class AsyncClient(ClientBase):
         ``prefetch``: the server starts promoting the matched chunks that are only below
         L1 into L1 in the background (``by_tier`` says where they are now), so that an
         ``acquire_many`` soon after finds them there; the answer does not wait for it.
+        ``reads_disk`` (with ``prefetch``): the reader takes L2's records in place
+        (``acquire_many(disk=True)``), so only chunks below L2 are promoted.
         """
         return await self._run(
             core.lookup(
-                self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout, prefetch
+                self,
+                namespace,
+                tokens,
+                min_tokens,
+                granularity,
+                explain,
+                repeat,
+                timeout,
+                prefetch,
+                reads_disk,
             )
         )
 
@@ -450,9 +469,10 @@ class AsyncClient(ClientBase):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._session, 2.0)
         await self._channel.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        for view in (self._arena, self._disk):
+            if view is not None:
+                view.close()
+        self._arena = self._disk = None
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -312,6 +312,10 @@ class ClientBase:
         self._arena: ArenaView | None = None
         self._shm_checked = False  # Info looked at and the arena opened (or refused)
         self._arena_id: tuple[str, int, int, str] | None = None
+        # L2's data file, read-only, where loans are read (``acquire_many(disk=True)``);
+        # mapped with the arena, when the server lends it and it is the same file here.
+        self._disk: ArenaView | None = None
+        self._disk_id: tuple[str, int, int] | None = None
         self._session_refused = False  # the server has no room for our Session stream
         # The Session stream keeping this client's holds alive: a thread or a task.
         self._session: Any = None
@@ -384,6 +388,29 @@ class ClientBase:
         log.debug("shared memory not used: %s", why)
         return None
 
+    def _open_disk(self, info: ServerInfo) -> None:
+        """Map L2's data file (the arena is mapped: this is the server's host) if the
+        server lends it, again only if it changed (a restart with another file or map
+        size). Without it, chunks only in L2 are promoted into L1 and leased there."""
+        ident = (info.disk_path, info.disk_inode, info.disk_map_size)
+        if self._disk is not None and self._disk_id == ident:
+            return
+        old, self._disk, self._disk_id = self._disk, None, None
+        if old is not None:
+            self._retire_arena(old)
+        if not info.disk_path or self._arena is None:
+            return
+        try:
+            if os.stat(info.disk_path).st_ino != info.disk_inode:
+                log.debug("L2 loans not used: %s here is another file", info.disk_path)
+                return
+            self._disk = ArenaView.open(
+                info.disk_path, info.disk_map_size, writable=False, growing=True
+            )
+            self._disk_id = ident
+        except (OSError, KVStoreError) as e:
+            log.debug("L2 loans not used: cannot map %s: %s", info.disk_path, e)
+
     def _retire_arena(self, arena: ArenaView) -> None:
         """Unmap a restarted server's old arena on a thread of its own: this mapping is
         often the last hold on the old file's pages, and unmapping a populated 1 GiB
@@ -417,11 +444,18 @@ class ClientBase:
         from a lower tier, never these bytes."""
         return not self.verify or xxhash.xxh3_64_intdigest(data) == header.payload_checksum
 
-    def _check_extents(self, extents: Iterable[pb.Extent]) -> list[tuple[int, int]]:
-        assert self._arena is not None
+    def _check_extents(
+        self, extents: Iterable[pb.Extent], *, disk: bool = False
+    ) -> list[tuple[int, int]]:
+        """A lease's extents, checked to lie in the arena (``disk``: in L2's file)."""
+        view = self._disk if disk else self._arena
+        assert view is not None
         out = [(e.offset, e.length) for e in extents]
-        if any(o + n > self._arena.size for o, n in out):
-            raise ServerError("the server handed out extents beyond its arena (did it restart?)")
+        if any(o + n > view.size for o, n in out):
+            raise ServerError(
+                f"the server handed out extents beyond its {'data file' if disk else 'arena'} "
+                "(did it restart?)"
+            )
         return out
 
     def _check_put(self, header: RecordHeader, payload: Any) -> np.ndarray:
@@ -451,6 +485,7 @@ class ClientBase:
         explain: bool,
         repeat: bool = False,
         prefetch: bool = False,
+        reads_disk: bool = False,
         by_keys: bool = True,
     ) -> pb.LookupRequest:
         """The prompt (u32le ``token_bytes``) by its chunk keys where the server takes
@@ -465,6 +500,7 @@ class ClientBase:
             explain=explain,
             repeat=repeat,
             prefetch=prefetch,
+            client_reads_disk=prefetch and reads_disk,
             namespace=namespace_to_pb(named) if named is not None else None,
         )
         info = self._info

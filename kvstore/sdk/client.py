@@ -400,7 +400,12 @@ class Client(ClientBase):
         return self._run(core.acquire(self, key, timeout, self._lease(timeout)))
 
     def acquire_many(
-        self, keys: Sequence[bytes], *, verify: bool | None = None, timeout: float | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        verify: bool | None = None,
+        timeout: float | None = None,
+        disk: bool = False,
     ) -> builtins.list[Lease | UseGet | None]:
         """Read leases on many chunks in shared memory: one AcquireMany round trip per
         1024 keys (``MAX_RESERVE_BATCH``), however many chunks.
@@ -414,9 +419,14 @@ class Client(ClientBase):
         critical path, ``release_later``. ``verify`` (default: the client's ``verify``):
         True, the caller checks each payload as it copies it and the server checks only
         the headers; False, the server checks every payload before lending it.
+        ``disk`` (with ``verify``): a chunk only in L2 comes as a lease on its record
+        where it lies in L2's LMDB file (``Info.disk_path``, mapped read-only here), held
+        in place by a read transaction of the server's until released, instead of being
+        promoted into L1 first: one pass over its bytes, not two. Where the server lends
+        no file, or this client cannot map it, the chunk is promoted as without it.
         Only on the server's host; raises KVStoreError when shared memory is not in use.
         """
-        return self._run(core.acquire_many(self, keys, verify, timeout, self._lease(timeout)))
+        return self._run(core.acquire_many(self, keys, verify, timeout, self._lease(timeout), disk))
 
     def release_many(self, leases: Sequence[Lease], *, timeout: float | None = None) -> int:
         """End many leases with one Release; how many the server still held (fewer: some
@@ -465,6 +475,7 @@ class Client(ClientBase):
         explain: bool = False,
         repeat: bool = False,
         prefetch: bool = False,
+        reads_disk: bool = False,
         timeout: float | None = None,
     ) -> LookupResult:
         """The longest stored prefix of ``tokens`` (partial prefix matching), one RPC.
@@ -478,10 +489,21 @@ class Client(ClientBase):
         ``prefetch``: the server starts promoting the matched chunks that are only below
         L1 into L1 in the background (``by_tier`` says where they are now), so that an
         ``acquire_many`` soon after finds them there; the answer does not wait for it.
+        ``reads_disk`` (with ``prefetch``): the reader takes L2's records in place
+        (``acquire_many(disk=True)``), so only chunks below L2 are promoted.
         """
         return self._run(
             core.lookup(
-                self, namespace, tokens, min_tokens, granularity, explain, repeat, timeout, prefetch
+                self,
+                namespace,
+                tokens,
+                min_tokens,
+                granularity,
+                explain,
+                repeat,
+                timeout,
+                prefetch,
+                reads_disk,
             )
         )
 
@@ -551,9 +573,10 @@ class Client(ClientBase):
         if self._express is not None:
             self._express.close()
         self._channel.close()
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        for view in (self._arena, self._disk):
+            if view is not None:
+                view.close()
+        self._arena = self._disk = None
 
     def __enter__(self) -> Client:
         return self

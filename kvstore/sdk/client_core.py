@@ -185,13 +185,16 @@ def setup_plane(c: ClientBase) -> Plan[ArenaView | None]:
         old, c._arena, c._session, c._shm_checked = c._arena, None, None, False
         try:
             c._arena = c._open_arena(now)
+            c._open_disk(now)
             c._shm_checked = True
         finally:
             if old is not None:
                 c._retire_arena(old)
         return c._arena
     if not c._shm_checked:
-        c._arena = c._open_arena((yield from info(c, None)))
+        now = yield from info(c, None)
+        c._arena = c._open_arena(now)
+        c._open_disk(now)
         c._shm_checked = True
     return c._arena
 
@@ -227,12 +230,15 @@ def acquire_many(
     verify: bool | None,
     timeout: float | None,
     make: Callable[..., L],
+    disk: bool = False,
 ) -> Plan[builtins.list[L | UseGet | None]]:
     """Leases on many chunks, one AcquireMany per ``MAX_RESERVE_BATCH`` keys: for each
     key a lease, ``USE_GET`` (stored, but L1 cannot lend it now: get/get_into streams it)
     or None (a miss). ``verify`` (default: the client's): the caller checks the payload
     as it copies it (``read_verified``/``read_scattered``), so the server checks only
-    the headers; False: the server checks every payload before lending it."""
+    the headers; False: the server checks every payload before lending it. ``disk``
+    (with ``verify``): a chunk only in L2 may be lent where it lies in L2's file, a
+    lease over the client's read-only mapping of it, instead of promoted into L1."""
     arena = yield NEED_ARENA
     if arena is None:
         raise KVStoreError("acquire_many needs the shared-memory data plane (same host)")
@@ -243,7 +249,11 @@ def acquire_many(
         for i in range(0, len(keys), MAX_RESERVE_BATCH):
             batch = [bytes(k) for k in keys[i : i + MAX_RESERVE_BATCH]]
             t0 = c._clock()
-            req = pb.AcquireManyRequest(keys=batch, client_verifies=client_verifies)
+            req = pb.AcquireManyRequest(
+                keys=batch,
+                client_verifies=client_verifies,
+                client_reads_disk=disk and client_verifies and c._disk is not None,
+            )
             r = yield Call("AcquireMany", req, timeout)
             granted += [a.lease_id for a in r.responses if a.found]
             if len(r.responses) != len(batch):
@@ -253,10 +263,11 @@ def acquire_many(
                     out.append(USE_GET if a.use_get else None)
                     continue
                 header = parse_header(a.header, expect_key=key)
-                extents = c._check_extents(a.extents)
+                extents = c._check_extents(a.extents, disk=a.on_disk)
                 until = t0 + a.expires_ms / 1000 * LEASE_MARGIN
+                view = c._disk if a.on_disk else arena
                 out.append(
-                    make(header, a.lease_id, extents, a.payload_offset, arena, valid_until=until)
+                    make(header, a.lease_id, extents, a.payload_offset, view, valid_until=until)
                 )
     except BaseException:
         if granted:  # a bad answer or a later batch failed: no lease outlives the call
@@ -420,6 +431,7 @@ def lookup(
     repeat: bool = False,
     timeout: float | None = None,
     prefetch: bool = False,
+    reads_disk: bool = False,
 ) -> Plan[LookupResult]:
     """By chunk keys where the server takes them (``ClientBase._lookup_request``); where
     the answer says the partial match needs one chunk's sub-hashes, asked again with
@@ -427,7 +439,7 @@ def lookup(
     if c._info is None and c.lookup_by_keys and not explain:
         yield from info(c, timeout)  # its chunking, to key the prompt as the server does
     tb = token_view(tokens)
-    args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch)
+    args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
     req = c._lookup_request(*args)
     r = yield Call("Lookup", req, timeout)
     if r.HasField("needs_sub_hashes") and req.chunk_keys:

@@ -39,6 +39,9 @@ class ServerInfo:
     native: str = ""  # the server's kvstore.accel.IMPL ("" from servers before it was sent)
     lookup_by_keys: bool = False  # Lookup takes chunk keys and sub-hashes (False: token ids only)
     express_socket: str = ""  # the express plane's Unix socket (kvstore.express); "": none
+    disk_path: str = ""  # L2's data file, which loans are in ("": L2 lends nothing)
+    disk_inode: int = 0  # its inode: the client maps it only where it is this file
+    disk_map_size: int = 0  # LMDB's map: the most the file can grow to
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
         native=m.native,
         lookup_by_keys=m.lookup_by_keys,
         express_socket=m.express_socket,
+        disk_path=m.disk_path,
+        disk_inode=m.disk_inode,
+        disk_map_size=m.disk_map_size,
     )
 
 

@@ -73,7 +73,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys", "express_socket")
+    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys", "express_socket", "disk_path", "disk_inode", "disk_map_size")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEY_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,9 @@ class InfoResponse(_message.Message):
     NATIVE_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BY_KEYS_FIELD_NUMBER: _ClassVar[int]
     EXPRESS_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DISK_PATH_FIELD_NUMBER: _ClassVar[int]
+    DISK_INODE_FIELD_NUMBER: _ClassVar[int]
+    DISK_MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     record_format: int
     key_scheme: str
@@ -110,10 +113,13 @@ class InfoResponse(_message.Message):
     native: str
     lookup_by_keys: bool
     express_socket: str
-    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ...) -> None: ...
+    disk_path: str
+    disk_inode: int
+    disk_map_size: int
+    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_inode: _Optional[int] = ..., disk_map_size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of")
+    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of", "client_reads_disk")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +132,7 @@ class LookupRequest(_message.Message):
     SUB_HASHES_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     SUB_HASHES_OF_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_READS_DISK_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     token_ids: bytes
     min_tokens: int
@@ -138,7 +145,8 @@ class LookupRequest(_message.Message):
     sub_hashes: bytes
     prefetch: bool
     sub_hashes_of: int
-    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ...) -> None: ...
+    client_reads_disk: bool
+    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ..., client_reads_disk: _Optional[bool] = ...) -> None: ...
 
 class NamespaceMatch(_message.Message):
     __slots__ = ("fingerprint", "matched_tokens", "namespace")
@@ -306,7 +314,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms", "use_get")
+    __slots__ = ("found", "lease_id", "header", "extents", "payload_offset", "expires_ms", "use_get", "on_disk")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +322,7 @@ class AcquireResponse(_message.Message):
     PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
     USE_GET_FIELD_NUMBER: _ClassVar[int]
+    ON_DISK_FIELD_NUMBER: _ClassVar[int]
     found: bool
     lease_id: int
     header: bytes
@@ -321,15 +330,18 @@ class AcquireResponse(_message.Message):
     payload_offset: int
     expires_ms: int
     use_get: bool
-    def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ..., use_get: _Optional[bool] = ...) -> None: ...
+    on_disk: bool
+    def __init__(self, found: _Optional[bool] = ..., lease_id: _Optional[int] = ..., header: _Optional[bytes] = ..., extents: _Optional[_Iterable[_Union[Extent, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., expires_ms: _Optional[int] = ..., use_get: _Optional[bool] = ..., on_disk: _Optional[bool] = ...) -> None: ...
 
 class AcquireManyRequest(_message.Message):
-    __slots__ = ("keys", "client_verifies")
+    __slots__ = ("keys", "client_verifies", "client_reads_disk")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_READS_DISK_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     client_verifies: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_verifies: _Optional[bool] = ...) -> None: ...
+    client_reads_disk: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., client_verifies: _Optional[bool] = ..., client_reads_disk: _Optional[bool] = ...) -> None: ...
 
 class AcquireManyResponse(_message.Message):
     __slots__ = ("responses",)

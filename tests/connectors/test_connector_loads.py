@@ -234,7 +234,9 @@ def test_a_payload_that_does_not_verify_is_read_again_or_a_load_error(
 
 def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) -> None:
     """After a restart the chunks are on disk only: the request is told load_async, waits
-    while the worker loads it (one AcquireMany for the step), and loads right."""
+    while the worker loads it (one AcquireMany for the step), and loads right, each
+    chunk copied from where it lies in LMDB's file (lent: neither the lookup's prefetch
+    nor the AcquireMany promotes it into L1 first)."""
     lay = Layout()
     ps = [prompt(3), prompt(4)]
     srcs = store(engine, ps, lay)
@@ -251,6 +253,11 @@ def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) 
         assert a.told == stored(600) and not a.failed, (a.told, a.failed, engine.breakers())
         assert engine.same(dst[:k], src[:k]), "a background load put other bytes"
     assert calls["AcquireMany"] == 1 and calls["Get"] == 0 and calls["Acquire"] == 0, calls
+    with Client(server.unix_url) as c:
+        l1, l2 = c.stats().tiers[:2]
+    chunks = len(ps) * -(-stored(600) // CHUNK)
+    assert l2.detail["lent"] == chunks, f"L2 lent {l2.detail['lent']} of {chunks} chunks"
+    assert l1.used_bytes == 0, "a chunk was promoted into L1 on its way to the cache"
 
 
 class Stall:

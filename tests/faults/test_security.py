@@ -186,6 +186,8 @@ def test_tenants_cannot_reach_each_other(
         kvstore.Client(srv.unix_url, token=ADMIN) as admin,
     ):
         assert not a.shm_active and a.info().shm_path == "", "tenants get no shared memory"
+        # L2's file holds every tenant's records: a loan of it would read them all.
+        assert a.info().disk_path == "", "tenants are not lent L2's file"
         keys_a = _chunks(a, ns_a, 3, 1000)  # put_chunk proves the namespace by itself
         keys_a2 = _chunks(a, ns_a2, 1, 5000)
         keys_b = _chunks(b, ns_b, 3, 1000)  # the same tokens: other keys, other namespace

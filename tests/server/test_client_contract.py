@@ -920,6 +920,62 @@ def test_acquire_many_batches_and_release_later(drive: Drive) -> None:
     drive(body, "shm")
 
 
+def test_acquire_many_lends_l2_chunks_in_place(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """``disk=True``, on a restarted server (every chunk in L2 only): each chunk comes as
+    a lease over L2's LMDB file, mapped read-only here, and verifies as it is copied out
+    (into one buffer, or scattered); none is promoted into L1; one AcquireMany and one
+    Release. Without ``disk`` they are promoted (L1 holds them after). Loans a client
+    leaves open end with its session."""
+    bpt = 1024
+    ns = namespace(f"contract-loans-{drive.kind}", bpt)
+    srv = make_server(f"loans-{drive.kind}").start()
+
+    async def put(kv: Any) -> list[Any]:
+        return await _put_batch(kv, ns, 8, bpt, seed=75_000)
+
+    chunks = drive(put, server=srv)
+    keys = [k for k, _ in chunks]
+    srv.stop()
+    srv.start()
+
+    async def body(kv: Any) -> None:
+        info = await kv.info()
+        assert info.disk_path.endswith("data.mdb") and info.disk_map_size > 0, info
+        before = await kv.stats()
+        got = _unwrap(await kv.acquire_many(keys, disk=True))
+        assert all(isinstance(x, LeaseBase) for x in got), got
+        out = np.zeros(64 * bpt, dtype=np.uint8)
+        blocks = np.zeros(8 * 64 * bpt, dtype=np.uint8)
+        pieces = [((31 - 2 * j) * 4096, 4096) for j in range(16)]
+        for i, (lease, (_, data)) in enumerate(zip(got, chunks, strict=True)):
+            assert lease.read_verified(out) and np.array_equal(out, data), f"chunk {i}"
+            assert lease.read_scattered(blocks, pieces), f"chunk {i} scattered"
+        mid = await kv.stats()
+        assert mid.tiers[1].detail["loans"] == 8, mid.tiers[1].detail
+        assert mid.tiers[0].used_bytes == before.tiers[0].used_bytes, "a loan promoted into L1"
+        assert await kv.release_many(got) == 8, "every loan was still held"
+        after = await kv.stats()
+        assert after.tiers[1].detail["loans"] == 0
+        counts = _delta(_requests(after), _requests(before), "AcquireMany", "Release")
+        assert counts == {"AcquireMany": 1, "Release": 1}, counts
+        plain = await kv.acquire_many(keys[:2])
+        assert all(1 in w for w in await kv.exists(keys[:2])), "without disk: promoted"
+        await kv.release_many(plain)
+        await kv.acquire_many(keys[2:], disk=True)  # left to the session's end
+
+    drive(body, server=srv)
+
+    async def gone(kv: Any) -> None:
+        deadline = time.monotonic() + 10
+        while (await kv.stats()).tiers[1].detail["loans"]:
+            assert time.monotonic() < deadline, "a closed client's loans outlived its session"
+            await asyncio.sleep(0.02)
+
+    drive(gone, server=srv)
+
+
 def test_a_release_of_many_ends_those_still_held(drive: Drive) -> None:
     """One Release naming a lease the server no longer knows (expired, another session's)
     ends the others all the same, and says how many; only a Release of none it knows is

@@ -69,6 +69,7 @@ from kvstore.engine.tiers.disk_format import (
     pack_meta,
     parse_meta,
 )
+from kvstore.engine.tiers.disk_loans import Lent, Loans, address, map_base
 from kvstore.errors import CorruptRecord, InvalidArgument, TierError
 from kvstore.keys import ChunkKey
 from kvstore.records import (
@@ -99,8 +100,10 @@ class DiskTier(Tier):
         *,
         clock: Clock = monotonic,
         map_size: int | None = None,
+        lease_s: float = 30.0,
     ) -> None:
-        """``map_size`` overrides LMDB's map size (tests use it to provoke MapFullError)."""
+        """``map_size`` overrides LMDB's map size (tests use it to provoke MapFullError);
+        ``lease_s``: how long a loan (``lend``) lives unless renewed."""
         super().__init__()
         self.config = config
         self.path = config.resolved_path(data_dir)
@@ -133,6 +136,8 @@ class DiskTier(Tier):
         )
         self._healthy = True
         self._last_error = ""
+        self.loans = Loans(clock, lease_s)
+        self._map_base: int | None = None  # where LMDB maps data.mdb here (loans' offsets)
         self._lock_fds = lock_directory(self.path)
         try:
             self._env = self._open_env()
@@ -509,12 +514,11 @@ class DiskTier(Tier):
 
         return self._read(bytes(key), consume)
 
-    def _read(self, key: bytes, consume: Callable[[bytes, memoryview], T]) -> T | None:
-        self._check_open()
-        # The bookkeeping comes first, counted as a hit: a 1 MiB copy flushes this
-        # core's L2, and what runs after it runs from L3. Should the read then miss
-        # (evicted meanwhile, or damaged and deleted), the counts are put right and
-        # the entry it touched is gone too.
+    def _note_read(self, key: bytes) -> Entry | None:
+        """A read's bookkeeping (LRU, hits), done before the read and counted as a hit:
+        a 1 MiB copy flushes this core's L2, and what runs after it runs from L3. Should
+        the read then miss (evicted meanwhile, or damaged and deleted), the counts are
+        put right (``_unnote``) and the entry it touched is gone too. None: a miss."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -526,6 +530,16 @@ class DiskTier(Tier):
             self._dirty.add(key)
             self._n["hits"] += 1
             self._n["bytes_out"] += entry.size
+            return entry
+
+    def _unnote(self, entry: Entry, *, miss: bool) -> None:
+        self._count(hits=-1, bytes_out=-entry.size, misses=int(miss))
+
+    def _read(self, key: bytes, consume: Callable[[bytes, memoryview], T]) -> T | None:
+        self._check_open()
+        entry = self._note_read(key)
+        if entry is None:
+            return None
         result: T | None = None
         damaged: str | None = None
         try:
@@ -539,16 +553,85 @@ class DiskTier(Tier):
         except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
             damaged = f"LMDB cannot read it: {e}"  # its own pages are zeroed or overwritten
         except BaseException as e:
-            self._count(hits=-1, bytes_out=-entry.size)
+            self._unnote(entry, miss=False)
             if isinstance(e, lmdb.Error):
                 raise self._backend_error("get", e) from e
             raise
         if result is None:  # evicted since the index said it was here, or damaged
-            self._count(hits=-1, bytes_out=-entry.size, misses=1)
+            self._unnote(entry, miss=True)
             if damaged is not None:
                 self._drop_corrupt(key, damaged)
             return None
         return result
+
+    # -- loans ---------------------------------------------------------------------
+    @property
+    def data_file(self) -> str:
+        """LMDB's data file, which a loan's offsets are in."""
+        return os.path.join(self.path, DATA_FILE)
+
+    @property
+    def map_size(self) -> int:
+        """LMDB's map: the most the data file can grow to (a loan's reader maps this)."""
+        return self._map_size
+
+    def lend(self, keys: Sequence[ChunkKey], owner: str = "") -> list[Lent | None]:
+        """Lend these chunks' records where they lie in ``data_file`` (``disk_loans``):
+        for each key a loan, or None where L2 does not hold the chunk or holds it
+        encoded (a codec other than raw cannot be copied as it lies: read it). One read
+        transaction keeps them all in place until the last loan ends. Counted as reads
+        (hits, LRU order). Only the header is checked here: the reader verifies the
+        payload against it as it copies."""
+        self._check_open()
+        if self._map_base is None:
+            self._map_base = map_base(self.data_file)
+        records: list[tuple[ChunkKey, RecordHeader, bytes, int, int] | None] = []
+        damaged: list[tuple[bytes, str]] = []
+        try:
+            txn = self._env.begin(db=self._records, buffers=True)
+        except lmdb.Error as e:
+            raise self._backend_error("lend", e) from e
+        try:
+            for key in keys:
+                k = bytes(key)
+                entry = self._note_read(k)
+                if entry is None:
+                    records.append(None)
+                    continue
+                view, got, why = None, None, None
+                try:
+                    view = txn.get(k)
+                    if view is not None:
+                        header, _ = in_place(k, view)
+                        if header.codec is Codec.RAW:
+                            got = self._lent(key, header, view)
+                except CorruptRecord as e:
+                    why = str(e)
+                except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
+                    why = f"LMDB cannot read it: {e}"
+                if why is not None:
+                    damaged.append((k, why))
+                if got is None:  # an encoded record is a hit still, counted by its read
+                    self._unnote(entry, miss=view is None or why is not None)
+                records.append(got)
+        except BaseException as e:
+            txn.abort()
+            if isinstance(e, lmdb.Error):
+                raise self._backend_error("lend", e) from e
+            raise
+        lent = self.loans.lend(txn, owner, records)
+        for k, why in damaged:
+            self._drop_corrupt(k, why)
+        return lent
+
+    def _lent(
+        self, key: ChunkKey, header: RecordHeader, view: memoryview
+    ) -> tuple[ChunkKey, RecordHeader, bytes, int, int]:
+        assert self._map_base is not None
+        offset = address(view) - self._map_base
+        if not 0 <= offset <= self._map_size - len(view):
+            raise TierError(f"LMDB handed out a value outside its map ({key.hex()})")
+        return key, header, bytes(view[: header.header_size]), offset, len(view)
 
     def _drop_corrupt(self, key: bytes, why: str) -> None:
         # Should the key have been deleted and put again since it was read, this deletes
@@ -637,6 +720,9 @@ class DiskTier(Tier):
             "durability": self.config.durability,
             "dirty_access": dirty,
             "last_error": self._last_error,
+            "loans": len(self.loans),  # records lent in place now (``lend``)
+            "lent": self.loans.lent,  # since the start
+            "loans_expired": self.loans.expired,
         }
         if self._closed:
             s.healthy, s.detail = False, detail
@@ -673,6 +759,7 @@ class DiskTier(Tier):
                 )
             finally:
                 self._closed = True
+                self.loans.close()  # no read transaction may outlive the env
                 self._env.close()
                 self._unlock()
 
