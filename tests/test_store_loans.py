@@ -4,6 +4,7 @@ by a read transaction until released, expired or dropped with their owner."""
 from __future__ import annotations
 
 import mmap
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,6 +127,18 @@ def test_prefetch_can_leave_l2_chunks_for_loans(tmp_path: Path) -> None:
         keys = [h.key for h, _ in chain]
         assert s.prefetch(FP, keys, skip_disk=True) == 0
         assert s.prefetch(FP, keys) == 4
+
+
+def test_only_the_servers_user_may_read_l2s_files(tmp_path: Path) -> None:
+    """The records (KV and the prompts' token ids) and LMDB's reader table a loan's
+    reader uses are the server's user's alone, as the arena is: a new directory is
+    0700, its files 0600."""
+    with TieredStore(config(tmp_path)) as s:
+        put_chain(s, list(range(100, 100 + C)))
+        lmdb_dir = Path(s.disk.data_file).parent  # type: ignore[union-attr]
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in lmdb_dir.iterdir()}
+        assert stat.S_IMODE(lmdb_dir.stat().st_mode) == 0o700, oct(lmdb_dir.stat().st_mode)
+    assert modes == dict.fromkeys(("data.mdb", "lock.mdb", "kvstore.lock"), 0o600), modes
 
 
 def test_closing_the_store_ends_its_loans(tmp_path: Path) -> None:

@@ -162,6 +162,7 @@ class DiskTier(Tier):
                 metasync=sync,
                 writemap=False,
                 max_readers=512,
+                mode=0o600,  # data.mdb and lock.mdb, when made: the server's user only
             )
         except lmdb.Error as e:  # a damaged meta page (zeroed, or not LMDB's)
             raise damaged(self.path, e) from e

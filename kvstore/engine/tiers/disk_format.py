@@ -48,14 +48,17 @@ def lock_directory(path: str) -> tuple[int, ...]:
     predate the directory lock take only that one) and holds the owner's pid.
     """
     try:
-        os.makedirs(path, exist_ok=True)
+        # Records carry the prompts' token ids: only the server's user may read them
+        # (same-host clients of that user read loans from data.mdb). An existing
+        # directory keeps the mode its operator gave it.
+        os.makedirs(path, mode=0o700, exist_ok=True)
         fds = [os.open(path, os.O_RDONLY | os.O_DIRECTORY)]
     except OSError as e:
         raise TierError(f"cannot create the disk tier directory {path}: {e}") from e
     try:
         _flock(fds[0], path)
         try:
-            fds.append(os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644))
+            fds.append(os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600))
         except OSError as e:
             raise TierError(f"cannot create {os.path.join(path, LOCK_FILE)}: {e}") from e
         _flock(fds[1], path)
