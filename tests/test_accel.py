@@ -161,6 +161,48 @@ def test_scatter_xxh3_over_several_spans(impl: str) -> None:
     assert accel._py_scatter_xxh3(arena, out, spans, False) == h
 
 
+def test_scatter_xxh3_is_the_hash_however_the_pieces_fall(impl: str) -> None:
+    """The fused pass over many pieces (stripes split across pieces, the last stripe
+    held back, a short stream, non-temporal stores into aligned pieces of 4 KiB and
+    more, unaligned ones) gives XXH3_64bits of the bytes in span order, and copies
+    them, both ways: for every total around XXH3's edges (240 bytes, 64-byte stripes,
+    1 KiB blocks) and pieces cut at random, aligned or not."""
+    rng = np.random.default_rng(12)
+    totals = [0, 1, 63, 64, 65, 239, 240, 241, 255, 256, 1023, 1024, 1025, 1088, 2048,
+              2049, 4096, 16_384 + 64, 100_003, 300_000]  # fmt: skip
+    for total in totals:
+        payload = np.frombuffer(os.urandom(total), np.uint8)
+        for cut in ("one", "random", "stripes", "pages"):
+            if cut == "one":
+                sizes = [total]
+            elif cut == "random":
+                sizes = list(np.diff([0, *sorted(rng.integers(0, total + 1, 7)), total]))
+            elif cut == "stripes":  # pieces of 4096 and 64 bytes: aligned, streamed
+                sizes, left = [], total
+                while left:
+                    sizes.append(min(64 if len(sizes) % 2 else 4096, left))
+                    left -= sizes[-1]
+            else:
+                sizes = [min(8192, total - j) for j in range(0, total, 8192)]
+            arena = np.zeros(2 * total + 64 * len(sizes) + 4096, np.uint8)
+            spans, pos, at = [], 0, 32 if cut == "random" else 0  # misaligned, or not
+            for n in reversed(sizes):  # pieces land in reverse order, as blocks may
+                spans.append((at, pos, int(n)))
+                pos += int(n)
+                at += int(n) + (64 if cut != "random" else 7)
+            spans.reverse()
+            # the payload's bytes in span order
+            order = np.concatenate([payload[p : p + n] for _, p, n in spans] or [payload[:0]])
+            want = xxhash.xxh3_64_intdigest(order.tobytes())
+            h = accel._native.scatter_xxh3(arena, payload, spans, True)
+            assert h == want, (impl, total, cut)
+            for off, p, n in spans:
+                assert np.array_equal(arena[off : off + n], payload[p : p + n]), (total, cut)
+            out = np.zeros_like(payload)
+            assert accel._native.scatter_xxh3(arena, out, spans, False) == want, (total, cut)
+            assert np.array_equal(out, payload), (impl, total, cut)
+
+
 def test_xxh3_2_is_the_hash_of_both_buffers() -> None:
     data = os.urandom(3000)
     twins = [accel._py_xxh3_2] + ([accel._native.xxh3_2] if accel.NATIVE else [])

@@ -34,6 +34,13 @@
 
 #define BLOCK (16 * 1024) /* a block copied and then hashed stays in L1 */
 
+/* From this many bytes, a copy into a 32-byte aligned destination uses non-temporal
+ * stores: a plain store first reads the destination's line into the cache (a third
+ * memory transfer per byte), a loss when the destination is megabytes (a KV cache, the
+ * arena) that will not be read again before it leaves the cache. Here a 128 MiB copy
+ * ran in 8.5 ms with them against 13 ms with plain stores (and 12 ms for memcpy). */
+#define KV_NT_MIN 4096
+
 /* -- plain copies ------------------------------------------------------------------- */
 
 /* Not memcpy: glibc's memcpy uses "rep movsb" for blocks of this size, which on AMD
@@ -104,10 +111,13 @@ static void update_base(XXH3_state_t *st, const uint8_t *p, size_t n) {
 /* XXH3_accumulate_512_avx2 on a stripe loaded from src, which is stored to dst from
  * the same registers. */
 KV_AVX2 static inline void stripe_copy(__m256i acc[2], uint8_t *dst, const uint8_t *src,
-                                       const uint8_t *secret) {
+                                       const uint8_t *secret, int nt) {
     for (int i = 0; i < 2; i++) {
         __m256i data = _mm256_loadu_si256((const __m256i *)(src + 32 * i));
-        _mm256_storeu_si256((__m256i *)(dst + 32 * i), data);
+        if (nt) /* dst 32-byte aligned: see KV_NT_MIN */
+            _mm256_stream_si256((__m256i *)(dst + 32 * i), data);
+        else
+            _mm256_storeu_si256((__m256i *)(dst + 32 * i), data);
         __m256i key = _mm256_loadu_si256((const __m256i *)(secret + 32 * i));
         __m256i dk = _mm256_xor_si256(data, key);
         __m256i product = _mm256_mul_epu32(dk, _mm256_srli_epi64(dk, 32));
@@ -131,9 +141,14 @@ KV_AVX2 static uint64_t fused_avx2(uint8_t *dst, const uint8_t *src, size_t len)
     __m256i acc[2] = {_mm256_load_si256((const __m256i *)acc64),
                       _mm256_load_si256((const __m256i *)(acc64 + 4))};
     size_t off = 0;
+    const int nt = len >= KV_NT_MIN && !((uintptr_t)dst & 31);
     for (size_t n = 0; n < nb_blocks; n++) {
-        for (size_t s = 0; s < stripes_per_block; s++, off += XXH_STRIPE_LEN)
-            stripe_copy(acc, dst + off, src + off, secret + s * XXH_SECRET_CONSUME_RATE);
+        if (nt)
+            for (size_t s = 0; s < stripes_per_block; s++, off += XXH_STRIPE_LEN)
+                stripe_copy(acc, dst + off, src + off, secret + s * XXH_SECRET_CONSUME_RATE, 1);
+        else
+            for (size_t s = 0; s < stripes_per_block; s++, off += XXH_STRIPE_LEN)
+                stripe_copy(acc, dst + off, src + off, secret + s * XXH_SECRET_CONSUME_RATE, 0);
         _mm256_store_si256((__m256i *)acc64, acc[0]);
         _mm256_store_si256((__m256i *)(acc64 + 4), acc[1]);
         XXH3_scrambleAcc_avx2(acc64, secret + secret_size - XXH_STRIPE_LEN);
@@ -143,7 +158,8 @@ KV_AVX2 static uint64_t fused_avx2(uint8_t *dst, const uint8_t *src, size_t len)
     /* The last partial block: whole stripes except the one holding the last byte. */
     size_t stripes = ((len - 1) - block_len * nb_blocks) / XXH_STRIPE_LEN;
     for (size_t s = 0; s < stripes; s++, off += XXH_STRIPE_LEN)
-        stripe_copy(acc, dst + off, src + off, secret + s * XXH_SECRET_CONSUME_RATE);
+        stripe_copy(acc, dst + off, src + off, secret + s * XXH_SECRET_CONSUME_RATE, nt);
+    if (nt) _mm_sfence(); /* the streamed stores land before the copy is reported done */
     _mm256_store_si256((__m256i *)acc64, acc[0]);
     _mm256_store_si256((__m256i *)(acc64 + 4), acc[1]);
     /* The rest (1-64 bytes) is copied; the last stripe, ending on the last byte,
@@ -210,20 +226,180 @@ uint64_t kv_copy_xxh3(uint8_t *dst, const uint8_t *src, size_t n) {
     return XXH3_64bits_digest(&st);
 }
 
+/* -- the fused pass over several pieces ------------------------------------------------
+ *
+ * A scatter (a chunk's payload into the blocks of a paged KV cache, or gathered from
+ * them) copies many pieces hashed as one stream. With AVX2 each 64-byte stripe is
+ * loaded once, stored, and accumulated into XXH3 from the same registers, as in
+ * fused_avx2, whatever the piece boundaries: bytes short of a whole stripe wait in
+ * ``part`` (copied there first, then to the destination, so what is hashed is what
+ * was stored), and the last whole stripe waits in ``pending``, since XXH3 hashes the
+ * stripe that ends the input with another secret (it is known to be last only at the
+ * digest). The first 240 bytes are kept too: an input that short has its own
+ * algorithm.
+ *
+ * A piece of KV_NT_MIN bytes or more whose destination is 32-byte aligned is stored
+ * with non-temporal stores.
+ */
+typedef struct {
+#if KV_X86
+    __m256i acc[2];
+    __m256i pending[2]; /* the last whole stripe, not yet accumulated */
+#endif
+    uint8_t part[XXH_STRIPE_LEN]; /* bytes of a stripe not yet whole */
+    uint8_t head[XXH3_MIDSIZE_MAX];
+    size_t part_len, total, stripe; /* stripe: where in its block the next one goes */
+    int has_pending, streamed;
+} fstream;
+
 struct kv_stream {
     XXH3_state_t st;
+    fstream f;
 };
+
+#if KV_X86
+KV_AVX2 static inline __m256i acc_step(__m256i acc, __m256i data, const uint8_t *key_at) {
+    __m256i key = _mm256_loadu_si256((const __m256i *)key_at);
+    __m256i dk = _mm256_xor_si256(data, key);
+    __m256i product = _mm256_mul_epu32(dk, _mm256_srli_epi64(dk, 32));
+    __m256i swap = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm256_add_epi64(product, _mm256_add_epi64(acc, swap));
+}
+
+/* One stripe more in the stream: the one waiting before it is accumulated (it is not
+ * the last), and this one waits. */
+KV_AVX2 static inline void fs_stripe(fstream *f, __m256i d0, __m256i d1) {
+    if (f->total < XXH3_MIDSIZE_MAX) {
+        XXH_ALIGN(32) uint8_t tmp[XXH_STRIPE_LEN];
+        _mm256_store_si256((__m256i *)tmp, d0);
+        _mm256_store_si256((__m256i *)(tmp + 32), d1);
+        size_t room = XXH3_MIDSIZE_MAX - f->total;
+        memcpy(f->head + f->total, tmp, room < XXH_STRIPE_LEN ? room : XXH_STRIPE_LEN);
+    }
+    f->total += XXH_STRIPE_LEN;
+    if (f->has_pending) {
+        const uint8_t *key = XXH3_kSecret + f->stripe * XXH_SECRET_CONSUME_RATE;
+        f->acc[0] = acc_step(f->acc[0], f->pending[0], key);
+        f->acc[1] = acc_step(f->acc[1], f->pending[1], key + 32);
+        if (++f->stripe == (sizeof(XXH3_kSecret) - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE) {
+            XXH_ALIGN(64) xxh_u64 acc64[XXH_ACC_NB];
+            _mm256_store_si256((__m256i *)acc64, f->acc[0]);
+            _mm256_store_si256((__m256i *)(acc64 + 4), f->acc[1]);
+            XXH3_scrambleAcc_avx2(acc64, XXH3_kSecret + sizeof(XXH3_kSecret) - XXH_STRIPE_LEN);
+            f->acc[0] = _mm256_load_si256((const __m256i *)acc64);
+            f->acc[1] = _mm256_load_si256((const __m256i *)(acc64 + 4));
+            f->stripe = 0;
+        }
+    }
+    f->pending[0] = d0;
+    f->pending[1] = d1;
+    f->has_pending = 1;
+}
+
+KV_AVX2 static void fs_reset(fstream *f) {
+    XXH_ALIGN(64) xxh_u64 init[XXH_ACC_NB] = XXH3_INIT_ACC;
+    f->acc[0] = _mm256_load_si256((const __m256i *)init);
+    f->acc[1] = _mm256_load_si256((const __m256i *)(init + 4));
+    f->part_len = f->total = f->stripe = 0;
+    f->has_pending = f->streamed = 0;
+}
+
+/* Bytes short of a stripe go to ``part``, then from there to dst; a whole one is hashed. */
+KV_AVX2 static size_t fs_part(fstream *f, uint8_t *dst, const uint8_t *src, size_t n) {
+    size_t take = XXH_STRIPE_LEN - f->part_len;
+    if (take > n) take = n;
+    memcpy(f->part + f->part_len, src, take);
+    memcpy(dst, f->part + f->part_len, take);
+    f->part_len += take;
+    if (f->part_len == XXH_STRIPE_LEN) {
+        f->part_len = 0;
+        fs_stripe(f, _mm256_loadu_si256((const __m256i *)f->part),
+                  _mm256_loadu_si256((const __m256i *)(f->part + 32)));
+    }
+    return take;
+}
+
+KV_AVX2 static void fs_copy(fstream *f, uint8_t *dst, const uint8_t *src, size_t n) {
+    size_t off = 0;
+    if (f->part_len) off = fs_part(f, dst, src, n);
+    size_t whole = off + (n - off) / XXH_STRIPE_LEN * XXH_STRIPE_LEN;
+    if (n - off >= KV_NT_MIN && !((uintptr_t)(dst + off) & 31)) {
+        f->streamed = 1;
+        for (; off < whole; off += XXH_STRIPE_LEN) {
+            __m256i d0 = _mm256_loadu_si256((const __m256i *)(src + off));
+            __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + off + 32));
+            _mm256_stream_si256((__m256i *)(dst + off), d0);
+            _mm256_stream_si256((__m256i *)(dst + off + 32), d1);
+            fs_stripe(f, d0, d1);
+        }
+    } else {
+        for (; off < whole; off += XXH_STRIPE_LEN) {
+            __m256i d0 = _mm256_loadu_si256((const __m256i *)(src + off));
+            __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + off + 32));
+            _mm256_storeu_si256((__m256i *)(dst + off), d0);
+            _mm256_storeu_si256((__m256i *)(dst + off + 32), d1);
+            fs_stripe(f, d0, d1);
+        }
+    }
+    while (off < n) off += fs_part(f, dst + off, src + off, n - off);
+}
+
+KV_AVX2 static uint64_t fs_digest(fstream *f) {
+    if (f->streamed) _mm_sfence(); /* the streamed stores land before anyone is told */
+    size_t len = f->total + f->part_len;
+    if (len <= XXH3_MIDSIZE_MAX) {
+        memcpy(f->head + f->total, f->part, f->part_len);
+        return XXH3_64bits(f->head, len);
+    }
+    XXH_ALIGN(64) uint8_t last[XXH_STRIPE_LEN];
+    XXH_ALIGN(64) uint8_t pending[XXH_STRIPE_LEN];
+    _mm256_store_si256((__m256i *)pending, f->pending[0]);
+    _mm256_store_si256((__m256i *)(pending + 32), f->pending[1]);
+    if (f->part_len) {
+        /* The stripe waiting is not the last: it is hashed as any other, and the last
+         * stripe is the input's last 64 bytes, partly in it. */
+        fs_stripe(f, f->pending[0], f->pending[1]);
+        f->total -= XXH_STRIPE_LEN; /* counted once already */
+        memcpy(last, pending + f->part_len, XXH_STRIPE_LEN - f->part_len);
+        memcpy(last + XXH_STRIPE_LEN - f->part_len, f->part, f->part_len);
+    } else {
+        memcpy(last, pending, XXH_STRIPE_LEN);
+    }
+    XXH_ALIGN(64) xxh_u64 acc64[XXH_ACC_NB];
+    _mm256_store_si256((__m256i *)acc64, f->acc[0]);
+    _mm256_store_si256((__m256i *)(acc64 + 4), f->acc[1]);
+    XXH3_accumulate_512_avx2(acc64, last,
+                             XXH3_kSecret + sizeof(XXH3_kSecret) - XXH_STRIPE_LEN -
+                                 XXH_SECRET_LASTACC_START);
+    return XXH3_finalizeLong_64b(acc64, XXH3_kSecret, (xxh_u64)len);
+}
+#endif
 
 kv_stream *kv_stream_new(void) {
     kv_stream *s = XXH_alignedMalloc(sizeof *s, 64);
-    if (s) XXH3_64bits_reset(&s->st);
+    if (!s) return NULL;
+    XXH3_64bits_reset(&s->st);
+#if KV_X86
+    if (fused) fs_reset(&s->f);
+#endif
     return s;
 }
 
 void kv_stream_copy(kv_stream *s, uint8_t *dst, const uint8_t *src, size_t n) {
+#if KV_X86
+    if (fused) {
+        fs_copy(&s->f, dst, src, n);
+        return;
+    }
+#endif
     blocks(&s->st, dst, src, n);
 }
 
-uint64_t kv_stream_digest(kv_stream *s) { return XXH3_64bits_digest(&s->st); }
+uint64_t kv_stream_digest(kv_stream *s) {
+#if KV_X86
+    if (fused) return fs_digest(&s->f);
+#endif
+    return XXH3_64bits_digest(&s->st);
+}
 
 void kv_stream_free(kv_stream *s) { XXH_alignedFree(s); }
