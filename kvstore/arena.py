@@ -450,7 +450,9 @@ def _map_past_end(fd: int, size: int, prot: int, flags: int) -> np.ndarray:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     buf = (ctypes.c_uint8 * size).from_address(addr)
-    weakref.finalize(buf, libc.munmap, addr, size)
+    # Not at exit: a daemon thread may still be copying out of it, and the process's
+    # end unmaps it anyway.
+    weakref.finalize(buf, libc.munmap, addr, size).atexit = False
     array = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
     array.flags.writeable = bool(prot & mmap.PROT_WRITE)
     return array

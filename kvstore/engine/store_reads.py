@@ -103,16 +103,22 @@ class ReadPath:
 
         disk = self.disk if isinstance(self.disk, DiskTier) else None
         missed = [i for i, got in enumerate(out) if got is None]
-        if disk is not None and missed:
-            here = [i for i in missed if self._may_hold(disk, self.index.get(keys[i]))]
-            for i, lent in zip(here, disk.lend([keys[i] for i in here], owner), strict=True):
-                out[i] = lent
-        for i, got in enumerate(out):
-            if got is None:
-                out[i] = self._acquired(keys[i], None, owner, False, False)
-            else:
-                self._count("hits")
-                self._touch(keys[i])
+        try:
+            if disk is not None and missed:
+                here = [i for i in missed if self._may_hold(disk, self.index.get(keys[i]))]
+                for i, lent in zip(here, disk.lend([keys[i] for i in here], owner), strict=True):
+                    out[i] = lent
+            for i, got in enumerate(out):
+                if got is None:
+                    out[i] = self._acquired(keys[i], None, owner, False, False)
+                else:
+                    self._count("hits")
+                    self._touch(keys[i])
+        except BaseException:
+            for got in out:  # all or nothing: a failed call leaves nothing held
+                if got is not None:
+                    self.release(got.id)
+            raise
         return out
 
     def read(

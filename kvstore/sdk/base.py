@@ -449,7 +449,10 @@ class ClientBase:
     ) -> list[tuple[int, int]]:
         """A lease's extents, checked to lie in the arena (``disk``: in L2's file)."""
         view = self._disk if disk else self._arena
-        assert view is not None
+        if view is None:
+            raise ServerError(
+                f"the server lent from {'a file' if disk else 'an arena'} not mapped here"
+            )
         out = [(e.offset, e.length) for e in extents]
         if any(o + n > view.size for o, n in out):
             raise ServerError(
