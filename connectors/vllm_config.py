@@ -53,6 +53,11 @@ class ConnectorConfig:
     # the longest an asynchronous load may take, from the step that starts it: past it
     # the blocks not loaded yet are reported failed and vLLM computes them
     load_deadline_ms: int = 5000
+    # the share of time an asynchronous load copies while the engine computes other
+    # requests; between chunks it sleeps the rest, leaving the spare core and memory
+    # bandwidth to the running decodes. With nothing else computing it copies flat out.
+    # 1.0: always flat out
+    background_load_share: float = 0.33
     # CPU engines: auto runs the background loader and the async saver on the cores vLLM
     # reserves (not on the ones its compute threads are bound to; see vllm_cpus), off
     # leaves them on the worker's own cores
@@ -91,6 +96,12 @@ class ConnectorConfig:
             raise ConfigError(
                 "kv_connector_extra_config: timeout_ms, lookup_timeout_ms and "
                 "load_deadline_ms must be > 0, retry_after_ms >= 0"
+            )
+        if not 0 < self.background_load_share <= 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.background_load_share="
+                f"{self.background_load_share!r}: a share of the time, > 0 and <= 1 "
+                "(1: a background load copies flat out)"
             )
         check_choices(self, "kv_connector_extra_config")
         if self.data_dir and not self.persist:

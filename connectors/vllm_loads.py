@@ -32,7 +32,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,9 @@ class Loads:
         # critical path), on CUDA once the transfers reading their pages (the event) landed.
         self._landing: list[tuple[Any, Leased]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the second copier
+        self._share = setup.cfg.background_load_share
+        self.busy = False  # the engine computes this step (the worker sets it each step)
+        self._sleep: Callable[[float], None] = time.sleep  # tests record it
         client.before_close.append(self._settle)
 
     def load(
@@ -317,10 +320,18 @@ class Loads:
         events: list[Any],
     ) -> None:
         for t, lease, ticket in todo:
+            t0 = time.perf_counter()
             try:
                 self._copy(t, lease, arena, ticket, loaded, events)
             except Exception as e:  # a bug: this chunk's blocks are recomputed
                 self.client.failed("load", e)
+            if ticket is not None and self.busy and self._share < 1:
+                # A background load while the engine computes others: it copies its share
+                # of the time. Flat out, its copies and the decodes' steps fight over the
+                # spare core (vLLM's engine-core process runs there too) and over memory
+                # bandwidth: their inter-token latency rose 1.22-1.29x during a 16k load
+                # from L2, against 1.19x at a third of the time (docs/performance.md).
+                self._sleep((time.perf_counter() - t0) * (1 / self._share - 1))
 
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:

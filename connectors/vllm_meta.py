@@ -160,6 +160,8 @@ class KVStoreMeta(KVConnectorMetadata):
     # requests preempted since the last step: their blocks are freed, so any load still
     # writing into them is stopped (handle_preemptions)
     preempted: list[str] = field(default_factory=list)
+    # tokens this step computes (any request's): a background load yields to them
+    computing: int = 0
 
 
 @dataclass

@@ -256,7 +256,7 @@ class KVStoreScheduler:
             self.stats.add(lookup_misses=1)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMeta:
-        meta = KVStoreMeta()
+        meta = KVStoreMeta(computing=getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():

@@ -110,6 +110,9 @@ class KVStoreWorker:
 
     # -- loads -------------------------------------------------------------------------
     def start_load_kv(self, meta: object) -> None:
+        if isinstance(meta, KVStoreMeta) and self.background is not None:
+            # Read by the loader thread between chunks: whether this step computes.
+            self.background.loads.busy = meta.computing > 0
         if not isinstance(meta, KVStoreMeta) or not meta.loads:
             return
         # A hybrid model's loads are all asynchronous: vLLM takes their failures only per

@@ -107,6 +107,7 @@ class Engine:
         self.cache = make_cache("cpu", "LBHNC", blocks=blocks, block_size=BS, fill=fill)
         self.worker.register_kv_caches(self.cache)
         self._n = 0
+        self.decoding = 0  # requests decoding beside every step's own (a token each)
 
     def step(
         self,
@@ -183,6 +184,9 @@ class Engine:
 
     def _run(self, output: Any) -> tuple[set[str], set[int]]:
         """One step of the model runner: loads, (the forward), saves, what finished."""
+        # vLLM's count of the step's tokens: its requests', and decodes running beside them
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        output.total_num_scheduled_tokens += self.decoding
         meta = self.scheduler.build_connector_meta(output)
         assert isinstance(meta, KVStoreMeta)
         self.worker.handle_preemptions(meta)

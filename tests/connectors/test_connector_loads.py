@@ -260,6 +260,37 @@ def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) 
     assert l1.used_bytes == 0, "a chunk was promoted into L1 on its way to the cache"
 
 
+def test_a_background_load_yields_to_requests_computing_beside_it(
+    engine: Engine, server: KVServer
+) -> None:
+    """While other requests compute (the step's total_num_scheduled_tokens), a background
+    load sleeps after each chunk, copying ``background_load_share`` of the time (a third
+    by default: twice a chunk's copy asleep); with nothing else computing it never
+    sleeps. The bytes land either way."""
+    lay = Layout()
+    ps = [prompt(5), prompt(6)]
+    srcs = store(engine, ps, lay)
+    disk_only(server)
+    assert engine.worker.background is not None
+    loads = engine.worker.background.loads
+    slept: list[float] = []
+    loads._sleep = slept.append
+    k = stored(600) // BS
+    chunks = -(-stored(600) // CHUNK)
+    for i, decoding in ((0, 0), (1, 4)):
+        engine.decoding = decoding
+        dst = lay.take(600)
+        (got,) = engine.step([(ps[i], dst)], wait_s=20)
+        assert got.background and not got.failed, (got, engine.breakers())
+        assert engine.same(dst[:k], srcs[i][:k]), "a background load put other bytes"
+        if decoding:
+            assert len(slept) == chunks and all(s > 0 for s in slept), (
+                f"beside {decoding} decodes the load slept {slept} after its {chunks} chunks"
+            )
+        else:
+            assert slept == [], f"alone, the load slept {slept}"
+
+
 class Stall:
     """Makes the loader's next AcquireMany wait ``seconds`` first (a busy server)."""
 
@@ -372,4 +403,8 @@ def test_load_settings_are_checked() -> None:
     assert ConnectorConfig.parse({"load_mode": "async", "load_deadline_ms": "250"}) == (
         ConnectorConfig(load_mode="async", load_deadline_ms=250)
     )
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ConfigError, match=r"background_load_share=.*> 0 and <= 1"):
+            ConnectorConfig(background_load_share=bad)
+    assert ConnectorConfig.parse({"background_load_share": "0.5"}).background_load_share == 0.5
     assert isinstance(KVStoreMeta().preempted, list)
