@@ -3,13 +3,15 @@ straight into the paged KV cache.
 
 A step's loads cost a constant number of calls, whatever the number of chunks: the
 scheduler's lookup already found the chunks (``LoadSpec.chunks``: keys, stored sizes),
-so the worker does not look up again; one AcquireMany lends every chunk of every
-request of the batch, and one Release, not waited for, ends the leases once the bytes
-are copied. On CPU each payload is copied from the leased pages into its cache blocks
-in one pass, hashed as it lands (``Lease.read_scattered``): no host buffer in between.
-A payload whose bytes do not verify is read again with Get (the server verifies it and
-deletes a damaged copy, serving a good one from below if it has one), and is a failed
-load if that fails too. On CUDA the pages (the arena
+so the worker does not look up again; one AcquireMany lends every chunk of every request
+of the batch, and one Release, not waited for, ends the leases once the bytes are
+copied. On CPU each payload is copied from the leased pages into its cache blocks in one
+pass, hashed as it lands (``Lease.read_scattered``): no host buffer in between; a chunk
+only in L2 is lent where it lies in LMDB's file (``disk=True``), not promoted into L1
+first. A background load yields to requests computing beside it
+(``background_load_share``). A payload whose bytes do not verify is read again with Get
+(the server verifies it and deletes a damaged copy, serving a good one from below if it
+has one), and is a failed load if that fails too. On CUDA the pages (the arena
 registered with ``cudaHostRegister``) go to the device in one transfer per chunk on a
 side stream (``BlockLayout.load_cuda``).
 
