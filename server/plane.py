@@ -175,7 +175,7 @@ class SharedMemoryPlane:
         lent where it lies there (``on_disk``), not promoted (``TieredStore.lend``)."""
         got = self.store.lend(keys, owner)
         out = pb.AcquireManyResponse()
-        lease_s = self.store.config.memory.lease_ms
+        lease_ms = self.store.config.memory.lease_ms
         for key, g in zip(keys, got, strict=True):
             if g is None:
                 out.responses.append(pb.AcquireResponse(found=False, use_get=key in self.store))
@@ -186,7 +186,7 @@ class SharedMemoryPlane:
                     pb.AcquireResponse(
                         found=True, on_disk=True, lease_id=g.id, header=g.packed,
                         extents=[pb.Extent(offset=g.offset, length=g.length)],
-                        payload_offset=g.header.header_size, expires_ms=lease_s,
+                        payload_offset=g.header.header_size, expires_ms=lease_ms,
                     )
                 )  # fmt: skip
             else:
