@@ -15,6 +15,8 @@ What the native module buys (docs/performance.md has the figures):
 - ``copy_xxh3``/``scatter_xxh3``: a verified copy. With AVX2 each 64-byte stripe is
   loaded once, stored, and fed to XXH3 from the same registers: one pass over the
   bytes instead of a copy and a hash pass. What is hashed is exactly what was stored.
+- ``Streams``/``scatter_streams``: the same for payloads that arrive in parts over
+  several calls (a KV cache loaded one layer at a time), one hash stream each.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import xxhash
 
 Spans = Sequence[tuple[int, int, int]]
 """(arena offset, buffer offset, length) triples, in record order."""
+
+StreamSpans = Sequence[tuple[int, int, int, int]]
+"""(source offset, destination offset, length, stream) tuples (``scatter_streams``)."""
 
 _native: Any = None
 if os.environ.get("KVSTORE_PURE_PYTHON", "") in ("", "0"):
@@ -135,6 +140,37 @@ def _py_scatter_xxh3(
     return h.intdigest()
 
 
+class _PyStreams:
+    """The Python twin of ``_native.Streams``."""
+
+    def __init__(self, n: int) -> None:
+        if n < 0:
+            raise ValueError("n < 0")
+        self._h = [xxhash.xxh3_64() for _ in range(n)]
+        self._ended: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def digest(self, i: int) -> int:
+        if not 0 <= i < len(self._h):
+            raise IndexError("no such stream")
+        return self._ended.setdefault(i, self._h[i].intdigest())
+
+
+def _py_scatter_streams(streams: _PyStreams, src: Any, dst: Any, spans: StreamSpans) -> None:
+    a, b = memoryview(src).cast("B"), memoryview(dst).cast("B")
+    todo = list(spans)
+    for off, pos, n, k in todo:  # checked first, as natively: nothing copied on a bad span
+        if off < 0 or pos < 0 or n < 0 or off + n > len(a) or pos + n > len(b):
+            raise ValueError(f"span ({off}, {pos}, {n}) is outside the buffers")
+        if not 0 <= k < len(streams._h) or k in streams._ended:
+            raise ValueError(f"stream {k} is not an open stream of these")
+    for off, pos, n, k in todo:
+        b[pos : pos + n] = a[off : off + n]
+        streams._h[k].update(b[pos : pos + n])
+
+
 chain_keys: Callable[[bytes, bytes, Any, int], list[bytes]]
 """chain_keys(prefix, parent, data, step): keys of data's step-byte chunks (the last
 may be shorter), key = SHA-256(prefix || previous key || chunk), the first chained
@@ -173,7 +209,18 @@ scatter_xxh3: Callable[[Any, Any, Spans, bool], int]
 """scatter_xxh3(arena, buf, spans, into_arena): copy between buf and the arena along
 ``spans`` (into the arena or out of it); the xxh3_64 of the bytes where they landed."""
 
+Streams: Callable[[int], Any]
+"""Streams(n): n xxh3_64 streams, one per payload whose bytes arrive over several
+``scatter_streams`` calls; ``digest(i)`` ends stream i and returns its hash. One thread
+at a time."""
+
+scatter_streams: Callable[[Any, Any, Any, StreamSpans], None]
+"""scatter_streams(streams, src, dst, spans): copy src into dst along ``spans``, each
+span's bytes hashed, where they landed, onto the end of its stream (in span order)."""
+
 if NATIVE:
+    Streams = _native.Streams
+    scatter_streams = _native.scatter_streams
     chain_keys = _native.chain_keys
     chain_probe = _native.chain_probe
     prefix_digests = _native.prefix_digests
@@ -183,6 +230,8 @@ if NATIVE:
     copy_xxh3 = _native.copy_xxh3
     scatter_xxh3 = _native.scatter_xxh3
 else:
+    Streams = _PyStreams
+    scatter_streams = _py_scatter_streams
     chain_keys = _py_chain_keys
     chain_probe = _py_chain_probe
     prefix_digests = _py_prefix_digests

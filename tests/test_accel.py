@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from collections.abc import Iterator
 
 import numpy as np
@@ -201,6 +202,52 @@ def test_scatter_xxh3_is_the_hash_however_the_pieces_fall(impl: str) -> None:
             out = np.zeros_like(payload)
             assert accel._native.scatter_xxh3(arena, out, spans, False) == want, (total, cut)
             assert np.array_equal(out, payload), (impl, total, cut)
+
+
+def test_streams_hash_each_payload_across_calls(impl: str) -> None:
+    """Several payloads, each cut into parts copied over several scatter_streams calls
+    interleaved with the others' (one layer of every chunk per call): each stream's
+    digest is its payload's xxh3_64, whatever the cuts (inside a stripe, at XXH3's
+    240-byte edge, at block ends), and every byte lands where its span says."""
+    rng = random.Random(7)
+    for sizes in ([1, 239, 240, 241, 1024], [64 * 1024 + 7, 300_001, 128, 16 * 1024 * 3]):
+        payloads = [np.frombuffer(os.urandom(n), np.uint8) for n in sizes]
+        parts = 3
+        cuts = [sorted(rng.randrange(n + 1) for _ in range(parts - 1)) for n in sizes]
+        src = np.concatenate(payloads)
+        starts = np.cumsum([0, *sizes[:-1]])
+        dst = np.zeros(src.size + 4096, np.uint8)
+        streams = accel._native.Streams(len(sizes))
+        twin = accel._PyStreams(len(sizes))
+        out2 = np.zeros_like(dst)
+        for part in range(parts):
+            spans = []
+            for k, n in enumerate(sizes):
+                edges = [0, *cuts[k], n]
+                a, b = edges[part], edges[part + 1]
+                # Each part in two pieces, written to the destination out of order.
+                mid = (a + b) // 2
+                spans += [
+                    (int(starts[k]) + mid, 4096 + int(starts[k]) + mid, b - mid, k),
+                    (int(starts[k]) + a, 4096 + int(starts[k]) + a, mid - a, k),
+                ][::-1]
+            accel._native.scatter_streams(streams, src, dst, spans)
+            accel._py_scatter_streams(twin, src, out2, spans)
+        for k, p in enumerate(payloads):
+            want = xxhash.xxh3_64_intdigest(p)
+            assert streams.digest(k) == want, (impl, sizes[k], cuts[k])
+            assert streams.digest(k) == want  # the digest is kept, not taken twice
+            assert twin.digest(k) == want
+        assert np.array_equal(dst[4096:], src) and np.array_equal(out2[4096:], src)
+        with pytest.raises(ValueError, match="not an open stream"):
+            accel._native.scatter_streams(streams, src, dst, [(0, 4096, 1, 0)])
+        with pytest.raises(ValueError, match="not an open stream"):
+            accel._py_scatter_streams(twin, src, out2, [(0, 4096, 1, 0)])
+    streams = accel._native.Streams(1)
+    with pytest.raises(ValueError, match="outside"):
+        accel._native.scatter_streams(streams, src, dst, [(src.size, 0, 1, 0)])
+    with pytest.raises(ValueError, match="not an open stream"):
+        accel._native.scatter_streams(streams, src, dst, [(0, 0, 1, 1)])
 
 
 def test_xxh3_2_is_the_hash_of_both_buffers() -> None:

@@ -403,3 +403,9 @@ uint64_t kv_stream_digest(kv_stream *s) {
 }
 
 void kv_stream_free(kv_stream *s) { XXH_alignedFree(s); }
+
+void kv_copies_fence(void) {
+#if KV_X86
+    _mm_sfence();
+#endif
+}

@@ -27,5 +27,8 @@ kv_stream *kv_stream_new(void);
 void kv_stream_copy(kv_stream *s, uint8_t *dst, const uint8_t *src, size_t n);
 uint64_t kv_stream_digest(kv_stream *s);
 void kv_stream_free(kv_stream *s);
+/* Order the non-temporal stores made so far before later stores (another thread told
+ * that the bytes are there then reads them). kv_stream_digest fences its own stream. */
+void kv_copies_fence(void);
 
 #endif

@@ -11,6 +11,8 @@
  * - copy_xxh3 / scatter_xxh3: a copy that hashes each block right after it lands,
  *   while it is still in L1, so a verified copy costs about one pass over memory
  *   instead of two. The GIL is released for large copies.
+ * - Streams / scatter_streams: the same for payloads whose bytes arrive over several
+ *   calls (one layer of many chunks per call), each hashed as one stream.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -375,6 +377,174 @@ done:
     return result;
 }
 
+
+/* -- streams: payloads copied part by part -------------------------------------------
+ *
+ * Streams(n): n xxh3_64 streams, each the hash of one payload whose bytes arrive in
+ * several calls of scatter_streams (a paged KV cache is loaded one layer of every
+ * chunk at a time, so a layer can be used before the next one is copied). digest(i)
+ * ends stream i and returns its hash; a stream takes no bytes after that. A Streams is
+ * used by one thread at a time: a call while another runs raises. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;
+    kv_stream **s;
+    uint64_t *digest;
+    char *ended;
+    int busy;
+} StreamsObject;
+
+static void streams_dealloc(StreamsObject *o) {
+    for (Py_ssize_t i = 0; o->s && i < o->n; i++)
+        if (o->s[i]) kv_stream_free(o->s[i]);
+    PyMem_Free(o->s);
+    PyMem_Free(o->digest);
+    PyMem_Free(o->ended);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static int streams_init(StreamsObject *o, PyObject *args, PyObject *kw) {
+    Py_ssize_t n;
+    if (kw && PyDict_Size(kw)) {
+        PyErr_SetString(PyExc_TypeError, "Streams takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "n:Streams", &n)) return -1;
+    if (o->s || n < 0) {
+        PyErr_SetString(PyExc_ValueError, o->s ? "Streams is already set up" : "n < 0");
+        return -1;
+    }
+    size_t m = (size_t)(n ? n : 1);
+    o->s = PyMem_Calloc(m, sizeof *o->s);
+    o->digest = PyMem_Calloc(m, sizeof *o->digest);
+    o->ended = PyMem_Calloc(m, 1);
+    if (!o->s || !o->digest || !o->ended) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    o->n = n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(o->s[i] = kv_stream_new())) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *streams_digest(StreamsObject *o, PyObject *arg) {
+    Py_ssize_t i = PyNumber_AsSsize_t(arg, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || i >= o->n) {
+        PyErr_SetString(PyExc_IndexError, "no such stream");
+        return NULL;
+    }
+    if (o->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Streams is in use by another call");
+        return NULL;
+    }
+    if (!o->ended[i]) {
+        o->digest[i] = kv_stream_digest(o->s[i]);
+        o->ended[i] = 1;
+    }
+    return PyLong_FromUnsignedLongLong(o->digest[i]);
+}
+
+static Py_ssize_t streams_len(StreamsObject *o) { return o->n; }
+
+static PyMethodDef streams_methods[] = {
+    {"digest", (PyCFunction)streams_digest, METH_O,
+     "End stream i (no more bytes go into it) and return its xxh3_64."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods streams_seq = {.sq_length = (lenfunc)streams_len};
+
+static PyTypeObject StreamsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvstore._native.Streams",
+    .tp_basicsize = sizeof(StreamsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Streams(n): n xxh3_64 streams fed by scatter_streams, ended by digest(i).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)streams_init,
+    .tp_dealloc = (destructor)streams_dealloc,
+    .tp_methods = streams_methods,
+    .tp_as_sequence = &streams_seq,
+};
+
+/* scatter_streams(streams, src, dst, spans)
+ * Copy src into dst along ``spans``, (src offset, dst offset, length, stream) tuples,
+ * each span's bytes hashed onto the end of its stream where they landed, in span order.
+ * The GIL is let go for the copies; the stores are fenced before it returns. */
+static PyObject *py_scatter_streams(PyObject *self, PyObject *args) {
+    PyObject *streams_obj, *spans_obj;
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "O!y*w*O:scatter_streams", &StreamsType, &streams_obj, &src,
+                          &dst, &spans_obj))
+        return NULL;
+    StreamsObject *st = (StreamsObject *)streams_obj;
+    PyObject *result = NULL, *spans = NULL;
+    Py_ssize_t (*span)[4] = NULL;
+    if (st->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Streams is in use by another call");
+        goto done;
+    }
+    spans = PySequence_Tuple(spans_obj); /* a snapshot: parsing a span may run Python code */
+    if (!spans) goto done;
+    Py_ssize_t count = PyTuple_GET_SIZE(spans), total = 0;
+    span = PyMem_Malloc(sizeof *span * (size_t)(count ? count : 1));
+    if (!span) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PyTuple_GET_ITEM(spans, i);
+        if (!PyTuple_Check(t)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "each span is a (src offset, dst offset, length, stream) tuple");
+            goto done;
+        }
+        if (!PyArg_ParseTuple(t, "nnnn", &span[i][0], &span[i][1], &span[i][2], &span[i][3]))
+            goto done;
+        Py_ssize_t off = span[i][0], pos = span[i][1], n = span[i][2], k = span[i][3];
+        if (off < 0 || pos < 0 || n < 0 || off > src.len - n || pos > dst.len - n) {
+            PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
+                         pos, n);
+            goto done;
+        }
+        if (k < 0 || k >= st->n || st->ended[k]) {
+            PyErr_Format(PyExc_ValueError, "stream %zd is not an open stream of these", k);
+            goto done;
+        }
+        if (overlap((uint8_t *)src.buf + off, (uint8_t *)dst.buf + pos, n)) {
+            PyErr_SetString(PyExc_ValueError, "a span's source and destination overlap");
+            goto done;
+        }
+        total += n;
+    }
+    st->busy = 1;
+    uint8_t *a = src.buf, *b = dst.buf;
+    if (total >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++)
+            kv_stream_copy(st->s[span[i][3]], b + span[i][1], a + span[i][0], (size_t)span[i][2]);
+        kv_copies_fence();
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++)
+            kv_stream_copy(st->s[span[i][3]], b + span[i][1], a + span[i][0], (size_t)span[i][2]);
+        kv_copies_fence();
+    }
+    st->busy = 0;
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(span);
+    Py_XDECREF(spans);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sha256", py_sha256, METH_O, "SHA-256 of a buffer (for tests of the block function)."},
     {"sha256_impl", py_sha256_impl, METH_NOARGS, "The SHA-256 block function in use."},
@@ -394,6 +564,8 @@ static PyMethodDef methods[] = {
     {"copy_xxh3", py_copy_xxh3, METH_VARARGS, "Copy, returning the xxh3_64 of the copy."},
     {"scatter_xxh3", py_scatter_xxh3, METH_VARARGS,
      "Copy along arena spans, returning the xxh3_64 of what landed."},
+    {"scatter_streams", py_scatter_streams, METH_VARARGS,
+     "Copy along spans, hashing each span onto its stream of a Streams."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -406,5 +578,12 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     kv_sha256_select(0);
     kv_copies_select(0);
-    return PyModule_Create(&module);
+    if (PyType_Ready(&StreamsType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Streams", (PyObject *)&StreamsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstore.sdk.base import chunk_header, unsealed_header
+from kvstore.sdk.scatter import ScatterBatch
 from kvstore.sdk.shm import (
     USE_GET,
     AsyncLease,
@@ -40,6 +41,7 @@ __all__ = [
     "LeaseBase",
     "Reservation",
     "ReservationBase",
+    "ScatterBatch",
     "UseGet",
     "chunk_header",
     "populate",

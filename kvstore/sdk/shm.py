@@ -114,18 +114,32 @@ class LeaseBase:
         paged KV cache, whose blocks of one chunk are not adjacent: the bytes go from
         the arena straight into the blocks, hashed as they land. True when they are
         the chunk (as ``read_verified``)."""
+        dst = as_u8(out, writable=True)
+        try:
+            digest = accel.scatter_xxh3(self._arena.array, dst, self._trips(pieces), False)
+        except ValueError as e:  # a piece outside ``out``
+            raise InvalidArgument(f"read_scattered: {e}") from e
+        return bool(digest == self.header.payload_checksum)
+
+    def _trips(
+        self, pieces: Sequence[tuple[int, int]], start: int = 0, whole: bool = True
+    ) -> list[tuple[int, int, int]]:
+        """Where ``pieces`` ((offset in a destination, length), in payload order) read the
+        payload from, beginning ``start`` bytes into it: (offset in the mapping,
+        destination offset, length) triples, split where the record's extents are.
+        ``whole``: the pieces must cover the payload exactly (a part: they stay inside)."""
         if self.released:
             raise InvalidArgument("lease already released")
-        dst = as_u8(out, writable=True)
-        if sum(n for _, n in pieces) != self.header.raw_size or any(
-            p < 0 or n < 0 for p, n in pieces
+        total = sum(n for _, n in pieces)
+        if any(p < 0 or n < 0 for p, n in pieces) or (
+            total != self.header.raw_size - start if whole else start + total > self.header.raw_size
         ):
             raise InvalidArgument(
                 f"pieces must cover the {self.header.raw_size}-byte payload exactly, "
-                f"with offsets and lengths >= 0 (they hold {sum(n for _, n in pieces)} bytes)"
+                f"with offsets and lengths >= 0 (they hold {total} bytes from byte {start})"
             )
         trips: list[tuple[int, int, int]] = []
-        pos = self._offset
+        pos = self._offset + start
         if len(self._extents) == 1:  # the usual case: no extent boundary to cross
             base = self._extents[0][0] + pos
             for at, n in pieces:
@@ -135,11 +149,7 @@ class LeaseBase:
             for at, n in pieces:
                 trips += [(off, at + p, m) for off, p, m in spans(self._extents, pos, n)]
                 pos += n
-        try:
-            digest = accel.scatter_xxh3(self._arena.array, dst, trips, False)
-        except ValueError as e:  # a piece outside ``out``
-            raise InvalidArgument(f"read_scattered: {e}") from e
-        return bool(digest == self.header.payload_checksum)
+        return trips
 
     def _destination(self, out: Any) -> np.ndarray:
         """The first ``raw_size`` bytes of ``out``, checked to hold the payload."""

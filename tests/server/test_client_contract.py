@@ -37,6 +37,7 @@ from kvstore.errors import (
     PermissionDenied,
 )
 from kvstore.keys import ROOT, Namespace
+from kvstore.sdk import ScatterBatch
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_writes as writes
 from kvstore.sdk.client import chunk_header
@@ -874,6 +875,24 @@ def test_acquire_many_costs_one_call_for_64_chunks(drive: Drive) -> None:
                     part = data[j * 4096 : (j + 1) * 4096]
                     assert np.array_equal(blocks[at : at + n], part), f"chunk {i} piece {j}"
 
+        # The same payloads in 4 parts each (a KV cache loaded layer by layer), every
+        # lease's part k in one copy: each lands where its pieces say and verifies.
+        batch = ScatterBatch(blocks := np.zeros(64 * size, dtype=np.uint8))
+        quarter = size // 4
+        for i, lease in enumerate(leases):
+            parts = [[((63 - i) * size + (3 - q) * quarter, quarter)] for q in range(4)]
+            assert batch.add(lease, parts) == i
+        with pytest.raises(InvalidArgument, match="out of order"):
+            batch.copy(1)
+        for q in range(4):
+            batch.copy(q)
+        assert batch.verified() == [True] * 64, "a good copy in parts fails to verify"
+        for i, (_, data) in enumerate(chunks):
+            at = (63 - i) * size
+            for q in range(4):
+                got = blocks[at + (3 - q) * quarter : at + (4 - q) * quarter]
+                assert np.array_equal(got, data[q * quarter : (q + 1) * quarter]), (i, q)
+
         assert await kv.release_many(leases) == 64, "every lease was still held"
         assert all(lease.released for lease in leases)
         assert await kv.release_many(leases) == 0, "released leases are skipped"
@@ -955,11 +974,25 @@ def test_acquire_many_lends_l2_chunks_in_place(
         mid = await kv.stats()
         assert mid.tiers[1].detail["loans"] == 8, mid.tiers[1].detail
         assert mid.tiers[0].used_bytes == before.tiers[0].used_bytes, "a loan promoted into L1"
+        # In parts beside leases from L1 (two mappings in one batch): each verifies.
+        plain = await kv.acquire_many(keys[:2])
+        batch = ScatterBatch(blocks := np.zeros(10 * 64 * bpt, dtype=np.uint8))
+        half = 32 * bpt
+        for i, lease in enumerate([*got, *plain]):
+            batch.add(lease, [[(i * 64 * bpt + half, half)], [(i * 64 * bpt, half)]])
+        batch.copy(0)
+        batch.copy(1)
+        assert batch.verified() == [True] * 10
+        for i, (_, data) in enumerate([*chunks, *chunks[:2]]):
+            at = i * 64 * bpt
+            assert np.array_equal(blocks[at + half : at + 2 * half], data[:half]), i
+            assert np.array_equal(blocks[at : at + half], data[half:]), i
+        await kv.release_many(plain)
         assert await kv.release_many(got) == 8, "every loan was still held"
         after = await kv.stats()
         assert after.tiers[1].detail["loans"] == 0
         counts = _delta(_requests(after), _requests(before), "AcquireMany", "Release")
-        assert counts == {"AcquireMany": 1, "Release": 1}, counts
+        assert counts == {"AcquireMany": 2, "Release": 2}, f"the loans' and L1's: {counts}"
         plain = await kv.acquire_many(keys[:2])
         assert all(1 in w for w in await kv.exists(keys[:2])), "without disk: promoted"
         await kv.release_many(plain)
@@ -1097,6 +1130,13 @@ def test_acquire_many_copies_changed_bytes_as_unverified(drive: Drive) -> None:
         out = np.zeros(data.size, dtype=np.uint8)
         assert lease.read_verified(out) is False, "changed bytes verified"
         assert lease.read_scattered(out, [(0, data.size)]) is False
+        batch = ScatterBatch(out)
+        batch.add(lease, [[(0, at)], [(at, data.size - at)]])
+        with pytest.raises(InvalidArgument, match="cover"):
+            ScatterBatch(out).add(lease, [[(0, at)], [(at, 10)]])
+        batch.copy(0)
+        batch.copy(1)
+        assert batch.verified() == [False], "changed bytes verified in parts"
         with pytest.raises(InvalidArgument, match="cover"):
             lease.read_scattered(out, [(0, 10)])
         with pytest.raises(InvalidArgument, match="outside"):
