@@ -230,7 +230,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a step's loads complete in start_load_kv (or in the background, reported)
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -7,8 +7,9 @@ by the kernel, so per-token slicing is wrong (vllm-notes.md section 2). What is
 always right is to move a block's bytes as they are: each layer is re-viewed
 here as ``[num_blocks, block_bytes]`` over its storage, using its block stride,
 and blocks are gathered or scattered with one ``index_select``/``index_copy_``
-per layer. A chunk payload is ``[layers, blocks, block_bytes]`` in sorted
-layer-name order; its first m blocks are a valid payload for m blocks.
+per layer. A chunk payload is ``[layers, blocks, block_bytes]`` in the forward
+pass's layer order (``layer_order``); its first m blocks are a valid payload for m
+blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from kvstore.connectors.vllm_cpus import move_here
+from kvstore.connectors.vllm_namespace import layer_order
 
 from kvstore import accel
 from kvstore.errors import InvalidArgument
@@ -44,7 +46,7 @@ class BlockLayout:
     def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if not kv_caches:
             raise InvalidArgument("no KV cache tensors were registered")
-        self.names = sorted(kv_caches)
+        self.names = layer_order(kv_caches)
         self.views: list[torch.Tensor] = []
         first = kv_caches[self.names[0]]
         self.dtype = first.dtype
@@ -105,19 +107,26 @@ class BlockLayout:
         nothing outside the request's own blocks is written. None when this cannot be
         done in place: no single host allocation, or blocks after the last one loaded
         (a stored chunk of which only a prefix matches), which would have nowhere to go."""
+        by_layer = self.layer_pieces(stored_blocks, first, block_ids)
+        return None if by_layer is None else [p for layer in by_layer for p in layer]
+
+    def layer_pieces(
+        self, stored_blocks: int, first: int, block_ids: Sequence[int]
+    ) -> list[list[tuple[int, int]]] | None:
+        """``pieces``, per layer (the payload's parts, in order)."""
         n, bb = len(block_ids), self.block_bytes
         if self.flat is None or not n or first + n != stored_blocks:
             return None
-        out: list[tuple[int, int]] = []
+        out: list[list[tuple[int, int]]] = []
         for base, stride in self._at:
-            if first:
-                out += [(base + block_ids[0] * stride, bb)] * first
+            layer = [(base + block_ids[0] * stride, bb)] * first
             for b in block_ids:
                 at = base + b * stride
-                if out and out[-1][0] + out[-1][1] == at:  # the next block in memory
-                    out[-1] = (out[-1][0], out[-1][1] + bb)
+                if layer and layer[-1][0] + layer[-1][1] == at:  # the next block in memory
+                    layer[-1] = (layer[-1][0], layer[-1][1] + bb)
                 else:
-                    out.append((at, bb))
+                    layer.append((at, bb))
+            out.append(layer)
         return out
 
     def describe(self) -> str:

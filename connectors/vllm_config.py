@@ -53,6 +53,12 @@ class ConnectorConfig:
     # the longest an asynchronous load may take, from the step that starts it: past it
     # the blocks not loaded yet are reported failed and vLLM computes them
     load_deadline_ms: int = 5000
+    # CPU engines: a hit loaded in the step is copied one layer at a time while the forward
+    # pass runs, each attention layer waiting for its own layer only; a chunk whose bytes
+    # do not verify is found after the forward pass used it, reported, and recomputed
+    # (vLLM drops the token that step sampled for the request). false: every layer is
+    # copied and verified before the forward pass starts
+    load_by_layer: bool = True
     # the share of time an asynchronous load copies while the engine computes other
     # requests; between chunks it sleeps the rest, leaving the spare core and memory
     # bandwidth to the running decodes. With nothing else computing it copies flat out.

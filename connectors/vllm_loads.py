@@ -43,10 +43,11 @@ import xxhash
 from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient, Leased
 from kvstore.connectors.vllm_cpus import move_here
+from kvstore.connectors.vllm_layers import LayerCopy
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
-from kvstore.sdk import USE_GET, LeaseBase
+from kvstore.sdk import USE_GET, LeaseBase, ScatterBatch
 
 # Bytes in a batch from which two threads copy it (loads in the step only). Measured in
 # vLLM on this 2-core host with the second thread on the core vLLM leaves free
@@ -61,6 +62,39 @@ class SpecOutcome:
 
     loaded_tokens: int = 0  # tokens whose KV is now in the cache
     failed: set[int] = field(default_factory=set)  # block ids not loaded: vLLM recomputes them
+
+
+class LoadJob:
+    """One batch's loads, under way until ``finish``: a layer by layer copy (``copy``)
+    may still be landing beside the forward pass."""
+
+    def __init__(self, loads: Loads, specs: Sequence[LoadSpec], outs: list[SpecOutcome]) -> None:
+        self.specs, self.outs = specs, outs
+        self.loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
+        self.copy: LayerCopy | None = None
+        self.by_layer: list[_Task] = []  # the chunks ``copy`` copies, in its order
+        self._loads = loads
+        self.unwaited = False  # the forward pass read a layer without waiting for it
+
+    def wait(self, layer: int) -> None:
+        """Return once layer ``layer`` (in ``BlockLayout.names`` order) has landed."""
+        if self.copy is not None:
+            self.copy.wait(layer)
+
+    def finish(self) -> list[SpecOutcome]:
+        """Wait for every copy, and say per spec what was loaded and what failed."""
+        copy, self.copy = self.copy, None
+        if copy is not None:
+            verdicts = copy.join()
+            self.unwaited = copy.unwaited
+            if copy.error is not None:
+                self._loads.client.failed("load", copy.error)
+            for t, ok in zip(self.by_layer, verdicts or [False] * len(self.by_layer), strict=True):
+                if ok:
+                    self._loads._landed(t, None, self.loaded)
+                elif verdicts is not None:
+                    self._loads._scrub(t)
+        return self._loads._outcomes(self)
 
 
 class Ticket:
@@ -132,6 +166,9 @@ class Loads:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # the second copier
         self._share = setup.cfg.background_load_share
         self.busy = False  # the engine computes this step (the worker sets it each step)
+        # Loads in the step copied layer by layer beside the forward pass (vllm_layers);
+        # turned off for good if a forward pass is seen reading a layer unwaited.
+        self.by_layer = setup.cfg.load_by_layer and not self.cuda
         self._sleep: Callable[[float], None] = time.sleep  # tests record it
         client.before_close.append(self._settle)
 
@@ -146,22 +183,39 @@ class Loads:
         ``tickets`` (asynchronous loads, one per spec): each copy is fenced by its
         ticket, and on CUDA waited for before this returns. ``deadline``
         (``time.monotonic``): no call to the server waits past it."""
-        outs = [SpecOutcome() for _ in specs]
+        return self.start(specs, tickets, deadline).finish()
+
+    def start(
+        self,
+        specs: Sequence[LoadSpec],
+        tickets: Sequence[Ticket] | None = None,
+        deadline: float | None = None,
+        *,
+        by_layer: bool = False,
+    ) -> LoadJob:
+        """``load``, ended by ``LoadJob.finish``. ``by_layer`` (a load in the step, on
+        CPU): the chunks that go straight into the cache are copied layer by layer on the
+        copying thread while this returns (``vllm_layers``); ``LoadJob.wait`` waits for
+        one layer."""
+        job = LoadJob(self, specs, [SpecOutcome() for _ in specs])
         tasks: list[_Task] = []
         for i, spec in enumerate(specs):
             try:
-                tasks += self._plan(i, spec, outs[i].failed)
+                tasks += self._plan(i, spec, job.outs[i].failed)
             except Exception as e:  # a bug, not the server: this request computes instead
                 self.client.failed("load", e)
-                outs[i].failed.update(spec.block_ids)
-        loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
+                job.outs[i].failed.update(spec.block_ids)
         drops = dropped_keys(specs, tasks)
         try:
-            self._fetch(tasks, tickets, deadline, loaded, drops)
+            self._fetch(tasks, tickets, deadline, job, drops, by_layer and self.by_layer)
         except Exception as e:  # a bug: every block not loaded yet is recomputed
             self.client.failed("load", e)
+        return job
+
+    def _outcomes(self, job: LoadJob) -> list[SpecOutcome]:
         bs = self.setup.block_size
-        for i, spec in enumerate(specs):
+        outs, loaded = job.outs, job.loaded
+        for i, spec in enumerate(job.specs):
             first = spec.start // bs
             outs[i].failed.update(b for b in spec.block_ids if (i, b) not in loaded)
             if spec.groups:  # vLLM recomputes such a request whole if any block failed
@@ -251,9 +305,11 @@ class Loads:
         tasks: list[_Task],
         tickets: Sequence[Ticket] | None,
         deadline: float | None,
-        loaded: set[tuple[int, int]],
+        job: LoadJob,
         drops: frozenset[bytes] = frozenset(),
+        by_layer: bool = False,
     ) -> None:
+        loaded = job.loaded
         if not tasks:
             return
         self.release_done()
@@ -288,6 +344,8 @@ class Loads:
             elif isinstance(lease, LeaseBase) and self._fits(t, lease):
                 now.append((t, lease, ticket))
         try:
+            if by_layer and tickets is None and not self.cuda:
+                now = self._start_layers(now, job)
             nbytes = sum(lease.header.raw_size for _, lease, _ in now)
             # A background load (tickets) copies on this thread alone: the engine is
             # computing meanwhile (decodes, other prefills), and a second copying thread
@@ -313,6 +371,35 @@ class Loads:
             self._staged(t, None, ticket, deadline, loaded)
         if tickets is not None:  # a background load: nothing waits on this thread
             self.release_done()
+
+    def _start_layers(
+        self, now: list[tuple[_Task, LeaseBase, Ticket | None]], job: LoadJob
+    ) -> list[tuple[_Task, LeaseBase, Ticket | None]]:
+        """Start the layer by layer copy of the chunks that go straight into the cache;
+        those that do not, returned, are copied before the forward pass as before."""
+        batch = ScatterBatch(self.layout.flat)
+        rest = []
+        for t, lease, ticket in now:
+            try:
+                parts = self.layout.layer_pieces(t.stored, t.first, t.ids) if not t.group else None
+                if parts is not None:
+                    batch.add(lease, parts)
+                    job.by_layer.append(t)
+                    continue
+            except Exception as e:  # a bug: this chunk's blocks are recomputed
+                self.client.failed("load", e)
+                continue
+            rest.append((t, lease, ticket))
+        if job.by_layer:
+            job.copy = LayerCopy(batch, self._helper(), self.setup.cfg.timeout_ms / 1000)
+        return rest
+
+    def _scrub(self, t: _Task) -> None:
+        """A chunk copied layer by layer whose bytes did not verify (its blocks are
+        reported failed: the forward pass used them): read it with Get, so the server
+        verifies its copy and deletes it if it is the damaged one (``_reread``)."""
+        layout = self.layouts[t.group]
+        self.client.get_into(t.key, layout.host_buffer(layout.nbytes(t.stored)), None)
 
     def _copy_all(
         self,

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Fingerprint, Namespace
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def layer_order(names: Iterable[str]) -> list[str]:
+    """The order of a chunk payload's layers: by name, numbers by value, which is the
+    forward pass's order for vLLM's names (``model.layers.2...`` before
+    ``model.layers.10...``), so a load copied layer by layer has each layer in place
+    before the forward pass reaches it."""
+    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in _DIGITS.split(n)])
+
+
+# In the layout of a model whose layer_order differs from plain sorted order (more than
+# ten layers): payloads before it were in sorted order, and must not be read as these.
+_BY_NUMBER = "layers-by-number"
 
 
 @dataclass(frozen=True)
@@ -156,6 +173,9 @@ def engine_namespace(
                 layout.append(f"{attr}={getattr(spec, attr)}")
         if _window(spec):  # its records hold only a window's blocks
             layout.append(f"window={_window(spec)}")
+    names = [n for g in groups for n in g.layer_names]
+    if layer_order(names) != sorted(names):
+        layout.append(_BY_NUMBER)
     layout.append(os.environ.get("VLLM_KV_CACHE_LAYOUT", ""))
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     tp_rank, tp_size, pp_rank, pp_size = _ranks(worker)

@@ -17,7 +17,7 @@ from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_cpus import background_cpus, move_here
-from kvstore.connectors.vllm_loads import Loads
+from kvstore.connectors.vllm_loads import LoadJob, Loads
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_saves import SaveJob, Saves
 from vllm.logger import init_logger
@@ -46,6 +46,10 @@ class KVStoreWorker:
         self._busy_warned: float | None = None
         self._late_warned: float | None = None
         self._prefault_stop = threading.Event()
+        # The step's load while its layers land beside the forward pass: (job, specs,
+        # start time, seconds before the forward pass could start)
+        self._job: tuple[LoadJob, list[LoadSpec], float, float] | None = None
+        self._layer_at: dict[str, int] = {}  # a layer's place in the payload (its part)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.setup
@@ -56,6 +60,7 @@ class KVStoreWorker:
             BlockLayout({name: kv_caches[name] for name in g.layers}) for g in s.groups
         ] if s.hybrid else []  # fmt: skip
         self.layout = layout = layouts[0] if layouts else BlockLayout(kv_caches)
+        self._layer_at = {name: i for i, name in enumerate(layout.names)}
         mode = s.cfg.save_mode
         if mode == "auto":
             gpu = layout.device.type == "cuda"
@@ -129,21 +134,57 @@ class KVStoreWorker:
             self._orphans.update(spec.req_id for spec in later)
 
     def load(self, specs: list[LoadSpec]) -> None:
-        """The step's loads, done before this returns; failed blocks are reported through
-        ``get_block_ids_with_load_errors``."""
+        """The step's loads: done before this returns, or (``load_by_layer``) copied layer
+        by layer while the forward pass runs, ended by ``_end_load`` once it has; failed
+        blocks are reported through ``get_block_ids_with_load_errors``."""
         if self.loads is None:
             self._failed.update(b for spec in specs for b in spec.block_ids)
             return
         t0 = time.perf_counter()
-        outs = self.loads.load(specs)
-        seconds = time.perf_counter() - t0
+        job = self.loads.start(specs, by_layer=True)
+        self._job = (job, specs, t0, time.perf_counter() - t0)
+        if job.copy is None:
+            self._end_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before a layer's attention: wait until the step's load has that layer in place."""
+        if self._job is not None:
+            at = self._layer_at.get(layer_name)
+            if at is not None:
+                self._job[0].wait(at)
+
+    def _end_load(self) -> None:
+        """End the step's load, if one is under way: after the forward pass (or, with no
+        layer by layer copy, at once)."""
+        if self._job is None:
+            return
+        job, specs, t0, started_s = self._job
+        self._job = None
+        copy = job.copy
+        outs = job.finish()
         loaded = sum(o.loaded_tokens for o in outs)
         failed = set().union(*(o.failed for o in outs))
         self._failed |= failed
-        self.stats.add(loaded_tokens=loaded, load_s=seconds)
+        how, seconds = "", time.perf_counter() - t0
+        if copy is not None:
+            # What the step paid: the planning and the AcquireMany before the forward pass,
+            # and the forward pass's waits for layers; the copy itself ran beside it.
+            seconds = copy.copied_s + started_s
+            how = f" layer by layer, {(started_s + copy.waited_s) * 1e3:.1f} ms of it in the step"
+            self.stats.add(load_s=started_s + copy.waited_s)
+        else:
+            self.stats.add(load_s=seconds)
+        self.stats.add(loaded_tokens=loaded)
         if failed:
             self.stats.add(load_failed_blocks=len(failed))
-        self._log_load(loaded, sum(s.end - s.start for s in specs), len(specs), seconds)
+        if job.unwaited and self.loads is not None and self.loads.by_layer:
+            self.loads.by_layer = False
+            log.warning(
+                "kvstore: the forward pass read a loaded layer without waiting for it (its "
+                "attention does not call wait_for_layer_load): the step's loads were "
+                "recomputed, and loads now copy every layer before the forward pass"
+            )
+        self._log_load(loaded, sum(s.end - s.start for s in specs), len(specs), seconds, how)
 
     def handle_preemptions(self, meta: object) -> None:
         """Preempted requests' blocks are freed at once: stop loads still writing there."""
@@ -154,6 +195,7 @@ class KVStoreWorker:
         """(sending, receiving): the requests whose asynchronous loads are over, loaded,
         failed or given up at their deadline; their failed blocks go to the next
         ``get_block_ids_with_load_errors``, which vLLM calls right after this."""
+        self._end_load()  # the forward pass is over (before wait_for_save when deferred)
         recving, self._orphans = self._orphans, set()
         if self.setup.hybrid:
             self._failed_reqs |= recving
@@ -196,6 +238,7 @@ class KVStoreWorker:
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._end_load()
         out, self._failed = self._failed, set()
         # vLLM raises on block ids with several KV-cache groups (they are per group there):
         # a hybrid model's failures go per request (take_failed_requests).
@@ -209,6 +252,7 @@ class KVStoreWorker:
 
     # -- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: object) -> None:
+        self._end_load()  # the forward pass has run: the layers it used have all landed
         if self.loads is not None:  # the step's forward pass has run: end its leases
             self.loads.release_done()
         if not isinstance(meta, KVStoreMeta) or not meta.saves or self.saves is None:
@@ -275,6 +319,7 @@ class KVStoreWorker:
 
     def shutdown(self) -> None:
         self._prefault_stop.set()
+        self._end_load()
         timeout = self.setup.cfg.timeout_ms / 1000
         if self.background is not None:
             self.background.close(timeout)

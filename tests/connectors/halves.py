@@ -108,6 +108,10 @@ class Engine:
         self.worker.register_kv_caches(self.cache)
         self._n = 0
         self.decoding = 0  # requests decoding beside every step's own (a token each)
+        # A step with tokens runs a forward pass whose attention layers each call
+        # wait_for_layer_load (False: a model whose attention does not)
+        self.forward_waits = True
+        self.forward_layers: list[str] = []  # the layers forward passes waited for
 
     def step(
         self,
@@ -191,6 +195,12 @@ class Engine:
         assert isinstance(meta, KVStoreMeta)
         self.worker.handle_preemptions(meta)
         self.worker.start_load_kv(meta)
+        if output.num_scheduled_tokens and self.forward_waits:
+            # The forward pass: each attention layer, in order, waits for its layer.
+            assert self.worker.layout is not None
+            for name in self.worker.layout.names:
+                self.worker.wait_for_layer_load(name)
+                self.forward_layers.append(name)
         self.worker.wait_for_save(meta)
         _, recving = self.worker.get_finished(output.finished_req_ids)
         failed = self.worker.get_block_ids_with_load_errors()

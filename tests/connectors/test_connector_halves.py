@@ -31,8 +31,8 @@ from kvstore.connectors.vllm_blocks import BlockLayout
 
 from kvstore.clock import FakeClock
 from kvstore.retry import BreakerState
+from kvstore.sdk import ScatterBatch
 from kvstore.sdk.client import Client
-from kvstore.sdk.shm import LeaseBase
 from kvstore.testing.server import KVServer
 from tests.connectors.halves import BS, Engine
 
@@ -128,8 +128,9 @@ def raise_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[in
 # (class, method, which half counts the error, tokens vLLM is told to load, blocks reported
 # failed: the one chunk whose copy raised, or the whole load when the batch's AcquireMany did)
 BUGS = {
-    "placing a chunk in the cache": (BlockLayout, "pieces", "worker", STORED, DST[:16]),
-    "a lease's verified copy": (LeaseBase, "read_scattered", "worker", STORED, DST[:16]),
+    "placing a chunk in the cache": (BlockLayout, "layer_pieces", "worker", STORED, DST[:16]),
+    # A load in the step is one batch copied layer by layer: a bug there fails all of it.
+    "the layer by layer copy": (ScatterBatch, "copy", "worker", STORED, DST[: STORED // BS]),
     "client acquire_many": (Client, "acquire_many", "worker", STORED, DST[: STORED // BS]),
     "client lookup": (Client, "lookup", "scheduler", 0, []),
 }
@@ -360,18 +361,22 @@ def test_a_cpu_kv_cache_is_faulted_in_at_start(
         e.close()
 
 
+@pytest.mark.parametrize("by_layer", [True, False], ids=["by-layer", "before-forward"])
 @pytest.mark.parametrize("disk", [True, False], ids=["with-l2", "l1-only"])
 def test_a_chunk_damaged_in_the_arena_is_caught_by_the_load_that_reads_it(
-    tmp_path: Path, clock: FakeClock, disk: bool
+    tmp_path: Path, clock: FakeClock, disk: bool, by_layer: bool
 ) -> None:
     """The commit does not hash a payload (every read does): a stored chunk whose pages a
     stray writer changed stays listed until someone reads it. The load that finds it bad
     in its own verified copy reads it again with Get, where the server verifies it: the
-    L1 copy is counted and deleted there, and the good copy on disk is loaded; with no
-    disk the blocks are recomputed, and the chunk no longer shadows the re-save."""
+    L1 copy is counted and deleted there. Copied before the forward pass, the good copy
+    on disk is then loaded in its place; copied layer by layer, the forward pass has
+    used the bad bytes already, so its blocks are reported (vLLM drops the step's token
+    and recomputes them), and the next request loads the good copy. With no disk the
+    blocks are recomputed, and the chunk no longer shadows the re-save."""
     args = [] if disk else ["--no-disk"]
     server = KVServer(tmp_path / "srv", memory="128MiB", args=args).start()
-    e = HalvesEngine(server.unix_url, clock)
+    e = HalvesEngine(server.unix_url, clock, load_by_layer=by_layer)
     try:
         assert e.request(SRC) == 0, "an empty server has nothing to load"
         with Client(server.unix_url) as c:
@@ -396,7 +401,12 @@ def test_a_chunk_damaged_in_the_arena_is_caught_by_the_load_that_reads_it(
             # With a disk the good copy was promoted again; without one it is forgotten.
             assert c.exists([first.key])[0] == ((1, 2) if disk else ()), "still listed damaged"
         assert told == STORED, "the lookup found the stored prompt"
-        if disk:
+        if disk and by_layer:
+            assert e.failed == set(DST[:16]), "the damaged chunk's blocks must be reported"
+            assert e.request(DST) == STORED and not e.failed and e.loaded_right(), (
+                "the next load must get the good copy from disk"
+            )
+        elif disk:
             assert not e.failed and e.loaded_right(), "the good copy on disk must be loaded"
         else:
             assert e.failed, "a chunk that cannot be verified must be recomputed"

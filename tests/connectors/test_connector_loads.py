@@ -27,7 +27,7 @@ from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
 
 from kvstore.errors import ConfigError
-from kvstore.sdk import shm
+from kvstore.sdk import scatter, shm
 from kvstore.sdk.client import Client
 from kvstore.testing.server import KVServer
 from tests.connectors.halves import BS, Blocks, Engine, step_output
@@ -192,26 +192,49 @@ def test_blocks_go_from_the_arena_into_the_cache_without_a_host_buffer(
     assert not staged, "a load starting inside a chunk must not stage either"
 
 
+@pytest.mark.parametrize("by_layer", [True, False], ids=["by-layer", "before-forward"])
 @pytest.mark.parametrize("reread", ["good", "fails"])
 def test_a_payload_that_does_not_verify_is_read_again_or_a_load_error(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch, reread: str
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, reread: str, by_layer: bool
 ) -> None:
     """The bytes copied out of the arena are hashed as they land; a digest that is not the
     record's (a rogue writer, pages reused after a lease ran out) sends that chunk, and
-    only it, to be read again with Get, where the server verifies it. Its bytes land if
-    that read is good; its blocks fail if it is not."""
+    only it, to be read again with Get, where the server verifies it (and deletes a
+    damaged copy). Copied before the forward pass, its bytes land if that read is good;
+    copied layer by layer, the forward pass has used it already, so its blocks are
+    reported either way (vLLM recomputes them and drops the step's token)."""
+    assert engine.worker.loads is not None
+    engine.worker.loads.by_layer = by_layer
     lay = Layout()
     p = prompt(2)
     src = store(engine, [p], lay)[0]
-    real = shm.accel.scatter_xxh3
     calls: list[int] = []
+    if by_layer:
+        real_streams = scatter.accel.Streams
 
-    def tampered(*args: Any) -> int:
-        calls.append(1)
-        digest = real(*args)
-        return digest ^ 1 if len(calls) == 2 else digest  # the second chunk's copy
+        class Tampered:  # the second chunk's stream ends in another digest
+            def __init__(self, n: int) -> None:
+                self.s = real_streams(n)
 
-    monkeypatch.setattr(shm.accel, "scatter_xxh3", tampered)
+            def __len__(self) -> int:
+                return len(self.s)
+
+            def digest(self, i: int) -> int:
+                calls.append(i)
+                return int(self.s.digest(i)) ^ (i == 1)
+
+        real_copy = scatter.accel.scatter_streams
+        monkeypatch.setattr(scatter.accel, "Streams", Tampered)
+        monkeypatch.setattr(scatter.accel, "scatter_streams", lambda st, *a: real_copy(st.s, *a))
+    else:
+        real = shm.accel.scatter_xxh3
+
+        def tampered(*args: Any) -> int:
+            calls.append(1)
+            digest = real(*args)
+            return digest ^ 1 if len(calls) == 2 else digest  # the second chunk's copy
+
+        monkeypatch.setattr(shm.accel, "scatter_xxh3", tampered)
     gets: list[bytes] = []
     get_into = BreakerClient.get_into
 
@@ -226,10 +249,109 @@ def test_a_payload_that_does_not_verify_is_read_again_or_a_load_error(
     (a,) = engine.step([(p, dst)])
     assert calls, "the verified copy was never used"
     assert len(gets) == 1, f"exactly the chunk that failed its check is read again: {gets}"
-    if reread == "good":
+    if reread == "good" and not by_layer:
         assert not a.failed and engine.same(dst[:32], src[:32]), "the Get's bytes must land"
     else:
         assert a.failed == set(dst[16:32]), "exactly the second chunk's blocks must be reported"
+        assert engine.same(dst[:16], src[:16]), "the first chunk must land"
+
+
+class CopyLog:
+    """ScatterBatch.copy made slow and recorded: when each layer started and landed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, slow_s: float, late: int = -1) -> None:
+        self.landed: dict[int, float] = {}
+        self.started: list[int] = []
+        real = scatter.ScatterBatch.copy
+
+        def copy(batch: scatter.ScatterBatch, part: int) -> None:
+            self.started.append(part)
+            time.sleep(slow_s * (20 if part == late else 1))
+            real(batch, part)
+            self.landed[part] = time.monotonic()
+
+        monkeypatch.setattr(scatter.ScatterBatch, "copy", copy)
+
+
+def test_a_load_in_the_step_lands_layer_by_layer_beside_the_forward_pass(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start_load_kv returns before the copy is done (the forward pass starts), each
+    layer's wait returns only once that layer has landed, and what landed is right."""
+    lay = Layout()
+    ps = [prompt(60), prompt(61)]
+    srcs = store(engine, ps, lay)
+    dsts = [lay.take(len(p)) for p in ps]
+    log = CopyLog(monkeypatch, 0.03)
+    worker = engine.worker
+    started: list[float] = []
+    waits: list[tuple[str, float]] = []
+    real_start, real_wait = worker.start_load_kv, worker.wait_for_layer_load
+
+    def start(meta: Any) -> None:
+        real_start(meta)
+        started.append(time.monotonic())
+
+    def wait(name: str) -> None:
+        real_wait(name)
+        waits.append((name, time.monotonic()))
+
+    monkeypatch.setattr(worker, "start_load_kv", start)
+    monkeypatch.setattr(worker, "wait_for_layer_load", wait)
+    got = engine.step(list(zip(ps, dsts, strict=True)))
+    assert all(a.told == stored(600) and not a.failed for a in got), got
+    assert worker.layout is not None and len(log.landed) == worker.layout.layers
+    assert started[0] < log.landed[0], "start_load_kv waited for the copy"
+    for k, (name, t) in enumerate(waits[: worker.layout.layers]):
+        assert name == worker.layout.names[k]
+        assert log.landed[k] <= t, f"the wait for {name} returned before its layer landed"
+    for p, src, dst in zip(ps, srcs, dsts, strict=True):
+        k = stored(len(p)) // BS
+        assert engine.same(dst[:k], src[:k]), "the layers did not land right"
+
+
+def test_a_forward_pass_that_does_not_wait_fails_the_load_and_turns_layers_off(
+    engine: Engine,
+) -> None:
+    """An attention that never calls wait_for_layer_load may have read a layer still
+    landing: the step's loaded blocks are reported (vLLM recomputes them, dropping the
+    token), and later loads copy every layer before the forward pass."""
+    assert engine.worker.loads is not None and engine.worker.loads.by_layer
+    lay = Layout()
+    p, q = prompt(70), prompt(71)
+    _, src_q = store(engine, [p, q], lay)
+    engine.forward_waits = False
+    dst = lay.take(len(p))
+    (a,) = engine.step([(p, dst)])
+    assert a.told == stored(600) and a.failed == set(dst[: stored(600) // BS]), a.failed
+    assert not engine.worker.loads.by_layer, "layer by layer loading must turn off"
+    dst = lay.take(len(q))
+    (b,) = engine.step([(q, dst)])
+    assert b.told == stored(600) and not b.failed
+    assert engine.same(dst[: stored(600) // BS], src_q[: stored(600) // BS])
+
+
+def test_a_layer_later_than_the_timeout_fails_the_load_without_hanging(
+    server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer that does not land within timeout_ms: the forward pass goes on, the step's
+    loaded blocks are reported, the layers after it are not copied, and the step ends
+    once the layer being copied has landed (nothing is written after it)."""
+    e = Engine(server.unix_url, blocks=1200, timeout_ms=300)
+    try:
+        lay = Layout()
+        p = prompt(80)
+        store(e, [p], lay)
+        log = CopyLog(monkeypatch, 0.05, late=1)  # layer 1 takes 1 s
+        dst = lay.take(len(p))
+        t0 = time.monotonic()
+        (a,) = e.step([(p, dst)])
+        took = time.monotonic() - t0
+        assert a.failed == set(dst[: stored(600) // BS]), "a late layer must fail the load"
+        assert log.started == [0, 1], f"layers after the late one were copied: {log.started}"
+        assert took < 5, f"the step took {took:.1f} s"
+    finally:
+        e.close()
 
 
 def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) -> None:

@@ -300,3 +300,25 @@ def test_sliding_window_and_full_attention_model_without_hma(tmp_path: Path) -> 
         assert lo["token_ids"] == c["token_ids"], f"prompt {i}: loaded KV generated other tokens"
         assert _worst(lo, c) < TOL, f"prompt {i}: logprobs differ by {_worst(lo, c)}"
     assert stats.hits > 0, stats
+
+
+def test_payload_layers_go_in_forward_order() -> None:
+    """A payload's layers are in the forward pass's order (layers.2 before layers.10), so
+    a load copied layer by layer keeps ahead of the forward pass. Past ten layers that
+    order is not plain sorted order, which payloads stored before used: such a model's
+    keys change, so none of those is read in the new order; a model of ten layers or
+    fewer keeps its keys."""
+    from kvstore.connectors.vllm_namespace import layer_order
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(12)]
+    assert layer_order(reversed(names)) == names
+    assert sorted(names) != names
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+    def layout(n: int) -> str:
+        config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(names[:n], spec)])
+        return str(engine_namespace(_vllm_config(), config, "", worker=False).base.layout)
+
+    assert "layers-by-number" in layout(12), layout(12)
+    assert "layers-by-number" not in layout(10), "a 10-layer model's keys must not change"
