@@ -61,7 +61,7 @@ BLOCK = 128
 SETTLE_S = 1.5  # > vLLM's busy_loop_s (1 s): let the other engine go idle first
 LOAD_LINE = re.compile(
     r"kvstore: loaded (\d+) of (\d+) tokens for \d+ request\(s\) in ([\d.]+) ms"
-    r"( in the background)?"
+    r"( in the background)?(?: layer by layer, ([\d.]+) ms of it in the step)?"
 )
 CHUNK_TOKENS = 256
 
@@ -213,6 +213,14 @@ def load_of(run: dict[str, Any]) -> tuple[int, float, bool]:
     if tokens != asked:
         raise AssertionError(f"the connector loaded {tokens} of {asked} tokens: vLLM recomputed")
     return tokens, sum(float(m.group(3)) for m in loads) / 1e3, any(m.group(4) for m in loads)
+
+
+def in_step_of(run: dict[str, Any]) -> float | None:
+    """Seconds of a warm run's load that its step waited for (a load copied layer by
+    layer beside the forward pass: the AcquireMany and the waits for layers); None for a
+    load copied before the forward pass (all of it)."""
+    loads = [m for m in map(LOAD_LINE.search, run["log"]) if m and m.group(5)]
+    return sum(float(m.group(5)) for m in loads) / 1e3 if loads else None
 
 
 def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
@@ -417,6 +425,14 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
         nbytes = tokens * p.kv_bytes_per_token
         load_s = statistics.median(s for _, s, _ in loads)
         gbps = nbytes / load_s / 1e9
+        stepped = [s for s in map(in_step_of, sync.warm) if s is not None]
+        how = "; copied before the forward pass"
+        if stepped:
+            how = (
+                f"; copied layer by layer beside the forward pass, "
+                f"{statistics.median(stepped) * 1e3:.1f} ms of it in the step "
+                "(the AcquireMany, the waits for layers)"
+            )
         l2 = [load_of(w) for w in sync.l2]
         if any(not bg for _, _, bg in l2):
             raise AssertionError(f"{n} tokens: a hit from L2 did not load in the background")
@@ -440,7 +456,7 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
                    f"{load_s * 1e3:.1f} ms (median of {len(loads)}: "
                    f"{', '.join(f'{s * 1e3:.1f}' for _, s, _ in sorted(loads, key=lambda x: x[1]))}"
                    " ms): one AcquireMany, each chunk copied from the arena into its blocks "
-                   "hashed as it lands"),
+                   f"hashed as it lands{how}"),
             Record(f"connector.load.l2_vs_lmdb.{label}", nbytes / ev_s / 1e9, "GB/s", lmdb, None,
                    "raw LMDB read of the same bytes (same value sizes) into a buffer of their "
                    "size, page cache warm", "ratio >= 0.5",
