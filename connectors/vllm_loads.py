@@ -323,10 +323,9 @@ class Loads:
             self.client.drop_later([k for k in dict.fromkeys(t.key for t in tasks) if k in drops])
             return
         keys = list(dict.fromkeys(t.key for t in tasks))  # requests sharing a prefix
-        # On CPU a chunk only in L2 is copied from LMDB's file straight into its blocks
-        # (one pass, no promotion into L1 first); a device copies from the registered
-        # arena only (L2's file is not registered).
-        leased = self.client.acquire_many(keys, left, disk=not self.cuda)
+        # A chunk only in L2 is copied from LMDB's file straight into its blocks (one
+        # pass, no promotion into L1 first) where Setup.reads_disk says so.
+        leased = self.client.acquire_many(keys, left, disk=self.setup.reads_disk)
         if leased is None:
             return  # the server is down: every block is reported
         # Dropped in the Release that ends the leases, once the bytes are in the cache.

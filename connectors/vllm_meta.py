@@ -41,6 +41,14 @@ class Setup:
         return len(self.groups) > 1
 
     @property
+    def reads_disk(self) -> bool:
+        """Whether workers copy L2 hits from where they lie in the server's LMDB file
+        (lent in place, on the server's host), so the scheduler's prefetch leaves them
+        there: host-memory workers do; a CUDA worker copies from the arena registered
+        with the device only, so it has them promoted into L1."""
+        return self.ns.base.device != "cuda"
+
+    @property
     def whole_chunks_only(self) -> bool:
         """Store whole chunks only: a window's records hold as many blocks for a short
         chunk as for a whole one, and the server pins a namespace's bytes per token."""

@@ -104,9 +104,9 @@ class KVStoreScheduler:
             url.startswith("unix://") or url.startswith(("grpc://127.", "grpc://localhost:"))
         )
         self._always = {"sync": False, "async": True}.get(mode, not local)
-        # A host-memory worker on the server's host reads L2 hits where they lie in LMDB's file
-        # (one pass): a prefetch promoting them into L1 would be a second pass over them.
-        self._reads_disk = local and setup.ns.base.device != "cuda"  # as Loads decides
+        # A worker that reads L2 hits where they lie in LMDB's file (one pass, on the
+        # server's host): a prefetch promoting them into L1 would be a second pass.
+        self._reads_disk = local and setup.reads_disk
         # vllm_observe's hooks: its KV events learn of every save planned, and a prefix-cache
         # reset moves every later request to a new key generation.
         self.on_save: Callable[[str, int, int], None] | None = None

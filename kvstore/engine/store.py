@@ -504,14 +504,13 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
 
     def lending_file(self) -> tuple[str, int] | None:
         """(path, map size) of the file L2 lends records in (``lend``), if L2 is LMDB."""
-        if self._loans() is None:
-            return None
-        return self.disk.data_file, self.disk.map_size  # type: ignore[union-attr]
+        lender = self.lender
+        return None if lender is None else (lender.data_file, lender.map_size)
 
     def _loans(self) -> Loans | None:
         """L2's loans (``DiskTier.lend``), if L2 is LMDB."""
-        loans: Loans | None = getattr(self.disk, "loans", None)
-        return loans
+        lender = self.lender
+        return None if lender is None else lender.loans
 
     def upkeep(self) -> int:
         """What must happen now and then, whoever runs the store: expired leases and

@@ -25,7 +25,7 @@ from kvstore.engine.fallback import Fallbacks
 from kvstore.engine.index import Entry, Index, layout_of, tier_levels
 from kvstore.engine.lookup import KeyChain, RemoteView, lookup
 from kvstore.engine.tiers.base import Tier, copy_into
-from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lent, Loans
+from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lender, Lent, Loans
 from kvstore.engine.tiers.memory import MemoryTier, ReadLease
 from kvstore.engine.writer import Prefetcher, WriteDown
 from kvstore.errors import CorruptRecord
@@ -99,14 +99,12 @@ class ReadPath:
         out: list[ReadLease | Lent | None] = [
             self.memory.acquire(key, owner=owner, payload=False) for key in keys
         ]
-        from kvstore.engine.tiers.disk import DiskTier  # as the store: lmdb only if used
-
-        disk = self.disk if isinstance(self.disk, DiskTier) else None
+        disk, lender = self.disk, self.lender
         missed = [i for i, got in enumerate(out) if got is None]
         try:
-            if disk is not None and missed:
+            if disk is not None and lender is not None and missed:
                 here = [i for i in missed if self._may_hold(disk, self.index.get(keys[i]))]
-                for i, lent in zip(here, disk.lend([keys[i] for i in here], owner), strict=True):
+                for i, lent in zip(here, lender.lend([keys[i] for i in here], owner), strict=True):
                     out[i] = lent
             for i, got in enumerate(out):
                 if got is None:
@@ -120,6 +118,11 @@ class ReadPath:
                     self.release(got.id)
             raise
         return out
+
+    @property
+    def lender(self) -> Lender | None:
+        """L2, if it lends records where they lie in its file (LMDB does)."""
+        return self.disk if isinstance(self.disk, Lender) else None
 
     def read(
         self, key: ChunkKey, owner: str = "", *, lasting: bool = False

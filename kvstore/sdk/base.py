@@ -312,10 +312,12 @@ class ClientBase:
         self._arena: ArenaView | None = None
         self._shm_checked = False  # Info looked at and the arena opened (or refused)
         self._arena_id: tuple[str, int, int, str] | None = None
-        # L2's data file, read-only, where loans are read (``acquire_many(disk=True)``);
-        # mapped with the arena, when the server lends it and it is the same file here.
+        # L2's data file, read-only, where loans are read (``acquire_many(disk=True)``):
+        # what the server offers (path, inode, map size; on the arena's host), and the
+        # mapping, made by the first call that asks for loans.
         self._disk: ArenaView | None = None
         self._disk_id: tuple[str, int, int] | None = None
+        self._disk_lock = threading.Lock()
         self._session_refused = False  # the server has no room for our Session stream
         # The Session stream keeping this client's holds alive: a thread or a task.
         self._session: Any = None
@@ -389,27 +391,36 @@ class ClientBase:
         return None
 
     def _open_disk(self, info: ServerInfo) -> None:
-        """Map L2's data file (the arena is mapped: this is the server's host) if the
-        server lends it, again only if it changed (a restart with another file or map
-        size). Without it, chunks only in L2 are promoted into L1 and leased there."""
+        """Note L2's data file if the server lends it and this client maps its arena (the
+        server's host); a mapping of another file (a restart) goes. The file is mapped
+        by ``_disk_view``, on the first call that asks for loans: a client that never
+        does (a saver) reserves no address space for it."""
         ident = (info.disk_path, info.disk_inode, info.disk_map_size)
-        if self._disk is not None and self._disk_id == ident:
-            return
-        old, self._disk, self._disk_id = self._disk, None, None
+        with self._disk_lock:
+            if self._disk_id == ident:
+                return
+            old, self._disk = self._disk, None
+            self._disk_id = ident if info.disk_path and self._arena is not None else None
         if old is not None:
             self._retire_arena(old)
-        if not info.disk_path or self._arena is None:
-            return
-        try:
-            if os.stat(info.disk_path).st_ino != info.disk_inode:
-                log.debug("L2 loans not used: %s here is another file", info.disk_path)
-                return
-            self._disk = ArenaView.open(
-                info.disk_path, info.disk_map_size, writable=False, growing=True
-            )
-            self._disk_id = ident
-        except (OSError, KVStoreError) as e:
-            log.debug("L2 loans not used: cannot map %s: %s", info.disk_path, e)
+
+    def _disk_view(self) -> ArenaView | None:
+        """L2's data file, mapped read-only on first use; None where the server lends no
+        file or this client cannot map it (its chunks in L2 are then promoted into L1)."""
+        with self._disk_lock:
+            if self._disk is not None or self._disk_id is None:
+                return self._disk
+            path, inode, size = self._disk_id
+            try:
+                if os.stat(path).st_ino != inode:
+                    log.debug("L2 loans not used: %s here is another file", path)
+                else:
+                    self._disk = ArenaView.open(path, size, writable=False, growing=True)
+            except (OSError, KVStoreError) as e:
+                log.debug("L2 loans not used: cannot map %s: %s", path, e)
+            if self._disk is None:
+                self._disk_id = None  # not tried again until the server offers it anew
+            return self._disk
 
     def _retire_arena(self, arena: ArenaView) -> None:
         """Unmap a restarted server's old arena on a thread of its own: this mapping is

@@ -252,7 +252,7 @@ def acquire_many(
             req = pb.AcquireManyRequest(
                 keys=batch,
                 client_verifies=client_verifies,
-                client_reads_disk=disk and client_verifies and c._disk is not None,
+                client_reads_disk=disk and client_verifies and c._disk_view() is not None,
             )
             r = yield Call("AcquireMany", req, timeout)
             granted += [a.lease_id for a in r.responses if a.found]

@@ -962,8 +962,11 @@ def test_acquire_many_lends_l2_chunks_in_place(
     async def body(kv: Any) -> None:
         info = await kv.info()
         assert info.disk_path.endswith("data.mdb") and info.disk_map_size > 0, info
+        assert await kv.acquire_many([b"\x0d" * 32]) == [None]  # the arena is mapped now
+        assert kv._disk is None, "L2's file is mapped only by a call that asks for loans"
         before = await kv.stats()
         got = _unwrap(await kv.acquire_many(keys, disk=True))
+        assert kv._disk is not None
         assert all(isinstance(x, LeaseBase) for x in got), got
         out = np.zeros(64 * bpt, dtype=np.uint8)
         blocks = np.zeros(8 * 64 * bpt, dtype=np.uint8)

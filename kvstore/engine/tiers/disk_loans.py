@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -200,3 +200,19 @@ class Loans:
             for hid in ids:
                 self._drop_locked(hid)
             return len(ids)
+
+
+@runtime_checkable
+class Lender(Protocol):
+    """A tier that lends records where they lie in its file (``DiskTier``): how the store
+    finds one, typed, without importing LMDB where no L2 is used."""
+
+    loans: Loans
+
+    @property
+    def data_file(self) -> str: ...
+
+    @property
+    def map_size(self) -> int: ...
+
+    def lend(self, keys: Sequence[ChunkKey], owner: str = "") -> list[Lent | None]: ...
