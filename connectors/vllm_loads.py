@@ -105,6 +105,8 @@ class Ticket:
         self.spec = spec
         self.deadline = deadline  # on the worker's clock
         self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)  # notified when no copy runs
+        self._copies = 0  # chunk copies into its blocks under way (two threads may copy)
         self.cancelled = False
         self.done = False
         self.outcome = SpecOutcome()
@@ -113,15 +115,26 @@ class Ticket:
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[bool]:
-        """Held while one chunk is copied into the request's blocks: False once cancelled."""
+        """Held while one chunk is copied into the request's blocks: False once cancelled.
+        Copies of several chunks may run at once (the copying threads of one batch)."""
         with self.lock:
-            yield not self.cancelled
+            go = not self.cancelled
+            self._copies += go
+        try:
+            yield go
+        finally:
+            if go:
+                with self.lock:
+                    self._copies -= 1
+                    if not self._copies:
+                        self._idle.notify_all()
 
     def cancel(self) -> None:
         """Stop writing into the request's blocks; returns once no copy into them is under
         way (on CUDA, once the transfers already queued have landed)."""
         with self.lock:
             self.cancelled = True
+            self._idle.wait_for(lambda: not self._copies)
             events, self.events = self.events, []
         for event in events:
             event.synchronize()
@@ -152,9 +165,11 @@ class Loads:
         cpus: frozenset[int] | None = None,
     ) -> None:
         self.setup, self.layout, self.client = setup, layout, client
-        # Where the second copying thread runs (vllm_cpus): on a CPU engine the engine
-        # thread is bound to the compute cores, and a helper beside it there would copy
-        # on the same core, not in parallel.
+        # Where the second copying thread runs: not where the thread calling ``load`` runs
+        # (vllm_cpus). A load in the step is called on the engine thread, bound to the
+        # compute cores: its helper goes to the spare ones. The background loader runs on
+        # the spare cores: its helper goes to the compute cores, and copies only while
+        # nothing computes there.
         self.cpus = cpus
         # A hybrid model's layers by KV-cache group (each group's blocks are its own)
         self.layouts = list(layouts) or [layout]
@@ -346,10 +361,12 @@ class Loads:
             if by_layer and tickets is None and not self.cuda:
                 now = self._start_layers(now, job)
             nbytes = sum(lease.header.raw_size for _, lease, _ in now)
-            # A background load (tickets) copies on this thread alone: the engine is
-            # computing meanwhile (decodes, other prefills), and a second copying thread
-            # would take a core from its compute threads, not from idle time.
-            if self.cuda or tickets is not None or len(now) < 2 or nbytes < _SPLIT_BYTES:
+            # A background load (tickets) copies on this thread alone while the engine
+            # computes (decodes, other prefills): a second copying thread would take a
+            # core from its compute threads, not from idle time. With nothing computing,
+            # the compute cores are idle: two threads copy, as in the step.
+            busy = tickets is not None and self.busy
+            if self.cuda or busy or len(now) < 2 or nbytes < _SPLIT_BYTES:
                 self._copy_all(now, arena, loaded, events)
             else:
                 # Two threads copy (the native copy lets go of the GIL): one core's copy

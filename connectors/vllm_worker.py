@@ -9,6 +9,7 @@ includes the TP/PP rank), so every rank loads only its own bytes.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -78,8 +79,11 @@ class KVStoreWorker:
             self.loads = Loads(s, layout, self.client, layouts, cpus=cpus)
             # Its own client: a failure on the loader thread must not close the one the
             # engine thread loads and saves with.
+            # Its helper copies on this thread's cores (the compute ones) while the loader
+            # runs on the spare ones: where each would not copy beside the other.
+            here = frozenset(os.sched_getaffinity(0)) if cpus else None
             self.background = AsyncLoads(
-                Loads(s, layout, self.client.sibling("loader"), layouts),
+                Loads(s, layout, self.client.sibling("loader"), layouts, cpus=here),
                 s.cfg.load_deadline_ms / 1000,
                 clock=self._clock,
                 cpus=cpus,
