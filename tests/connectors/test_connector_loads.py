@@ -273,6 +273,36 @@ class CopyLog:
         monkeypatch.setattr(scatter.ScatterBatch, "copy", copy)
 
 
+def test_a_tickets_fence_admits_copies_together_and_cancel_waits_for_them() -> None:
+    """Two threads may copy chunks of one request at once; ``cancel`` returns only once
+    both copies are over, and no copy starts after it."""
+    ticket = vllm_loads.Ticket(None, 0.0)  # type: ignore[arg-type]
+    inside = threading.Barrier(3, timeout=10)
+    go_on = threading.Event()
+
+    def copy() -> None:
+        with ticket.copying() as go:
+            assert go
+            inside.wait()
+            go_on.wait(10)
+
+    copies = [threading.Thread(target=copy) for _ in range(2)]
+    for t in copies:
+        t.start()
+    inside.wait()  # both copies are inside the fence together
+    cancel = threading.Thread(target=ticket.cancel)
+    cancel.start()
+    cancel.join(0.2)
+    assert cancel.is_alive(), "cancel returned while copies were still writing"
+    go_on.set()
+    cancel.join(10)
+    assert not cancel.is_alive(), "cancel did not return once the copies were over"
+    with ticket.copying() as go:
+        assert not go, "a copy started after cancel"
+    for t in copies:
+        t.join(10)
+
+
 def test_a_load_in_the_step_lands_layer_by_layer_beside_the_forward_pass(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -383,12 +413,13 @@ def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) 
 
 
 def test_a_background_load_yields_to_requests_computing_beside_it(
-    engine: Engine, server: KVServer
+    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While other requests compute (the step's total_num_scheduled_tokens), a background
     load sleeps after each chunk, copying ``background_load_share`` of the time (a third
-    by default: twice a chunk's copy asleep); with nothing else computing it never
-    sleeps. The bytes land either way."""
+    by default: twice a chunk's copy asleep), on the loader thread alone; with nothing
+    else computing it never sleeps, and a second thread copies beside the loader (the
+    compute cores are idle). The bytes land either way."""
     lay = Layout()
     ps = [prompt(5), prompt(6)]
     srcs = store(engine, ps, lay)
@@ -397,6 +428,15 @@ def test_a_background_load_yields_to_requests_computing_beside_it(
     loads = engine.worker.background.loads
     slept: list[float] = []
     loads._sleep = slept.append
+    monkeypatch.setattr(vllm_loads, "_SPLIT_BYTES", 1)  # these test chunks are small
+    copiers: set[str] = set()
+    copy_all = vllm_loads.Loads._copy_all
+
+    def recorded(self: vllm_loads.Loads, *args: Any) -> None:
+        copiers.add(threading.current_thread().name)
+        copy_all(self, *args)
+
+    monkeypatch.setattr(vllm_loads.Loads, "_copy_all", recorded)
     k = stored(600) // BS
     chunks = -(-stored(600) // CHUNK)
     for i, decoding in ((0, 0), (1, 4)):
@@ -409,8 +449,11 @@ def test_a_background_load_yields_to_requests_computing_beside_it(
             assert len(slept) == chunks and all(s > 0 for s in slept), (
                 f"beside {decoding} decodes the load slept {slept} after its {chunks} chunks"
             )
+            assert copiers == {"kvstore-loader"}, f"beside decodes, copied by {copiers}"
         else:
             assert slept == [], f"alone, the load slept {slept}"
+            assert len(copiers) == 2, f"alone, the load was copied by {copiers} only"
+        copiers.clear()
 
 
 class Stall:
