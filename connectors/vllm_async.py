@@ -17,20 +17,65 @@ one AcquireMany, one Release) at a time.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_loads import Loads, Ticket
+from kvstore.connectors.vllm_loads import Loads, SpecOutcome
 from kvstore.connectors.vllm_meta import LoadSpec
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
 
 log = init_logger("vllm.kvstore.connector")
+
+
+class Ticket:
+    """One request's asynchronous load: its spec, its deadline, and the fence between the
+    thread that copies into its blocks and the engine thread that gives up on it."""
+
+    def __init__(self, spec: LoadSpec, deadline: float) -> None:
+        self.spec = spec
+        self.deadline = deadline  # on the worker's clock
+        self.lock = threading.Lock()
+        self._idle = threading.Condition(self.lock)  # notified when no copy runs
+        self._copies = 0  # chunk copies into its blocks under way (two threads may copy)
+        self.cancelled = False
+        self.done = False
+        self.outcome = SpecOutcome()
+        self.loaded: set[int] = set()  # blocks already written and verified
+        self.events: list[Any] = []  # CUDA: transfers queued into its blocks
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[bool]:
+        """Held while one chunk is copied into the request's blocks: False once cancelled.
+        Copies of several chunks may run at once (the copying threads of one batch)."""
+        with self.lock:
+            go = not self.cancelled
+            self._copies += go
+        try:
+            yield go
+        finally:
+            if go:
+                with self.lock:
+                    self._copies -= 1
+                    if not self._copies:
+                        self._idle.notify_all()
+
+    def cancel(self) -> None:
+        """Stop writing into the request's blocks; returns once no copy into them is under
+        way (on CUDA, once the transfers already queued have landed)."""
+        with self.lock:
+            self.cancelled = True
+            self._idle.wait_for(lambda: not self._copies)
+            events, self.events = self.events, []
+        for event in events:
+            event.synchronize()
 
 
 @dataclass

@@ -25,8 +25,14 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.sdk import ScatterBatch
+
+if TYPE_CHECKING:  # vllm_loads runs these: imported here for their types only
+    from kvstore.connectors.vllm_loads import Loads, SpecOutcome, _Task
+    from kvstore.connectors.vllm_meta import LoadSpec
 
 
 class LayerCopy:
@@ -88,11 +94,42 @@ class LayerCopy:
         self._future.result()
         if self.error is not None or self.late or self._done < self.batch.parts:
             return None
-        if len(self.waited) < self.batch.parts:
-            return None
-        return self.batch.verified()
+        return None if self.unwaited else self.batch.verified()
 
     @property
     def unwaited(self) -> bool:
         """The forward pass read some layer without waiting for it."""
         return len(self.waited) < self.batch.parts
+
+
+class LoadJob:
+    """One batch's loads, under way until ``finish``: a layer by layer copy (``copy``)
+    may still be landing beside the forward pass."""
+
+    def __init__(self, loads: Loads, specs: Sequence[LoadSpec], outs: list[SpecOutcome]) -> None:
+        self.specs, self.outs = specs, outs
+        self.loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
+        self.copy: LayerCopy | None = None
+        self.by_layer: list[_Task] = []  # the chunks ``copy`` copies, in its order
+        self._loads = loads
+        self.unwaited = False  # the forward pass read a layer without waiting for it
+
+    def wait(self, layer: int) -> None:
+        """Return once layer ``layer`` (in ``BlockLayout.names`` order) has landed."""
+        if self.copy is not None:
+            self.copy.wait(layer)
+
+    def finish(self) -> list[SpecOutcome]:
+        """Wait for every copy, and say per spec what was loaded and what failed."""
+        copy, self.copy = self.copy, None
+        if copy is not None:
+            verdicts = copy.join()
+            self.unwaited = copy.unwaited
+            if copy.error is not None:
+                self._loads.client.failed("load", copy.error)
+            for t, ok in zip(self.by_layer, verdicts or [False] * len(self.by_layer), strict=True):
+                if ok:
+                    self._loads._landed(t, None, self.loaded)
+                elif verdicts is not None:
+                    self._loads._scrub(t)
+        return self._loads._outcomes(self)

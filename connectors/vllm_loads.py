@@ -23,33 +23,36 @@ the record is gone, corrupt, of another layout, or its tokens differ) is returne
 failed: vLLM recomputes it. Nothing here raises: an exception in ``start_load_kv``
 would kill the engine.
 
-``Ticket`` is the fence of an asynchronous load (``vllm_async``): every chunk copy into
-a request's blocks runs under its lock, so once ``cancel`` returns (a deadline, a
-preemption) nothing more is written into blocks vLLM may have handed to someone else.
+A background load's copies each run under its request's fence (``vllm_async.Ticket``),
+so once it is cancelled (a deadline, a preemption) nothing more is written into blocks
+vLLM may have handed to someone else.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient, Leased
 from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_layers import LayerCopy
+from kvstore.connectors.vllm_layers import LayerCopy, LoadJob
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
 from kvstore.sdk import USE_GET, LeaseBase, ScatterBatch
 
-# Bytes in a batch from which two threads copy it (loads in the step only). Measured in
+if TYPE_CHECKING:
+    from kvstore.connectors.vllm_async import Ticket
+
+# Bytes in a batch from which two threads copy it (a load in the step copied before the
+# forward pass, or a background load while nothing computes). Measured in
 # vLLM on this 2-core host with the second thread on the core vLLM leaves free
 # (vllm_cpus): a 4k-token load of 32 MiB took 4.5 ms with two threads against 9.4 ms
 # with one. (The 64 MiB this was before had been measured with both threads on one core.)
@@ -62,82 +65,6 @@ class SpecOutcome:
 
     loaded_tokens: int = 0  # tokens whose KV is now in the cache
     failed: set[int] = field(default_factory=set)  # block ids not loaded: vLLM recomputes them
-
-
-class LoadJob:
-    """One batch's loads, under way until ``finish``: a layer by layer copy (``copy``)
-    may still be landing beside the forward pass."""
-
-    def __init__(self, loads: Loads, specs: Sequence[LoadSpec], outs: list[SpecOutcome]) -> None:
-        self.specs, self.outs = specs, outs
-        self.loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
-        self.copy: LayerCopy | None = None
-        self.by_layer: list[_Task] = []  # the chunks ``copy`` copies, in its order
-        self._loads = loads
-        self.unwaited = False  # the forward pass read a layer without waiting for it
-
-    def wait(self, layer: int) -> None:
-        """Return once layer ``layer`` (in ``BlockLayout.names`` order) has landed."""
-        if self.copy is not None:
-            self.copy.wait(layer)
-
-    def finish(self) -> list[SpecOutcome]:
-        """Wait for every copy, and say per spec what was loaded and what failed."""
-        copy, self.copy = self.copy, None
-        if copy is not None:
-            verdicts = copy.join()
-            self.unwaited = copy.unwaited
-            if copy.error is not None:
-                self._loads.client.failed("load", copy.error)
-            for t, ok in zip(self.by_layer, verdicts or [False] * len(self.by_layer), strict=True):
-                if ok:
-                    self._loads._landed(t, None, self.loaded)
-                elif verdicts is not None:
-                    self._loads._scrub(t)
-        return self._loads._outcomes(self)
-
-
-class Ticket:
-    """One request's asynchronous load: its spec, its deadline, and the fence between the
-    thread that copies into its blocks and the engine thread that gives up on it."""
-
-    def __init__(self, spec: LoadSpec, deadline: float) -> None:
-        self.spec = spec
-        self.deadline = deadline  # on the worker's clock
-        self.lock = threading.Lock()
-        self._idle = threading.Condition(self.lock)  # notified when no copy runs
-        self._copies = 0  # chunk copies into its blocks under way (two threads may copy)
-        self.cancelled = False
-        self.done = False
-        self.outcome = SpecOutcome()
-        self.loaded: set[int] = set()  # blocks already written and verified
-        self.events: list[Any] = []  # CUDA: transfers queued into its blocks
-
-    @contextlib.contextmanager
-    def copying(self) -> Iterator[bool]:
-        """Held while one chunk is copied into the request's blocks: False once cancelled.
-        Copies of several chunks may run at once (the copying threads of one batch)."""
-        with self.lock:
-            go = not self.cancelled
-            self._copies += go
-        try:
-            yield go
-        finally:
-            if go:
-                with self.lock:
-                    self._copies -= 1
-                    if not self._copies:
-                        self._idle.notify_all()
-
-    def cancel(self) -> None:
-        """Stop writing into the request's blocks; returns once no copy into them is under
-        way (on CUDA, once the transfers already queued have landed)."""
-        with self.lock:
-            self.cancelled = True
-            self._idle.wait_for(lambda: not self._copies)
-            events, self.events = self.events, []
-        for event in events:
-            event.synchronize()
 
 
 @dataclass

@@ -18,7 +18,7 @@ from kvstore.connectors.vllm_async import AsyncLoads
 from kvstore.connectors.vllm_blocks import BlockLayout
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_cpus import background_cpus, move_here
-from kvstore.connectors.vllm_loads import LoadJob, Loads
+from kvstore.connectors.vllm_loads import LoadJob, Loads, SpecOutcome
 from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
 from kvstore.connectors.vllm_saves import SaveJob, Saves
 from vllm.logger import init_logger
@@ -165,7 +165,11 @@ class KVStoreWorker:
         job, specs, t0, started_s = self._job
         self._job = None
         copy = job.copy
-        outs = job.finish()
+        try:
+            outs = job.finish()
+        except Exception as e:  # a bug: the whole load is recomputed, the engine goes on
+            self.client.failed("load", e)
+            outs = [SpecOutcome(failed=set(spec.block_ids)) for spec in specs]
         loaded = sum(o.loaded_tokens for o in outs)
         failed = set().union(*(o.failed for o in outs))
         self._failed |= failed

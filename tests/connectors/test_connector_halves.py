@@ -247,14 +247,14 @@ def test_an_engine_idle_past_the_server_idle_timeout_loads_without_a_failure(
         assert srv.stop() == 0, srv.log()
 
 
-def test_only_a_load_the_step_waits_for_copies_on_two_threads(
+def test_a_load_uses_a_second_thread_unless_other_requests_compute(
     server: KVServer, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A big batch loaded in the step is copied by two threads (the engine's compute
-    threads wait for it anyway); one loaded in the background is copied by its loader
-    thread alone, since the engine computes meanwhile (decodes, other prefills) and a
-    second copying thread would take a core from them. The split threshold is lowered to
-    one byte so that this prompt's batch is "big"."""
+    """A batch loaded in the step uses the second copying thread (layer by layer beside
+    the forward pass, or split with the engine thread before it); one loaded in the
+    background uses it only while nothing else computes: beside decodes its loader
+    thread copies alone, since a second thread would take a core from them. The split
+    threshold is lowered to one byte so that this prompt's batch is "big"."""
     from kvstore.connectors import vllm_loads
 
     monkeypatch.setattr(vllm_loads, "_SPLIT_BYTES", 1)
@@ -266,15 +266,19 @@ def test_only_a_load_the_step_waits_for_copies_on_two_threads(
         return real(self)
 
     monkeypatch.setattr(vllm_loads.Loads, "_helper", helper)
-    for mode, two in (("async", False), ("sync", True)):
+    cases = [("async", 4, False), ("async", 0, True), ("sync", 0, True), ("sync", 4, True)]
+    for mode, decoding, two in cases:
         e = HalvesEngine(server.unix_url, clock, load_mode=mode)
         try:
-            # The first engine computes SRC (a miss) and stores it; the second loads it
-            # there, so that its DST can be compared with its own SRC.
-            assert e.request(SRC) == (0 if mode == "async" else STORED)
+            # The first engine computes SRC (a miss) and stores it; the others load it
+            # there, so that their DST can be compared with their own SRC.
+            assert e.request(SRC) == (0 if (mode, decoding) == ("async", 4) else STORED)
             helped.clear()
+            e.decoding = decoding
             assert e.request(DST) == STORED and not e.failed and e.loaded_right(), mode
-            assert bool(helped) == two, f"load_mode={mode}: helper thread used by {helped}"
+            assert bool(helped) == two, (
+                f"load_mode={mode} beside {decoding} decodes: helper thread used by {helped}"
+            )
         finally:
             e.close()
 

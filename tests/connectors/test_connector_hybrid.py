@@ -92,6 +92,8 @@ class Half:
         meta = self.scheduler.build_connector_meta(output)
         assert isinstance(meta, KVStoreMeta)
         self.worker.start_load_kv(meta)
+        for name in sorted(self.cache):  # the forward pass: each layer waits for its own
+            self.worker.wait_for_layer_load(name)
         self.worker.wait_for_save(meta)
         return meta
 

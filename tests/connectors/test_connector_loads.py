@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.connectors import vllm_blocks, vllm_loads
+from kvstore.connectors import vllm_async, vllm_blocks, vllm_loads
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
@@ -276,7 +276,7 @@ class CopyLog:
 def test_a_tickets_fence_admits_copies_together_and_cancel_waits_for_them() -> None:
     """Two threads may copy chunks of one request at once; ``cancel`` returns only once
     both copies are over, and no copy starts after it."""
-    ticket = vllm_loads.Ticket(None, 0.0)  # type: ignore[arg-type]
+    ticket = vllm_async.Ticket(None, 0.0)  # type: ignore[arg-type]
     inside = threading.Barrier(3, timeout=10)
     go_on = threading.Event()
 
