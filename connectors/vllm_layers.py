@@ -1,4 +1,6 @@
-"""A step's loads copied one layer at a time beside the forward pass (CPU engines).
+"""A step's loads copied one layer at a time beside the forward pass (CPU engines, loads
+of ``load_by_layer_bytes`` or more: on this host a smaller one costs less copied by two
+threads before the forward pass, since the copy beside it slows the forward pass too).
 
 A load in the step used to copy every layer of every chunk before the forward pass
 began: at 16k tokens that copy was a quarter of the warm time to first token. Now the

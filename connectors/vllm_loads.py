@@ -111,6 +111,7 @@ class Loads:
         # Loads in the step copied layer by layer beside the forward pass (vllm_layers);
         # turned off for good if a forward pass is seen reading a layer unwaited.
         self.by_layer = setup.cfg.load_by_layer and not self.cuda
+        self._layer_bytes = setup.cfg.load_by_layer_min_bytes  # smaller loads: before it
         self._sleep: Callable[[float], None] = time.sleep  # tests record it
         client.before_close.append(self._settle)
 
@@ -285,9 +286,10 @@ class Loads:
             elif isinstance(lease, LeaseBase) and self._fits(t, lease):
                 now.append((t, lease, ticket))
         try:
-            if by_layer and tickets is None and not self.cuda:
-                now = self._start_layers(now, job)
             nbytes = sum(lease.header.raw_size for _, lease, _ in now)
+            if by_layer and tickets is None and not self.cuda and nbytes >= self._layer_bytes:
+                now = self._start_layers(now, job)
+                nbytes = sum(lease.header.raw_size for _, lease, _ in now)
             # A background load (tickets) copies on this thread alone while the engine
             # computes (decodes, other prefills): a second copying thread would take a
             # core from its compute threads, not from idle time. With nothing computing,

@@ -93,6 +93,9 @@ class Engine:
             timeout_ms=3000,
             lookup_timeout_ms=2000,
             save_mode="sync",
+            # These tests' loads are small: copied layer by layer all the same, unless a
+            # test says otherwise.
+            load_by_layer_bytes="0",
         )
         settings.update(cfg)
         config = ConnectorConfig(**settings)

@@ -340,6 +340,37 @@ def test_a_load_in_the_step_lands_layer_by_layer_beside_the_forward_pass(
         assert engine.same(dst[:k], src[:k]), "the layers did not land right"
 
 
+def test_a_load_below_load_by_layer_bytes_is_copied_before_the_forward_pass(
+    server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer by layer only from ``load_by_layer_bytes`` on: a smaller load is copied and
+    verified before start_load_kv returns. The bytes land either way."""
+    made: list[int] = []
+    real = vllm_loads.LayerCopy
+
+    def layer_copy(*args: Any) -> Any:
+        made.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(vllm_loads, "LayerCopy", layer_copy)
+    for limit, layered in (("1GiB", False), ("64KiB", True)):
+        e = Engine(server.unix_url, blocks=1200, load_by_layer_bytes=limit)
+        try:
+            lay = Layout()
+            p = prompt(90 + layered)
+            (src,) = store(e, [p], lay)
+            made.clear()
+            dst = lay.take(len(p))
+            (a,) = e.step([(p, dst)])
+            k = stored(600) // BS
+            assert a.told == stored(600) and not a.failed and e.same(dst[:k], src[:k])
+            assert bool(made) == layered, f"load_by_layer_bytes={limit}: layer copies {made}"
+        finally:
+            e.close()
+    with pytest.raises(ConfigError, match="load_by_layer_bytes"):
+        ConnectorConfig(load_by_layer_bytes="lots")
+
+
 def test_a_forward_pass_that_does_not_wait_fails_the_load_and_turns_layers_off(
     engine: Engine,
 ) -> None:
