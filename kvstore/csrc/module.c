@@ -299,6 +299,52 @@ static PyObject *copy_into(PyObject *args, int hash) {
 static PyObject *py_copy(PyObject *self, PyObject *args) { return copy_into(args, 0); }
 static PyObject *py_copy_xxh3(PyObject *self, PyObject *args) { return copy_into(args, 1); }
 
+/* A scatter's spans: ``spans_obj`` read once (a snapshot: parsing a span may run Python
+ * code) into ``width`` (3 or 4) Py_ssize_t each, (offset in a, offset in b, length[,
+ * stream]), each checked to lie inside both buffers without overlapping itself.
+ * ``shape`` and ``overlaps`` are the errors for a span that is not such a tuple and for
+ * one that overlaps. NULL with an exception set; free the result with PyMem_Free. */
+static Py_ssize_t *parse_spans(PyObject *spans_obj, int width, const Py_buffer *a,
+                               const Py_buffer *b, const char *shape, const char *overlaps,
+                               Py_ssize_t *count) {
+    PyObject *spans = PySequence_Tuple(spans_obj);
+    if (!spans) return NULL;
+    Py_ssize_t n_spans = PyTuple_GET_SIZE(spans);
+    Py_ssize_t *out = PyMem_Malloc(sizeof *out * (size_t)width * (size_t)(n_spans ? n_spans : 1));
+    if (!out) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n_spans; i++) {
+        PyObject *t = PyTuple_GET_ITEM(spans, i);
+        Py_ssize_t *s = out + i * width;
+        if (!PyTuple_Check(t)) {
+            PyErr_SetString(PyExc_TypeError, shape);
+            goto fail;
+        }
+        if (!(width == 3 ? PyArg_ParseTuple(t, "nnn", s, s + 1, s + 2)
+                         : PyArg_ParseTuple(t, "nnnn", s, s + 1, s + 2, s + 3)))
+            goto fail;
+        Py_ssize_t off = s[0], pos = s[1], n = s[2];
+        if (off < 0 || pos < 0 || n < 0 || off > a->len - n || pos > b->len - n) {
+            PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
+                         pos, n);
+            goto fail;
+        }
+        if (overlap((uint8_t *)a->buf + off, (uint8_t *)b->buf + pos, n)) {
+            PyErr_SetString(PyExc_ValueError, overlaps);
+            goto fail;
+        }
+    }
+    Py_DECREF(spans);
+    *count = n_spans;
+    return out;
+fail:
+    PyMem_Free(out);
+    Py_DECREF(spans);
+    return NULL;
+}
+
 /* scatter_xxh3(arena, buf, spans, into_arena) -> int
  * Copy between ``buf`` and the arena along ``spans``, (arena offset, buf offset,
  * length) triples: into the arena when ``into_arena``, out of it otherwise. Returns
@@ -309,38 +355,16 @@ static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
     int into;
     if (!PyArg_ParseTuple(args, "y*y*Op:scatter_xxh3", &arena, &buf, &spans_obj, &into))
         return NULL;
-    PyObject *result = NULL, *spans = NULL;
-    Py_ssize_t (*trip)[3] = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t (*trip)[3] = NULL, count = 0;
     if (into ? arena.readonly : buf.readonly) {
         PyErr_SetString(PyExc_ValueError, into ? "the arena is read-only" : "buf is read-only");
         goto done;
     }
-    spans = PySequence_Tuple(spans_obj); /* a snapshot: parsing a span may run Python code */
-    if (!spans) goto done;
-    Py_ssize_t count = PyTuple_GET_SIZE(spans);
-    trip = PyMem_Malloc(sizeof *trip * (size_t)(count ? count : 1));
-    if (!trip) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *t = PyTuple_GET_ITEM(spans, i);
-        if (!PyTuple_Check(t)) {
-            PyErr_SetString(PyExc_TypeError, "each span is an (offset, position, length) tuple");
-            goto done;
-        }
-        if (!PyArg_ParseTuple(t, "nnn", &trip[i][0], &trip[i][1], &trip[i][2])) goto done;
-        Py_ssize_t off = trip[i][0], pos = trip[i][1], n = trip[i][2];
-        if (off < 0 || pos < 0 || n < 0 || off > arena.len - n || pos > buf.len - n) {
-            PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
-                         pos, n);
-            goto done;
-        }
-        if (overlap((uint8_t *)arena.buf + off, (uint8_t *)buf.buf + pos, n)) {
-            PyErr_SetString(PyExc_ValueError, "the buffer overlaps the arena span");
-            goto done;
-        }
-    }
+    trip = (Py_ssize_t(*)[3])parse_spans(spans_obj, 3, &arena, &buf,
+                                         "each span is an (offset, position, length) tuple",
+                                         "the buffer overlaps the arena span", &count);
+    if (!trip) goto done;
     uint64_t h = 0;
     uint8_t *a = arena.buf, *b = buf.buf;
     if (count == 1) { /* one extent (most records): the one-pass copy */
@@ -371,7 +395,6 @@ static PyObject *py_scatter_xxh3(PyObject *self, PyObject *args) {
     result = PyLong_FromUnsignedLongLong(h);
 done:
     PyMem_Free(trip);
-    Py_XDECREF(spans);
     PyBuffer_Release(&arena);
     PyBuffer_Release(&buf);
     return result;
@@ -483,44 +506,23 @@ static PyObject *py_scatter_streams(PyObject *self, PyObject *args) {
                           &dst, &spans_obj))
         return NULL;
     StreamsObject *st = (StreamsObject *)streams_obj;
-    PyObject *result = NULL, *spans = NULL;
-    Py_ssize_t (*span)[4] = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t (*span)[4] = NULL, count = 0, total = 0;
     if (st->busy) {
         PyErr_SetString(PyExc_RuntimeError, "Streams is in use by another call");
         goto done;
     }
-    spans = PySequence_Tuple(spans_obj); /* a snapshot: parsing a span may run Python code */
-    if (!spans) goto done;
-    Py_ssize_t count = PyTuple_GET_SIZE(spans), total = 0;
-    span = PyMem_Malloc(sizeof *span * (size_t)(count ? count : 1));
-    if (!span) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    span = (Py_ssize_t(*)[4])parse_spans(
+        spans_obj, 4, &src, &dst, "each span is a (src offset, dst offset, length, stream) tuple",
+        "a span's source and destination overlap", &count);
+    if (!span) goto done;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *t = PyTuple_GET_ITEM(spans, i);
-        if (!PyTuple_Check(t)) {
-            PyErr_SetString(PyExc_TypeError,
-                            "each span is a (src offset, dst offset, length, stream) tuple");
-            goto done;
-        }
-        if (!PyArg_ParseTuple(t, "nnnn", &span[i][0], &span[i][1], &span[i][2], &span[i][3]))
-            goto done;
-        Py_ssize_t off = span[i][0], pos = span[i][1], n = span[i][2], k = span[i][3];
-        if (off < 0 || pos < 0 || n < 0 || off > src.len - n || pos > dst.len - n) {
-            PyErr_Format(PyExc_ValueError, "span (%zd, %zd, %zd) is outside the buffers", off,
-                         pos, n);
-            goto done;
-        }
+        Py_ssize_t k = span[i][3];
         if (k < 0 || k >= st->n || st->ended[k]) {
             PyErr_Format(PyExc_ValueError, "stream %zd is not an open stream of these", k);
             goto done;
         }
-        if (overlap((uint8_t *)src.buf + off, (uint8_t *)dst.buf + pos, n)) {
-            PyErr_SetString(PyExc_ValueError, "a span's source and destination overlap");
-            goto done;
-        }
-        total += n;
+        total += span[i][2];
     }
     st->busy = 1;
     uint8_t *a = src.buf, *b = dst.buf;
@@ -539,7 +541,6 @@ static PyObject *py_scatter_streams(PyObject *self, PyObject *args) {
     result = Py_NewRef(Py_None);
 done:
     PyMem_Free(span);
-    Py_XDECREF(spans);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return result;
