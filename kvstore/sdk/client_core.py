@@ -8,6 +8,9 @@ their results, then returns the operation's result. A step is one of
     NEED_ARENA                            -> the mapped arena, or None: the data plane to use
     ReleaseLater(lease_ids, drop_keys)    -> None; a Release sent without waiting for it
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
+    Send(pipe, call)                      -> None; the call is on its way, not waited for
+    Receive(pipe)                         -> the reply of the pipe's oldest call not received
+    EndPipe(pipe)                         -> None; the pipe's transport let go
 
 ``kvstore.sdk.client.Client`` drives a plan with blocking calls (``run_blocking``),
 ``kvstore.sdk.aio.AsyncClient`` with awaits, as redis-py writes its commands once for
@@ -117,13 +120,46 @@ class HealthCheck:
     timeout: float | None
 
 
+class Pipe:
+    """Calls in flight together, their replies received in the order they were sent
+    (``Send``, ``Receive``, ``EndPipe``): a plan overlaps its own work with the server's,
+    as ``put_many`` writes one part of a batch while the next part is reserved. The
+    transport keeps its state here (a connection of the express plane, or futures); a
+    plan that sends ends the pipe (``EndPipe``, in a ``finally``), replies received or
+    not. The server may run a pipe's calls in any order (over gRPC it does): a plan
+    sends a call only once what it depends on was received."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    pipe: Pipe
+    call: Call
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """The reply of the pipe's oldest call not yet received; its error raised."""
+
+    pipe: Pipe
+
+
+@dataclass(frozen=True, slots=True)
+class EndPipe:
+    pipe: Pipe
+
+
 class _NeedArena:
     def __repr__(self) -> str:
         return "NEED_ARENA"
 
 
 NEED_ARENA: Final = _NeedArena()
-Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena
+Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena | Send | Receive | EndPipe
 Plan = Generator[Step, Any, T]
 STREAM: Final = USE_GET  # what read_lease says when the bytes must come by Get
 

@@ -1,7 +1,7 @@
-"""The writes of the client core (``kvstore.sdk.client_core``): put, put_chunk, and writing
-in place in the server's arena (same host only): ``reserve`` a batch in one round
-trip, write each payload into its pages, commit them one by one (``finish``) or
-together (``commit``).
+"""The writes of the client core (``kvstore.sdk.client_core``): put, put_chunk, put_many,
+and writing in place in the server's arena (same host only): ``reserve`` a batch in
+one round trip, write each payload into its pages, commit them one by one
+(``finish``) or together (``commit``).
 
 A put goes through shared memory where the client has the server's arena mapped
 (ReserveMany, one copy into the pages, Commit) and is streamed (Put) otherwise,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import xxhash
@@ -26,13 +26,32 @@ from kvstore.keys import ChunkKey, Namespace
 from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
 from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens, chunk_header
-from kvstore.sdk.client_core import NEED_ARENA, PUT, Call, Plan, info, lookup
+from kvstore.sdk.client_core import (
+    NEED_ARENA,
+    PUT,
+    Call,
+    EndPipe,
+    Pipe,
+    Plan,
+    Receive,
+    Send,
+    info,
+    lookup,
+)
 from kvstore.sdk.shm import ReservationBase
 from kvstore.sdk.wire import error_from_code
 from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 
 R = TypeVar("R", bound=ReservationBase)
+
+# A put_many's chunks go through the arena in up to this many parts, pipelined: while
+# the client writes one part's payloads into their pages, the server reserves the next
+# part and commits the one before. With the writes on one core and the server's
+# bookkeeping (some 40 µs a chunk for a reservation and its commit) on the other, a
+# batch costs about its copies plus one part's reservation and one part's commit,
+# instead of the copies plus all of both; calls stay 2 x PIPE_PARTS a batch.
+PIPE_PARTS = 4
 
 
 def put(
@@ -84,6 +103,123 @@ def _put(
         header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
     r = yield Call(PUT, c._put_frames(header, src), timeout)
     return status_from_pb(r.status)
+
+
+def put_many(
+    c: ClientBase,
+    headers: Sequence[RecordHeader],
+    payloads: Sequence[Any],
+    checksum_at_commit: bool,
+    timeout: float | None,
+) -> Plan[builtins.list[PutStatus]]:
+    """Each chunk's status, as ``put`` would give it (see ``Client.put_many``)."""
+    if len(payloads) != len(headers):
+        raise InvalidArgument(f"{len(payloads)} payloads for {len(headers)} headers")
+    if c._info is None:
+        yield from info(c, timeout)
+    srcs = [c._check_put(h, p) for h, p in zip(headers, payloads, strict=True)]
+    out: builtins.list[PutStatus | None] = [None] * len(headers)
+    arena = yield NEED_ARENA
+    if arena is not None and headers:
+        yield from _put_many_shm(c, arena, headers, srcs, checksum_at_commit, timeout, out)
+    for i, status in enumerate(out):
+        if status is None:  # no arena here, or L1 cannot take it now: Put sends it below
+            h = headers[i]
+            if checksum_at_commit:
+                h = replace(h, payload_checksum=xxhash.xxh3_64_intdigest(srcs[i].data))
+            r = yield Call(PUT, c._put_frames(h, srcs[i]), timeout)
+            out[i] = status_from_pb(r.status)
+    return cast(builtins.list[PutStatus], out)
+
+
+def _put_many_shm(
+    c: ClientBase,
+    arena: Any,
+    headers: Sequence[RecordHeader],
+    srcs: Sequence[np.ndarray],
+    at_commit: bool,
+    timeout: float | None,
+    out: builtins.list[PutStatus | None],
+) -> Plan[None]:
+    """``out[i]`` for each chunk the arena took (STORED, or EXISTS); None stays where L1
+    refused it (FULL, TOO_LARGE). The parts' ReserveMany calls go out together; each
+    part's payloads are written once its reservations are in and its CommitMany sent
+    behind them (PIPE_PARTS). On a failure every reservation not committed is aborted,
+    those of parts not reached yet included (after a broken link the server lets them
+    expire); a commit's error is raised once every answer is in."""
+    n = len(headers)
+    per = min(MAX_RESERVE_BATCH, -(-n // PIPE_PARTS))
+    parts = [range(i, min(n, i + per)) for i in range(0, n, per)]
+    base = timeout if timeout is not None else c.timeout
+    pipe = Pipe()
+    held: builtins.list[ReservationBase] = []
+    sent: builtins.list[builtins.list[tuple[int, ReservationBase]]] = []
+    unanswered = 0  # ReserveMany calls sent whose answers were not received
+    try:
+        t0 = c._clock()
+        for part in parts:
+            reqs = [
+                pb.ReserveRequest(header=headers[i].pack(), checksum_at_commit=at_commit)
+                for i in part
+            ]
+            yield Send(pipe, Call("ReserveMany", pb.ReserveManyRequest(requests=reqs), timeout))
+            unanswered += 1
+        for part in parts:
+            r = yield Receive(pipe)
+            unanswered -= 1
+            if len(r.responses) != len(part):
+                raise ServerError(f"ReserveMany answered {len(r.responses)} of {len(part)}")
+            mine: builtins.list[tuple[int, ReservationBase]] = []
+            for i, one in zip(part, r.responses, strict=True):
+                status = status_from_pb(one.status)
+                if status != PutStatus.STORED:
+                    out[i] = status if status == PutStatus.EXISTS else None
+                    continue
+                until = t0 + one.expires_ms / 1000 * LEASE_MARGIN
+                extents = c._check_extents(one.extents)
+                res = ReservationBase(
+                    headers[i], one.reservation_id, extents, one.payload_offset, arena, None,
+                    until, at_commit, c._clock,
+                )  # fmt: skip
+                held.append(res)
+                mine.append((i, res))
+            for i, res in mine:
+                res.write(srcs[i])  # hashed as it is copied (checksum_at_commit)
+            if mine:
+                commits = [
+                    pb.CommitRequest(reservation_id=res.id, payload_checksum=res.closing())
+                    for _, res in mine
+                ]
+                # As ``commit``: a server with verify_reads off hashes each payload.
+                wait = base + sum(res.nbytes for _, res in mine) / 1e9
+                yield Send(pipe, Call("CommitMany", pb.CommitManyRequest(commits=commits), wait))
+                sent.append(mine)
+        failed: KVStoreError | None = None
+        for mine in sent:
+            r = yield Receive(pipe)
+            if len(r.responses) != len(mine):
+                raise ServerError(f"CommitMany answered {len(r.responses)} of {len(mine)}")
+            for (i, _), one in zip(mine, r.responses, strict=True):
+                if one.error_code:
+                    failed = failed or error_from_code(one.error_code, one.error, "Commit", c.url)
+                else:
+                    out[i] = status_from_pb(one.status)
+        if failed is not None:
+            raise failed
+    except BaseException:
+        for res in held:
+            yield from abort(res, timeout)
+        for _ in range(unanswered):  # the parts not reached: their pages go back too
+            try:
+                r = yield Receive(pipe)
+            except KVStoreError:
+                break  # the link failed: the server lets them expire (lease_ms)
+            for one in r.responses:
+                if one.reservation_id:
+                    yield from finish(one.reservation_id, False, None, timeout)
+        raise
+    finally:
+        yield EndPipe(pipe)
 
 
 def _put_shm(

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Final
 
 import grpc
@@ -64,10 +65,8 @@ class ExpressLink:
         plane does not carry: a streaming one). ``deadline`` (``time.monotonic()``) bounds
         the whole call, a connection made for it included; what is left of it after a
         FALLBACK is the gRPC call's."""
-        types = express.METHODS.get(method)
-        if types is None:
+        if method not in express.METHODS:
             return FALLBACK
-        response = types[1]
         conn = self._take(deadline)
         if conn is None:
             return FALLBACK
@@ -88,11 +87,21 @@ class ExpressLink:
             conn.close()
             raise self._error(grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method) from e
         self._give(conn)
+        return self._answer(method, code, body)
+
+    def _answer(self, method: str, code: int, body: bytes) -> Any:
+        """A reply's message, or its error raised."""
         if code == 0:
-            return response.FromString(body)
+            return express.METHODS[method][1].FromString(body)
         details, trailers = express.parse_error(body)
         reason = next((v for k, v in trailers if k == ERROR_REASON_HEADER), "")
         raise error_from_code(code, details, method, self._target, reason=reason)
+
+    def pipe(self, deadline: float) -> ExpressPipe | None:
+        """A connection of the pool for a pipe's calls (``ExpressPipe``); None when gRPC
+        must carry them."""
+        conn = self._take(deadline)
+        return ExpressPipe(self, conn) if conn is not None else None
 
     def send(self, method: str, request: Any) -> bool:
         """Send a call whose answer nobody waits for (a Release) on a connection of the
@@ -143,10 +152,10 @@ class ExpressLink:
                 return conn
             conn.close()
 
-    def _give(self, conn: socket.socket) -> None:
-        """Back to the pool after a call it carried."""
+    def _give(self, conn: socket.socket, calls: int = 1) -> None:
+        """Back to the pool after the calls it carried."""
         with self._lock:
-            self.calls += 1
+            self.calls += calls
             if not self._closed:
                 self._idle.append(conn)
                 return
@@ -195,6 +204,83 @@ class ExpressLink:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class ExpressPipe:
+    """A pipe's calls (``client_core.Pipe``) on one connection: each request written as
+    it is sent, the replies read in the same order (the server serves a connection's
+    calls one after another). Requests are small (reservations, commits, leases) and the
+    server reads each as it comes, so writing several before reading cannot fill both
+    sockets' buffers. ``end`` gives the connection back once every reply was read;
+    otherwise it is closed, as an unread reply would be taken for the next call's."""
+
+    def __init__(self, link: ExpressLink, conn: socket.socket) -> None:
+        self._link, self._conn = link, conn
+        self._waiting: deque[tuple[str, float]] = deque()  # (method, deadline) in order
+        self._sent = 0
+        self._broken = False
+
+    def send(self, method: str, request: Any, timeout: float) -> bool:
+        """Write the call; False if the first call of the pipe found the connection dead
+        (nothing went out: gRPC carries the pipe instead)."""
+        if self._broken:
+            raise self._link._error(
+                grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
+            )
+        if method not in express.METHODS:
+            raise TypeError(f"{method} is not a unary method of the express plane")
+        deadline = time.monotonic() + timeout
+        frame = express.request_frame(method, request.SerializeToString())
+        try:
+            self._conn.settimeout(_left(deadline))
+            self._conn.sendall(frame)
+        except TimeoutError as e:
+            self._break()
+            raise self._link._error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method
+            ) from e
+        except OSError as e:
+            self._break()
+            if not self._sent:
+                return False
+            raise self._link._error(
+                grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
+            ) from e
+        self._sent += 1
+        self._waiting.append((method, deadline))
+        return True
+
+    def receive(self) -> Any:
+        method, deadline = self._waiting.popleft()
+        if self._broken:
+            raise self._link._error(
+                grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
+            )
+        try:
+            code, body = _reply(self._conn, method, deadline)
+        except TimeoutError as e:
+            self._break()
+            raise self._link._error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method
+            ) from e
+        except (OSError, ConnectionError) as e:
+            self._break()
+            raise self._link._error(
+                grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
+            ) from e
+        return self._link._answer(method, code, body)
+
+    def end(self) -> None:
+        if self._waiting or self._broken:
+            self._waiting.clear()
+            self._conn.close()
+        else:
+            self._link._give(self._conn, self._sent)
+
+    def _break(self) -> None:
+        """The connection carries nothing more: a part of a frame may be on it."""
+        self._broken = True
+        self._conn.close()
 
 
 def _left(deadline: float) -> float:

@@ -742,6 +742,150 @@ def test_commit_many_stores_each_chunk_on_its_own(drive: Drive) -> None:
     drive(body, "shm")
 
 
+def _chain(ns: Namespace, n: int, bpt: int, seed: int, *, sealed: bool = False) -> Any:
+    """``n`` chained chunks of 64 tokens: (headers, payloads); the headers' checksums are
+    placeholders unless ``sealed``."""
+    parent, headers, datas = ROOT, [], []
+    for i in range(n):
+        data = payload(64 * bpt, seed + i)
+        h = chunk_header(
+            ns, parent, tokens(64, seed + 64 * i), data if sealed else None, "bfloat16",
+            (64, bpt // 2),
+        )  # fmt: skip
+        headers.append(h)
+        datas.append(data)
+        parent = h.key
+    return headers, datas
+
+
+def _spy_steps(kv: Any, seen: list[str]) -> None:
+    """Record each step of a plan: a call by its method, a pipe's steps by their kind."""
+    client = _client(kv)
+    step = client._step
+
+    def spied(s: core.Step) -> Any:
+        if isinstance(s, core.Call):
+            seen.append(s.method)
+        elif isinstance(s, core.Send):
+            seen.append(f"Send {s.call.method}")
+        elif isinstance(s, (core.Receive, core.EndPipe)):
+            seen.append(type(s).__name__)
+        return step(s)
+
+    client._step = spied
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_put_many_pipelines_a_batch_in_eight_calls(drive: Drive, plane: str) -> None:
+    """64 chunks, 8 stored already: through shared memory 4 ReserveMany and 4 CommitMany
+    in the server's counts (no Put, no Commit), and every ReserveMany is sent before the
+    first answer is read: the server reserves the next part while this client copies
+    one. Streamed (no arena), each chunk is one Put. The bytes read back; sealed
+    headers go the same way."""
+    bpt = 1024
+    ns = namespace(f"contract-put-many-{drive.kind}-{plane}", bpt)
+    headers, datas = _chain(ns, 64, bpt, seed=81_000)
+
+    async def body(kv: Any) -> None:
+        first = await kv.put_many(headers[:8], datas[:8], checksum_at_commit=True)
+        assert first == [PutStatus.STORED] * 8, first
+        before = await kv.stats()
+        seen: list[str] = []
+        _spy_steps(kv, seen)
+        got = await kv.put_many(headers, datas, checksum_at_commit=True)
+        steps = list(seen)
+        assert got == [PutStatus.EXISTS] * 8 + [PutStatus.STORED] * 56, got
+        counts = _delta(
+            _requests(await kv.stats()), _requests(before),
+            "ReserveMany", "CommitMany", "Commit", "Put",
+        )  # fmt: skip
+        if kv.shm_active:
+            assert counts == {"ReserveMany": 4, "CommitMany": 4, "Commit": 0, "Put": 0}, counts
+            assert steps[:5] == ["Send ReserveMany"] * 4 + ["Receive"], (
+                f"the parts' reservations must all be on their way before the first "
+                f"answer is read: {steps}"
+            )
+            assert steps[-1] == "EndPipe", steps
+        else:
+            # As put: each chunk streamed, the server answering EXISTS for those it has.
+            assert counts == {"ReserveMany": 0, "CommitMany": 0, "Commit": 0, "Put": 64}, counts
+        for i in (0, 9, 33, 63):
+            one = await kv.get(headers[i].key)
+            assert one is not None and one[1] == datas[i].tobytes(), f"chunk {i}: wrong bytes"
+
+        sealed, sdatas = _chain(ns, 6, bpt, seed=82_000, sealed=True)
+        assert await kv.put_many(sealed, sdatas) == [PutStatus.STORED] * 6
+        one = await kv.get(sealed[5].key)
+        assert one is not None and one[1] == sdatas[5].tobytes()
+        with pytest.raises(InvalidArgument, match="2 payloads for 3 headers"):
+            await kv.put_many(sealed[:3], sdatas[:2])
+        assert await kv.put_many([], []) == []
+        assert memory_detail_of(await kv.stats())["reservations"] == 0
+        await kv.clear(ns)
+
+    drive(body, plane)
+
+
+def test_put_many_streams_what_l1_cannot_take(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """A 6 MiB chunk in a batch for a 4 MiB arena: its reservation answers TOO_LARGE and
+    it is streamed to L2, the chunks beside it stored in L1."""
+    srv = make_server("tiny-many", memory="4MiB").start()
+    bpt = 24 * 1024
+    ns = namespace(f"contract-put-many-big-{drive.kind}", bpt)
+    small = [payload(64 * bpt, 91 + i) for i in range(2)]  # 1.5 MiB each
+    big = payload(256 * bpt, 90)
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 0), None, "bfloat16", (64, bpt // 2)),
+        chunk_header(ns, ROOT, tokens(256, 5000), None, "bfloat16", (256, bpt // 2)),
+        chunk_header(ns, ROOT, tokens(64, 64), None, "bfloat16", (64, bpt // 2)),
+    ]
+
+    async def body(kv: Any) -> None:
+        got = await kv.put_many(headers, [small[0], big, small[1]], checksum_at_commit=True)
+        assert got == [PutStatus.STORED] * 3, got
+        assert await kv.exists([h.key for h in headers]) == [(1, 2), (2,), (1, 2)] or (
+            (await kv.exists([headers[1].key])) == [(2,)]
+        ), "the big chunk should live in L2 only"
+        one = await kv.get(headers[1].key)
+        assert one is not None and one[1] == big.tobytes(), "the streamed chunk's bytes"
+        one = await kv.get(headers[2].key)
+        assert one is not None and one[1] == small[1].tobytes()
+
+    drive(body, "shm", server=srv)
+    assert srv.stop() == 0, srv.log()
+
+
+def test_put_many_gives_back_what_slow_copies_outlived(drive: Drive) -> None:
+    """The client's clock passes the reservations' time while it copies the second of
+    four parts: the first part is committed (stored), put_many raises NotFound, and no
+    reservation stays held on the server, those of the parts not reached included."""
+    bpt = 1024
+    ns = namespace(f"contract-put-many-late-{drive.kind}", bpt)
+    headers, datas = _chain(ns, 16, bpt, seed=83_000)
+
+    async def body(kv: Any) -> None:
+        await kv.info()
+        assert kv.shm_active
+        client = _client(kv)
+        reads = iter(range(1 << 30))
+        # The plan's start (t0) and the first part's 4 writes see time 0; later, the
+        # reservations may have expired.
+        client._clock = lambda: 0.0 if next(reads) < 5 else 1e9
+        with pytest.raises(NotFound, match="may have expired"):
+            await kv.put_many(headers, datas, checksum_at_commit=True)
+        client._clock = time.monotonic
+        found = await kv.exists([h.key for h in headers])
+        assert [bool(f) for f in found] == [True] * 4 + [False] * 12, found
+        assert memory_detail_of(await kv.stats())["reservations"] == 0, (
+            "reservations of a failed put_many were left to expire"
+        )
+        await kv.clear(ns)
+
+    drive(body, "shm")
+
+
 def test_a_reservation_of_another_client_is_refused(drive: Drive) -> None:
     ns = namespace(f"contract-foreign-{drive.kind}", 512)
     h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))

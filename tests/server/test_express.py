@@ -26,6 +26,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, Unauthenticated
 from kvstore.keys import ROOT, Namespace
 from kvstore.sdk.client import chunk_header
 from kvstore.testing.server import KVServer
+from kvstore.types import PutStatus
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.server.helpers import namespace, payload, put_chain, shape_for, tokens
 
@@ -222,6 +223,43 @@ def test_a_stalled_server_fails_the_call_at_its_deadline(make_server: MakeServer
         assert 0.4 < took < 3.0, f"failed after {took:.2f} s, deadline 0.5 s"
         assert "Deadline" in str(e.value) or "DEADLINE" in str(e.value), e.value
         assert c.stats().chunks == 0, "the next call is answered"
+
+
+def test_a_put_many_pipes_its_calls_on_one_connection(make_server: MakeServer) -> None:
+    """A put_many's 8 calls ride one connection of the pool, which goes back to it; with
+    the server stalled, the batch fails at its deadline, the connection with an answer
+    still owed on it is closed (never pooled: that answer would be the next call's), and
+    the next calls are answered right."""
+    srv = make_server().start()
+    assert srv.proc is not None
+    ns = namespace("express-pipe", 512)
+    headers, datas = [], []
+    for i in range(16):
+        headers.append(chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)))
+        datas.append(payload(64 * 512, i))
+    with kvstore.Client(srv.unix_url, timeout=0.5) as c:
+        c.info()
+        link = c.express
+        assert link is not None and c.shm_active  # the arena mapped before counting
+        calls = link.calls
+        assert c.put_many(headers[:8], datas[:8], checksum_at_commit=True) == [PutStatus.STORED] * 8
+        assert link.calls == calls + 8, "4 ReserveMany and 4 CommitMany over the express plane"
+        assert len(link._idle) == 1, "the pipe's connection goes back to the pool"
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            _stopped(srv.proc.pid)
+            t0 = time.monotonic()
+            with pytest.raises(KVStoreError, match=r"(?i)deadline"):
+                c.put_many(headers[8:], datas[8:], checksum_at_commit=True)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert took < 3.0, f"failed after {took:.2f} s, deadline 0.5 s"
+        assert not link._idle, "a connection with an answer owed was pooled again"
+        got = c.put_many(headers, datas, checksum_at_commit=True)
+        assert got == [PutStatus.EXISTS] * 8 + [PutStatus.STORED] * 8, got
+        one = c.get(headers[12].key)
+        assert one is not None and one[1] == datas[12].tobytes()
 
 
 def test_tenants_take_the_express_plane_under_their_own_rules(
