@@ -350,6 +350,13 @@ class ClientBase:
             return self._arena is None or self._session_refused
         return self._session_alive()
 
+    def _pipelines(self) -> bool:
+        """Whether calls in a pipe (``client_core.Pipe``) overlap with this client's own
+        work: over the express plane they do; a gRPC call costs more than the overlap
+        saves (the calls of ``put_many`` in parts took 9.4-9.9 ms for 16 MiB against
+        5.9 ms in one part, with either client), so there plans send in one part."""
+        return False
+
     def _credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self._ca)
 

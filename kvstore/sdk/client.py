@@ -214,6 +214,9 @@ class Client(ClientBase):
                 return None
         raise TypeError(f"not a step of the client core: {step!r}")
 
+    def _pipelines(self) -> bool:
+        return (self._express if self._express_checked else self._express_link()) is not None
+
     def _send(self, pipe: core.Pipe, call: core.Call) -> None:
         """A pipe's call on its way: on one connection of the express plane (chosen at
         the pipe's first call), else as a gRPC future."""
@@ -639,27 +642,29 @@ class Client(ClientBase):
 
 
 class _GrpcPipe:
-    """A pipe's calls as gRPC futures (no express plane): the server may run them at
-    once, which ``client_core.Pipe`` allows for."""
+    """A pipe's calls over gRPC (no express plane), each made when it is sent: a gRPC
+    future's threads cost more than the overlap would save (``_pipelines``). Its reply,
+    or its error, waits for ``receive``."""
 
     def __init__(self, client: Client) -> None:
         self._client = client
-        self._waiting: deque[tuple[str, grpc.Future]] = deque()
+        self._done: deque[tuple[Any, BaseException | None]] = deque()
 
     def send(self, method: str, request: Any, timeout: float) -> bool:
         c = self._client
-        fut = c._methods[method].future(request, timeout=timeout, metadata=c._metadata)
-        self._waiting.append((method, fut))
+        try:
+            reply = c._methods[method](request, timeout=timeout, metadata=c._metadata)
+        except grpc.RpcError as e:
+            self._done.append((None, c._error(e, method)))
+        else:
+            self._done.append((reply, None))
         return True
 
     def receive(self) -> Any:
-        method, fut = self._waiting.popleft()
-        try:
-            return fut.result()
-        except grpc.RpcError as e:
-            raise self._client._error(e, method) from e
+        reply, error = self._done.popleft()
+        if error is not None:
+            raise error
+        return reply
 
     def end(self) -> None:
-        for _, fut in self._waiting:
-            fut.cancel()
-        self._waiting.clear()
+        self._done.clear()

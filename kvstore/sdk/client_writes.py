@@ -50,7 +50,8 @@ R = TypeVar("R", bound=ReservationBase)
 # part and commits the one before. With the writes on one core and the server's
 # bookkeeping (some 40 µs a chunk for a reservation and its commit) on the other, a
 # batch costs about its copies plus one part's reservation and one part's commit,
-# instead of the copies plus all of both; calls stay 2 x PIPE_PARTS a batch.
+# instead of the copies plus all of both; calls stay 2 x PIPE_PARTS a batch. Only
+# where the transport overlaps them (``ClientBase._pipelines``): else in one part.
 PIPE_PARTS = 4
 
 
@@ -148,7 +149,7 @@ def _put_many_shm(
     those of parts not reached yet included (after a broken link the server lets them
     expire); a commit's error is raised once every answer is in."""
     n = len(headers)
-    per = min(MAX_RESERVE_BATCH, -(-n // PIPE_PARTS))
+    per = min(MAX_RESERVE_BATCH, -(-n // (PIPE_PARTS if c._pipelines() else 1)))
     parts = [range(i, min(n, i + per)) for i in range(0, n, per)]
     base = timeout if timeout is not None else c.timeout
     pipe = Pipe()
