@@ -131,6 +131,16 @@ class RecordHeader:
     def record_size(self) -> int:
         return self.header_size + self.stored_size
 
+    def with_checksum(self, payload_checksum: int) -> RecordHeader:
+        """This header with another payload checksum (sealed at commit): the fields and
+        derived sizes copied as they are, as ``_header`` builds one (``dataclasses.replace``
+        runs the frozen ``__init__``: 5 us against 0.5, on every commit it seals)."""
+        fields_ = dict(self.__dict__)
+        fields_["payload_checksum"] = int(payload_checksum)
+        h = _new(RecordHeader)
+        _set(h, "__dict__", fields_)
+        return h
+
     def pack(self) -> bytes:
         shape, tb = self.shape, self.token_bytes
         fixed = _FIXED.pack(

@@ -122,3 +122,23 @@ def test_bad_fields_rejected_at_construction() -> None:
         )
     with pytest.raises(InvalidArgument, match="allowed"):
         Codec.parse("lz4")
+
+
+def test_a_header_sealed_with_its_checksum_is_the_same_header_but_for_it() -> None:
+    """``with_checksum`` (the commit's seal) builds the header without the dataclass's
+    ``__init__``: it must equal what ``dataclasses.replace`` gives, sizes included, and
+    leave the header it came from alone."""
+    from dataclasses import replace
+
+    header, payload = make_chunk(range(7, 71))
+    placeholder = replace(header, payload_checksum=0)
+    sealed = placeholder.with_checksum(header.payload_checksum)
+    assert sealed == header and sealed is not placeholder
+    assert placeholder.payload_checksum == 0, "the header it came from changed"
+    assert (sealed.header_size, sealed.record_size, sealed.n_tokens) == (
+        header.header_size,
+        header.record_size,
+        header.n_tokens,
+    )
+    assert sealed.pack() == header.pack()
+    assert verify(sealed.pack() + payload, expect_key=header.key) == header

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -101,7 +100,7 @@ def _put(
         if status is not None:
             return status
     if not sealed:
-        header = replace(header, payload_checksum=xxhash.xxh3_64_intdigest(src.data))
+        header = header.with_checksum(xxhash.xxh3_64_intdigest(src.data))
     r = yield Call(PUT, c._put_frames(header, src), timeout)
     return status_from_pb(r.status)
 
@@ -127,7 +126,7 @@ def put_many(
         if status is None:  # no arena here, or L1 cannot take it now: Put sends it below
             h = headers[i]
             if checksum_at_commit:
-                h = replace(h, payload_checksum=xxhash.xxh3_64_intdigest(srcs[i].data))
+                h = h.with_checksum(xxhash.xxh3_64_intdigest(srcs[i].data))
             r = yield Call(PUT, c._put_frames(h, srcs[i]), timeout)
             out[i] = status_from_pb(r.status)
     return cast(builtins.list[PutStatus], out)

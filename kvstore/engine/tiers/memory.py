@@ -443,7 +443,7 @@ class MemoryTier(Tier):
     def _seal(self, entry: _Entry, checksum: int) -> None:
         """Rewrite the header with the payload checksum the writer gave at commit (same
         size: only the checksum fields change)."""
-        entry.header = replace(entry.header, payload_checksum=checksum)
+        entry.header = entry.header.with_checksum(checksum)
         entry.packed = entry.header.pack()
         self._arena.write(entry.extents, 0, entry.packed)
 
