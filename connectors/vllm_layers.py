@@ -47,7 +47,7 @@ class LayerCopy:
         self.batch = batch
         self.timeout = timeout  # the longest one wait may take (the call timeout)
         self.started = time.perf_counter()
-        self.copied_s = 0.0  # from start to the last layer landed
+        self.copied_s = 0.0  # from ``started`` to the last layer landed
         self.waited_s = 0.0  # how long the forward pass waited for layers
         self.waited: set[int] = set()  # the layers the forward pass waited for
         self.late = False  # a wait ran out: the forward pass read a layer still landing
@@ -94,6 +94,8 @@ class LayerCopy:
         on), then each chunk's verdict in ``ScatterBatch.add`` order; None when the batch
         failed whole (the copy raised, was stopped, or a layer went unwaited)."""
         self._future.result()
+        # ``late`` is not ``_done < parts``: a wait that ran out on the last layer leaves
+        # the copy to finish it, after the forward pass read it.
         if self.error is not None or self.late or self._done < self.batch.parts:
             return None
         return None if self.unwaited else self.batch.verified()

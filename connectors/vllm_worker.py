@@ -175,9 +175,11 @@ class KVStoreWorker:
         self._failed |= failed
         how, seconds = "", time.perf_counter() - t0
         if copy is not None:
-            # What the step paid: the planning and the AcquireMany before the forward pass,
-            # and the forward pass's waits for layers; the copy itself ran beside it.
-            seconds = copy.copied_s + started_s
+            # The load took from its start to the last layer landed (or to the end of the
+            # copies made before the forward pass, if later: they ran beside the layers).
+            # What the step paid: the planning and the AcquireMany before the forward
+            # pass, and the forward pass's waits for layers; the copy ran beside it.
+            seconds = max(started_s, copy.started + copy.copied_s - t0)
             how = f" layer by layer, {(started_s + copy.waited_s) * 1e3:.1f} ms of it in the step"
             self.stats.add(load_s=started_s + copy.waited_s)
         else:

@@ -392,24 +392,29 @@ def test_a_forward_pass_that_does_not_wait_fails_the_load_and_turns_layers_off(
     assert engine.same(dst[: stored(600) // BS], src_q[: stored(600) // BS])
 
 
+@pytest.mark.parametrize("which", ["second", "last"])
 def test_a_layer_later_than_the_timeout_fails_the_load_without_hanging(
-    server: KVServer, monkeypatch: pytest.MonkeyPatch
+    server: KVServer, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
     """A layer that does not land within timeout_ms: the forward pass goes on, the step's
     loaded blocks are reported, the layers after it are not copied, and the step ends
-    once the layer being copied has landed (nothing is written after it)."""
+    once the layer being copied has landed (nothing is written after it). The last
+    layer late too: every layer then lands, but after the forward pass read it."""
     e = Engine(server.unix_url, blocks=1200, timeout_ms=300)
     try:
         lay = Layout()
         p = prompt(80)
         store(e, [p], lay)
-        log = CopyLog(monkeypatch, 0.05, late=1)  # layer 1 takes 1 s
+        late = 1 if which == "second" else len(e.worker.layout.names) - 1
+        log = CopyLog(monkeypatch, 0.05, late=late)  # that layer takes 1 s
         dst = lay.take(len(p))
         t0 = time.monotonic()
         (a,) = e.step([(p, dst)])
         took = time.monotonic() - t0
         assert a.failed == set(dst[: stored(600) // BS]), "a late layer must fail the load"
-        assert log.started == [0, 1], f"layers after the late one were copied: {log.started}"
+        assert log.started == list(range(late + 1)), (
+            f"layers after the late one were copied: {log.started}"
+        )
         assert took < 5, f"the step took {took:.1f} s"
     finally:
         e.close()
