@@ -102,6 +102,10 @@ class ServerConfig:
     # same-host client's Session stream is a call, so its connection is never idle. 0 = never.
     idle_timeout_s: float = 600.0
     sweep_interval_s: float = 1.0  # how often expired leases and reservations are reclaimed
+    # A full garbage collection that takes longer than this freezes what survived it
+    # (server/heap.py: Python's collector otherwise walks the whole index, GIL held, a
+    # pause of every call that grows with the store); 0 = Python's collector as it is.
+    gc_pause_ms: float = 5.0
     log_level: LogLevel = "info"  # debug, info, warning, error
     log_format: LogFormat = "text"  # text or json (one JSON object per line)
     log_interval_s: float = 60.0  # period of the request-count summary in the log; 0 = off
@@ -167,6 +171,7 @@ class ServerConfig:
             self.sweep_interval_s > 0, f"sweep_interval_s={self.sweep_interval_s}: must be > 0"
         )
         _require(self.log_interval_s >= 0, "log_interval_s must be >= 0")
+        _require(self.gc_pause_ms >= 0, f"gc_pause_ms={self.gc_pause_ms}: must be >= 0 (0 = off)")
         check_choices(self)
         if self.unix_socket:
             _require(

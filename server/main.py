@@ -502,6 +502,7 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
     tls = cfg.read_tls()
     from kvstore.engine.store import TieredStore
 
+    from .heap import keep_full_collections_short
     from .metrics import Metrics
     from .service import KVStoreService
     from .tenants import Tenants
@@ -538,6 +539,9 @@ def serve(cfg: ServerConfig, store_cfg: StoreConfig) -> int:
         raise
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # What is alive now (the index, the listeners) lives as long as the server: frozen,
+    # so that full collections walk only what came since (server/heap.py).
+    keep_full_collections_short(cfg.gc_pause_ms)
     keeper = threading.Thread(
         target=_housekeeping,
         args=(service, store, cfg, housekeeping_stop),
