@@ -209,15 +209,21 @@ class ExpressLink:
 class ExpressPipe:
     """A pipe's calls (``client_core.Pipe``) on one connection: each request written as
     it is sent, the replies read in the same order (the server serves a connection's
-    calls one after another). Requests are small (reservations, commits, leases) and the
-    server reads each as it comes, so writing several before reading cannot fill both
-    sockets' buffers. ``end`` gives the connection back once every reply was read;
-    otherwise it is closed, as an unread reply would be taken for the next call's."""
+    calls one after another). ``end`` gives the connection back once every reply was
+    read; otherwise it is closed, as an unread reply would be taken for the next call's.
+
+    Several requests go out before their replies are read, so the replies can fill this
+    end's buffer: the server then blocks writing one and reads no more of the request
+    being written here, which blocks too (a batch of 5,000 reservations did, until the
+    server's frame timeout). So while the socket takes no more of a request, the replies
+    already on their way are read and kept for ``receive``."""
 
     def __init__(self, link: ExpressLink, conn: socket.socket) -> None:
         self._link, self._conn = link, conn
         self._waiting: deque[tuple[str, float]] = deque()  # (method, deadline) in order
-        self._sent = 0
+        self._early: deque[tuple[int, bytes]] = deque()  # replies of _waiting's first ones
+        self._sent = 0  # calls sent
+        self._wrote = 0  # bytes of the request being sent that went out
         self._broken = False
 
     def send(self, method: str, request: Any, timeout: float) -> bool:
@@ -231,17 +237,17 @@ class ExpressPipe:
             raise TypeError(f"{method} is not a unary method of the express plane")
         deadline = time.monotonic() + timeout
         frame = express.request_frame(method, request.SerializeToString())
+        self._wrote = 0
         try:
-            self._conn.settimeout(_left(deadline))
-            self._conn.sendall(frame)
+            self._write(memoryview(frame), deadline)
         except TimeoutError as e:
             self._break()
             raise self._link._error(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method
             ) from e
-        except OSError as e:
+        except OSError as e:  # ConnectionError included
             self._break()
-            if not self._sent:
+            if not self._sent and not self._wrote:
                 return False
             raise self._link._error(
                 grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
@@ -250,8 +256,31 @@ class ExpressPipe:
         self._waiting.append((method, deadline))
         return True
 
+    def _write(self, view: memoryview, deadline: float) -> None:
+        conn = self._conn
+        poller = select.poll()
+        poller.register(conn, select.POLLIN | select.POLLOUT)
+        conn.setblocking(False)
+        while self._wrote < len(view):
+            try:
+                self._wrote += conn.send(view[self._wrote :])
+                continue
+            except BlockingIOError:
+                pass
+            events = poller.poll(int(_left(deadline) * 1000) + 1)
+            if not events:
+                raise TimeoutError("the socket took no more of the request by the deadline")
+            if any(ev & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, ev in events):
+                if len(self._early) == len(self._waiting):
+                    raise ConnectionError("the server ended the express connection")
+                method = self._waiting[len(self._early)][0]
+                self._early.append(_reply(conn, method, deadline))
+                conn.setblocking(False)  # _reply left it blocking, with a timeout
+
     def receive(self) -> Any:
         method, deadline = self._waiting.popleft()
+        if self._early:
+            return self._link._answer(method, *self._early.popleft())
         if self._broken:
             raise self._link._error(
                 grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
@@ -273,6 +302,7 @@ class ExpressPipe:
     def end(self) -> None:
         if self._waiting or self._broken:
             self._waiting.clear()
+            self._early.clear()
             self._conn.close()
         else:
             self._link._give(self._conn, self._sent)

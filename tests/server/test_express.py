@@ -262,6 +262,31 @@ def test_a_put_many_pipes_its_calls_on_one_connection(make_server: MakeServer) -
         assert one is not None and one[1] == datas[12].tobytes()
 
 
+def test_a_pipe_reads_the_replies_that_would_block_the_server(make_server: MakeServer) -> None:
+    """8,000 reservations in a put_many: 8 ReserveMany frames go out before any reply is
+    read, and their replies fill this end's buffer. Before, the server blocked writing
+    one, read no more of the request being written, and both waited (until the server's
+    frame timeout, 30 s). Now the pipe reads the replies as they come while it writes."""
+    srv = make_server(
+        "express-big", memory="64MiB", env={"KVSTORE_MEMORY_PAGE_BYTES": "4096"}
+    ).start()
+    ns = namespace("express-big", 16)
+    data = payload(16 * 16, 1)
+    headers = [
+        chunk_header(ns, ROOT, tokens(16, 16 * i), None, "bfloat16", (16, 8)) for i in range(8000)
+    ]
+    with kvstore.Client(srv.unix_url, timeout=10) as c:
+        assert c.shm_active and c.express is not None
+        t0 = time.monotonic()
+        got = c.put_many(headers, [data] * len(headers), checksum_at_commit=True)
+        took = time.monotonic() - t0
+        assert got == [PutStatus.STORED] * len(headers), set(got)
+        assert took < 8, f"{took:.1f} s for 8,000 small chunks"
+        one = c.get(headers[7999].key)
+        assert one is not None and one[1] == data.tobytes()
+        assert c.express.calls > 16, "the batch did not go over the express plane"
+
+
 def test_tenants_take_the_express_plane_under_their_own_rules(
     make_server: MakeServer, tmp_path: Any
 ) -> None:
