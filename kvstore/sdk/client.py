@@ -370,19 +370,22 @@ class Client(ClientBase):
     ) -> builtins.list[PutStatus]:
         """Store several chunks: each one's status, as ``put`` gives it.
 
-        On the server's host the batch goes through shared memory in a few pipelined
-        parts: one part's payloads are copied into their pages (hashed as they are
-        copied) while the server reserves the next part and commits the one before, so
-        the server's bookkeeping runs beside the copies; 2 calls a part, 8 at most for
-        up to 4,096 chunks. A chunk L1 cannot take now (FULL, TOO_LARGE), and every
-        chunk elsewhere, is streamed with Put as ``put`` does.
+        On the server's host the batch goes through shared memory. Over the express
+        plane (this client on the server's Unix socket) in up to four pipelined parts:
+        one part's payloads are copied into their pages (hashed as they are copied)
+        while the server reserves the next part and commits the one before, so the
+        server's bookkeeping runs beside the copies; 2 calls a part, 8 for up to 4,096
+        chunks. Over gRPC in one part (a call there costs more than the overlap saves).
+        A chunk L1 cannot take now (FULL, TOO_LARGE), and every chunk elsewhere, is
+        streamed with Put as ``put`` does.
         ``checksum_at_commit``: the headers' checksums are placeholders (``chunk_header``
         with ``payload=None``); the one computed as each payload is copied seals it.
         Otherwise the headers are sealed, as ``put`` takes them.
         Raises the first error a chunk's commit met (``CorruptRecord``: its header was
-        overwritten) once all are done, the others stored. Any other error (``NotFound``:
-        copies so slow they outlived a reservation; a broken link) is raised at once:
-        the parts committed by then are stored, every other reservation is aborted.
+        overwritten) once every other chunk is stored. Any other error (``NotFound``:
+        copies so slow they outlived a reservation; a broken link; the server refusing
+        a part) is raised at once: the parts committed by then are stored, every other
+        reservation is aborted.
         """
         return self._run(writes.put_many(self, headers, payloads, checksum_at_commit, timeout))
 

@@ -49,8 +49,9 @@ R = TypeVar("R", bound=ReservationBase)
 # part and commits the one before. With the writes on one core and the server's
 # bookkeeping (some 40 µs a chunk for a reservation and its commit) on the other, a
 # batch costs about its copies plus one part's reservation and one part's commit,
-# instead of the copies plus all of both; calls stay 2 x PIPE_PARTS a batch. Only
-# where the transport overlaps them (``ClientBase._pipelines``): else in one part.
+# instead of the copies plus all of both; calls stay 2 x PIPE_PARTS a batch of up to
+# 4 x MAX_RESERVE_BATCH chunks (more take more parts of that size). Only where the
+# transport overlaps them (``ClientBase._pipelines``): else in one part.
 PIPE_PARTS = 4
 
 
@@ -120,16 +121,23 @@ def put_many(
     srcs = [c._check_put(h, p) for h, p in zip(headers, payloads, strict=True)]
     out: builtins.list[PutStatus | None] = [None] * len(headers)
     arena = yield NEED_ARENA
+    failed = None
     if arena is not None and headers:
-        yield from _put_many_shm(c, arena, headers, srcs, checksum_at_commit, timeout, out)
+        failed = yield from _put_many_shm(c, arena, headers, srcs, checksum_at_commit, timeout, out)
     for i, status in enumerate(out):
-        if status is None:  # no arena here, or L1 cannot take it now: Put sends it below
+        if status is _REFUSED or (status is None and arena is None):
+            # L1 cannot take it now, or no arena here: Put sends it below.
             h = headers[i]
             if checksum_at_commit:
                 h = h.with_checksum(xxhash.xxh3_64_intdigest(srcs[i].data))
             r = yield Call(PUT, c._put_frames(h, srcs[i]), timeout)
             out[i] = status_from_pb(r.status)
+    if failed is not None:
+        raise failed
     return cast(builtins.list[PutStatus], out)
+
+
+_REFUSED: Any = object()  # put_many: a chunk L1 refused (FULL, TOO_LARGE), for Put
 
 
 def _put_many_shm(
@@ -139,22 +147,25 @@ def _put_many_shm(
     srcs: Sequence[np.ndarray],
     at_commit: bool,
     timeout: float | None,
-    out: builtins.list[PutStatus | None],
-) -> Plan[None]:
-    """``out[i]`` for each chunk the arena took (STORED, or EXISTS); None stays where L1
-    refused it (FULL, TOO_LARGE). The parts' ReserveMany calls go out together; each
-    part's payloads are written once its reservations are in and its CommitMany sent
-    behind them (PIPE_PARTS). On a failure every reservation not committed is aborted,
-    those of parts not reached yet included (after a broken link the server lets them
-    expire); a commit's error is raised once every answer is in."""
+    out: builtins.list[Any],
+) -> Plan[KVStoreError | None]:
+    """``out[i]`` for each chunk the arena took (STORED, or EXISTS), ``_REFUSED`` where L1
+    refused it (FULL, TOO_LARGE); the first error a commit met, returned once every answer
+    is in (the other chunks are stored). The parts' ReserveMany calls go out together;
+    each part's payloads are written once its reservations are in and its CommitMany sent
+    behind them (PIPE_PARTS). Any other failure is raised at once, every reservation whose
+    commit was not answered aborted, those of parts not reached included (an Abort of one
+    that was committed after all is refused, harmlessly; after a broken link the server
+    lets what is left expire)."""
     n = len(headers)
     per = min(MAX_RESERVE_BATCH, -(-n // (PIPE_PARTS if c._pipelines() else 1)))
     parts = [range(i, min(n, i + per)) for i in range(0, n, per)]
     base = timeout if timeout is not None else c.timeout
     pipe = Pipe()
-    held: builtins.list[ReservationBase] = []
+    open_ids: dict[int, None] = {}  # reservations made whose commit was not answered
     sent: builtins.list[builtins.list[tuple[int, ReservationBase]]] = []
-    unanswered = 0  # ReserveMany calls sent whose answers were not received
+    unanswered = 0  # ReserveMany calls sent whose answers were not taken
+    closed = False
     try:
         t0 = c._clock()
         for part in parts:
@@ -165,15 +176,17 @@ def _put_many_shm(
             yield Send(pipe, Call("ReserveMany", pb.ReserveManyRequest(requests=reqs), timeout))
             unanswered += 1
         for part in parts:
+            unanswered -= 1  # taken off the pipe by the Receive, answered or failed
             r = yield Receive(pipe)
-            unanswered -= 1
+            open_ids.update((one.reservation_id, None) for one in r.responses)
+            open_ids.pop(0, None)
             if len(r.responses) != len(part):
                 raise ServerError(f"ReserveMany answered {len(r.responses)} of {len(part)}")
             mine: builtins.list[tuple[int, ReservationBase]] = []
             for i, one in zip(part, r.responses, strict=True):
                 status = status_from_pb(one.status)
                 if status != PutStatus.STORED:
-                    out[i] = status if status == PutStatus.EXISTS else None
+                    out[i] = status if status == PutStatus.EXISTS else _REFUSED
                     continue
                 until = t0 + one.expires_ms / 1000 * LEASE_MARGIN
                 extents = c._check_extents(one.extents)
@@ -181,7 +194,6 @@ def _put_many_shm(
                     headers[i], one.reservation_id, extents, one.payload_offset, arena, None,
                     until, at_commit, c._clock,
                 )  # fmt: skip
-                held.append(res)
                 mine.append((i, res))
             for i, res in mine:
                 res.write(srcs[i])  # hashed as it is copied (checksum_at_commit)
@@ -197,6 +209,8 @@ def _put_many_shm(
         failed: KVStoreError | None = None
         for mine in sent:
             r = yield Receive(pipe)
+            for _, res in mine:
+                open_ids.pop(res.id, None)
             if len(r.responses) != len(mine):
                 raise ServerError(f"CommitMany answered {len(r.responses)} of {len(mine)}")
             for (i, _), one in zip(mine, r.responses, strict=True):
@@ -204,22 +218,24 @@ def _put_many_shm(
                     failed = failed or error_from_code(one.error_code, one.error, "Commit", c.url)
                 else:
                     out[i] = status_from_pb(one.status)
-        if failed is not None:
-            raise failed
+        return failed
+    except GeneratorExit:  # the plan was dropped: no step may be asked for now
+        closed = True
+        raise
     except BaseException:
-        for res in held:
-            yield from abort(res, timeout)
         for _ in range(unanswered):  # the parts not reached: their pages go back too
             try:
                 r = yield Receive(pipe)
             except KVStoreError:
                 break  # the link failed: the server lets them expire (lease_ms)
-            for one in r.responses:
-                if one.reservation_id:
-                    yield from finish(one.reservation_id, False, None, timeout)
+            open_ids.update((one.reservation_id, None) for one in r.responses)
+        open_ids.pop(0, None)
+        for rid in open_ids:
+            yield from finish(rid, False, None, timeout)
         raise
     finally:
-        yield EndPipe(pipe)
+        if not closed:
+            yield EndPipe(pipe)
 
 
 def _put_shm(

@@ -220,7 +220,11 @@ class ExpressPipe:
 
     def __init__(self, link: ExpressLink, conn: socket.socket) -> None:
         self._link, self._conn = link, conn
-        self._waiting: deque[tuple[str, float]] = deque()  # (method, deadline) in order
+        # (method, timeout) of each call sent whose reply was not taken, in order. A
+        # reply is waited for up to its call's timeout from when ``receive`` asks for it:
+        # a pipe's plan works between its calls (copies), and a reply that came while it
+        # did is not late.
+        self._waiting: deque[tuple[str, float]] = deque()
         self._early: deque[tuple[int, bytes]] = deque()  # replies of _waiting's first ones
         self._sent = 0  # calls sent
         self._wrote = 0  # bytes of the request being sent that went out
@@ -253,7 +257,7 @@ class ExpressPipe:
                 grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
             ) from e
         self._sent += 1
-        self._waiting.append((method, deadline))
+        self._waiting.append((method, timeout))
         return True
 
     def _write(self, view: memoryview, deadline: float) -> None:
@@ -278,7 +282,8 @@ class ExpressPipe:
                 conn.setblocking(False)  # _reply left it blocking, with a timeout
 
     def receive(self) -> Any:
-        method, deadline = self._waiting.popleft()
+        method, timeout = self._waiting.popleft()
+        deadline = time.monotonic() + timeout
         if self._early:
             return self._link._answer(method, *self._early.popleft())
         if self._broken:

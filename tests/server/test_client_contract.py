@@ -892,6 +892,37 @@ def test_put_many_gives_back_what_slow_copies_outlived(drive: Drive) -> None:
     drive(body, "shm")
 
 
+def test_put_many_refused_by_the_server_raises_its_error_and_holds_nothing(
+    drive: Drive,
+) -> None:
+    """A header whose key is not hash(parent, namespace, tokens), in the second of four
+    parts (``Client``) or in the one part (``AsyncClient``): the server refuses that
+    ReserveMany whole. put_many raises the server's InvalidArgument (before, the failure
+    path asked the pipe for one answer too many: IndexError, or AttributeError on a
+    CommitMany's), and no reservation stays held, those of the parts after it
+    included; nothing of those parts is stored."""
+    from dataclasses import replace
+
+    bpt = 1024
+    ns = namespace(f"contract-put-many-refused-{drive.kind}", bpt)
+    headers, datas = _chain(ns, 16, bpt, seed=84_000)
+    headers[5] = replace(headers[5], key=b"\x05" * 32)
+
+    async def body(kv: Any) -> None:
+        await kv.info()
+        assert kv.shm_active
+        with pytest.raises(InvalidArgument, match="key does not match"):
+            await kv.put_many(headers, datas, checksum_at_commit=True)
+        found = await kv.exists([h.key for h in headers[4:]])
+        assert not any(found), f"chunks of the refused part or after it were stored: {found}"
+        assert memory_detail_of(await kv.stats())["reservations"] == 0, (
+            "reservations of a refused put_many were left to expire"
+        )
+        await kv.clear(ns)
+
+    drive(body, "shm")
+
+
 def test_a_reservation_of_another_client_is_refused(drive: Drive) -> None:
     ns = namespace(f"contract-foreign-{drive.kind}", 512)
     h = chunk_header(ns, ROOT, tokens(64), None, "bfloat16", shape_for(64, 512))

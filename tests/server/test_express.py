@@ -9,6 +9,7 @@ what a client does when the plane is not there, full, restarted or stalled.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -285,6 +286,66 @@ def test_a_pipe_reads_the_replies_that_would_block_the_server(make_server: MakeS
         one = c.get(headers[7999].key)
         assert one is not None and one[1] == data.tobytes()
         assert c.express.calls > 16, "the batch did not go over the express plane"
+
+
+def test_a_pipes_reply_is_waited_for_from_when_it_is_asked_for(
+    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client copies between a pipe's calls: a reply that came while it copied is not
+    late. With 0.1 s a copy and a 0.3 s timeout, a put_many of 8 chunks (4 parts) took
+    0.8 s: before, the reply to the fourth part's ReserveMany, sent at the start, was
+    read past its deadline and the batch failed (DeadlineExceeded, 4 chunks stored, the
+    others left to expire)."""
+    from kvstore.sdk.shm import ReservationBase
+
+    srv = make_server().start()
+    ns = namespace("express-pipe-slow", 512)
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)) for i in range(8)
+    ]
+    datas = [payload(64 * 512, i) for i in range(8)]
+    write = ReservationBase.write
+
+    def slow(self: ReservationBase, data: Any) -> None:
+        time.sleep(0.1)
+        write(self, data)
+
+    monkeypatch.setattr(ReservationBase, "write", slow)
+    with kvstore.Client(srv.unix_url, timeout=0.3) as c:
+        assert c.shm_active and c.express is not None
+        got = c.put_many(headers, datas, checksum_at_commit=True)
+        assert got == [PutStatus.STORED] * 8, got
+
+
+def test_an_async_put_many_cancelled_on_a_stalled_server_is_cancelled(
+    make_server: MakeServer,
+) -> None:
+    """AsyncClient's put_many waiting on a stalled server: cancelling its task raises
+    CancelledError in the caller (before, the failure path asked the pipe for an answer
+    it had taken already: IndexError)."""
+    srv = make_server().start()
+    assert srv.proc is not None
+    ns = namespace("express-pipe-cancel", 512)
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)) for i in range(4)
+    ]
+    datas = [payload(64 * 512, i) for i in range(4)]
+
+    async def body() -> None:
+        async with kvstore.AsyncClient(srv.unix_url, timeout=10) as a:
+            assert await a.stats() is not None and a.shm_active
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                _stopped(srv.proc.pid)
+                task = asyncio.ensure_future(a.put_many(headers, datas, checksum_at_commit=True))
+                await asyncio.sleep(0.3)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 5)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+
+    asyncio.run(body())
 
 
 def test_tenants_take_the_express_plane_under_their_own_rules(
