@@ -122,24 +122,19 @@ class AsyncClient(ClientBase):
             return await self._shm()
         if type(step) is core.Send:
             if step.pipe.state is None:
-                step.pipe.state = deque()
+                step.pipe.state = _TaskPipe()
             call = step.call
             reply = self._methods[call.method](
                 call.request, timeout=self._deadline(call.timeout), metadata=self._metadata
             )
-            step.pipe.state.append((call.method, asyncio.ensure_future(reply)))
+            step.pipe.state.waiting.append((call.method, asyncio.ensure_future(reply)))
             return None
         if type(step) is core.Receive:
-            method, task = step.pipe.state.popleft()
+            method, task = step.pipe.state.waiting.popleft()
             try:
                 return await task
             except grpc.RpcError as e:
                 raise self._error(e, method) from e
-        if type(step) is core.EndPipe:
-            for _, task in step.pipe.state or ():  # not received: not wanted
-                task.cancel()
-                task.add_done_callback(_retrieved)
-            return None
         if type(step) is core.GetStream:
             try:
                 async for raw in self._get_raw(
@@ -531,6 +526,19 @@ class AsyncClient(ClientBase):
 
     def __repr__(self) -> str:
         return f"kvstore.AsyncClient({self.url!r})"
+
+
+class _TaskPipe:
+    """A pipe's calls (``client_core.Pipe``) as tasks, received in the order sent."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[tuple[str, asyncio.Future[Any]]] = deque()
+
+    def end(self) -> None:
+        for _, task in self.waiting:  # not received: not wanted
+            task.cancel()
+            task.add_done_callback(_retrieved)
+        self.waiting.clear()
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

@@ -175,10 +175,6 @@ class Client(ClientBase):
             return None
         if type(step) is core.Receive:
             return step.pipe.state.receive()
-        if type(step) is core.EndPipe:
-            if step.pipe.state is not None:
-                step.pipe.state.end()
-            return None
         if type(step) is core.GetStream:
             try:
                 for raw in self._get_raw(

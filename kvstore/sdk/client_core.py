@@ -10,7 +10,6 @@ their results, then returns the operation's result. A step is one of
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
     Send(pipe, call)                      -> None; the call is on its way, not waited for
     Receive(pipe)                         -> the reply of the pipe's oldest call not received
-    EndPipe(pipe)                         -> None; the pipe's transport let go
 
 ``kvstore.sdk.client.Client`` drives a plan with blocking calls (``run_blocking``),
 ``kvstore.sdk.aio.AsyncClient`` with awaits, as redis-py writes its commands once for
@@ -29,6 +28,7 @@ Session stream once ``setup_plane`` has mapped an arena (a thread, or a task).
 from __future__ import annotations
 
 import builtins
+import contextlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, TypeVar
@@ -122,17 +122,26 @@ class HealthCheck:
 
 class Pipe:
     """Calls in flight together, their replies received in the order they were sent
-    (``Send``, ``Receive``, ``EndPipe``): a plan overlaps its own work with the server's,
-    as ``put_many`` writes one part of a batch while the next part is reserved. The
-    transport keeps its state here (a connection of the express plane, or futures); a
-    plan that sends ends the pipe (``EndPipe``, in a ``finally``), replies received or
-    not. The server may run a pipe's calls in any order (over gRPC it does): a plan
-    sends a call only once what it depends on was received."""
+    (``Send``, ``Receive``): a plan overlaps its own work with the server's, as
+    ``put_many`` writes one part of a batch while the next part is reserved. The
+    transport keeps its state here (``state``, with an ``end()``: a connection of the
+    express plane, or the calls' tasks). A plan that sends ends the pipe with ``end``,
+    in a ``finally``: not a step, so a plan dropped half-way (closed, collected) ends it
+    too. The server may run a pipe's calls in any order (over gRPC it may): a plan sends
+    a call only once what it depends on was received."""
 
     __slots__ = ("state",)
 
     def __init__(self) -> None:
         self.state: Any = None
+
+    def end(self) -> None:
+        """Let the transport's state go: the connection back to its pool once every
+        reply was received (else closed), calls not received cancelled. Never raises."""
+        state, self.state = self.state, None
+        if state is not None:
+            with contextlib.suppress(Exception):
+                state.end()
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,18 +157,13 @@ class Receive:
     pipe: Pipe
 
 
-@dataclass(frozen=True, slots=True)
-class EndPipe:
-    pipe: Pipe
-
-
 class _NeedArena:
     def __repr__(self) -> str:
         return "NEED_ARENA"
 
 
 NEED_ARENA: Final = _NeedArena()
-Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena | Send | Receive | EndPipe
+Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena | Send | Receive
 Plan = Generator[Step, Any, T]
 STREAM: Final = USE_GET  # what read_lease says when the bytes must come by Get
 

@@ -20,7 +20,14 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import xxhash
 
-from kvstore.errors import InvalidArgument, KVStoreError, NamespaceNotRegistered, ServerError
+from kvstore.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KVStoreError,
+    NamespaceNotRegistered,
+    ServerError,
+    ServerUnavailable,
+)
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
@@ -29,7 +36,6 @@ from kvstore.sdk.client_core import (
     NEED_ARENA,
     PUT,
     Call,
-    EndPipe,
     Pipe,
     Plan,
     Receive,
@@ -165,7 +171,6 @@ def _put_many_shm(
     open_ids: dict[int, None] = {}  # reservations made whose commit was not answered
     sent: builtins.list[builtins.list[tuple[int, ReservationBase]]] = []
     unanswered = 0  # ReserveMany calls sent whose answers were not taken
-    closed = False
     try:
         t0 = c._clock()
         for part in parts:
@@ -209,33 +214,36 @@ def _put_many_shm(
         failed: KVStoreError | None = None
         for mine in sent:
             r = yield Receive(pipe)
-            for _, res in mine:
-                open_ids.pop(res.id, None)
             if len(r.responses) != len(mine):
                 raise ServerError(f"CommitMany answered {len(r.responses)} of {len(mine)}")
+            for _, res in mine:
+                open_ids.pop(res.id, None)
             for (i, _), one in zip(mine, r.responses, strict=True):
                 if one.error_code:
                     failed = failed or error_from_code(one.error_code, one.error, "Commit", c.url)
                 else:
                     out[i] = status_from_pb(one.status)
         return failed
-    except GeneratorExit:  # the plan was dropped: no step may be asked for now
-        closed = True
-        raise
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, GeneratorExit):  # the plan was dropped: no step may be asked for
+            raise
         for _ in range(unanswered):  # the parts not reached: their pages go back too
             try:
                 r = yield Receive(pipe)
             except KVStoreError:
-                break  # the link failed: the server lets them expire (lease_ms)
+                continue  # refused too, or the link failed (then each fails at once)
             open_ids.update((one.reservation_id, None) for one in r.responses)
         open_ids.pop(0, None)
         for rid in open_ids:
-            yield from finish(rid, False, None, timeout)
+            try:
+                yield Call("Abort", pb.AbortRequest(reservation_id=rid), timeout)
+            except (ServerUnavailable, DeadlineExceeded):
+                break  # the server is gone or stalled: the rest expire (lease_ms)
+            except KVStoreError:
+                pass  # committed after all, or expired: nothing held
         raise
     finally:
-        if not closed:
-            yield EndPipe(pipe)
+        pipe.end()
 
 
 def _put_shm(
