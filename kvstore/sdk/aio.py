@@ -289,22 +289,9 @@ class AsyncClient(ClientBase):
         checksum_at_commit: bool = False,
         timeout: float | None = None,
     ) -> builtins.list[PutStatus]:
-        """Store several chunks: each one's status, as ``put`` gives it.
-
-        On the server's host the batch goes through shared memory: one ReserveMany, the
-        payloads copied into their pages (hashed as they are copied), one CommitMany
-        (``Client.put_many`` over the express plane pipelines them in parts; over gRPC,
-        as here, a call costs more than the overlap saves). A chunk L1 cannot take now
-        (FULL, TOO_LARGE), and every chunk elsewhere, is streamed with Put as ``put`` does.
-        ``checksum_at_commit``: the headers' checksums are placeholders (``chunk_header``
-        with ``payload=None``); the one computed as each payload is copied seals it.
-        Otherwise the headers are sealed, as ``put`` takes them.
-        Raises the first error a chunk's commit met (``CorruptRecord``: its header was
-        overwritten) once every other chunk is stored. Any other error (``NotFound``:
-        copies so slow they outlived a reservation; a broken link; the server refusing
-        a part) is raised at once: the parts committed by then are stored, every other
-        reservation is aborted.
-        """
+        """Store several chunks, each one's status: see ``Client.put_many``. This client's
+        calls go by gRPC, so the batch goes in one part (one ReserveMany, one CommitMany):
+        there a call costs more than pipelining parts saves."""
         return await self._run(
             writes.put_many(self, headers, payloads, checksum_at_commit, timeout)
         )

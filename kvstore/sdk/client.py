@@ -155,7 +155,7 @@ class Client(ClientBase):
             raise KVStoreError("the client is closed")
         if type(step) is core.Call:
             timeout = self._deadline(step.timeout)
-            link = self._express if self._express_checked else self._express_link()
+            link = self.express
             if link is not None:
                 deadline = time.monotonic() + timeout
                 out = link.call(step.method, step.request, deadline)
@@ -185,7 +185,7 @@ class Client(ClientBase):
                 raise self._error(e, "Get") from e
             return None
         if type(step) is core.ReleaseLater:
-            link = self._express if self._express_checked else self._express_link()
+            link = self.express
             if link is not None and link.send("Release", step.request()):
                 return None
             try:
@@ -211,20 +211,20 @@ class Client(ClientBase):
         raise TypeError(f"not a step of the client core: {step!r}")
 
     def _pipelines(self) -> bool:
-        return (self._express if self._express_checked else self._express_link()) is not None
+        return self.express is not None
 
     def _send(self, pipe: core.Pipe, call: core.Call) -> None:
         """A pipe's call on its way: on one connection of the express plane (chosen at
-        the pipe's first call), else as a gRPC future."""
+        the pipe's first call), else over gRPC (``_GrpcPipe``)."""
         timeout = self._deadline(call.timeout)
         if pipe.state is None:
-            link = self._express if self._express_checked else self._express_link()
+            link = self.express
             if link is not None and call.method in express.METHODS:
-                pipe.state = link.pipe(time.monotonic() + timeout)
-            if pipe.state is None or not pipe.state.send(call.method, call.request, timeout):
-                pipe.state = _GrpcPipe(self)
-            else:
-                return
+                conn = link.pipe(time.monotonic() + timeout)
+                if conn is not None and conn.send(call.method, call.request, timeout):
+                    pipe.state = conn
+                    return
+            pipe.state = _GrpcPipe(self)
         pipe.state.send(call.method, call.request, timeout)
 
     def _express_link(self) -> ExpressLink | None:

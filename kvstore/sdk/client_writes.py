@@ -106,6 +106,13 @@ def _put(
         status = yield from _put_shm(c, header, src, timeout, sealed)
         if status is not None:
             return status
+    return (yield from _stream(c, header, src, timeout, sealed))
+
+
+def _stream(
+    c: ClientBase, header: RecordHeader, src: np.ndarray, timeout: float | None, sealed: bool
+) -> Plan[PutStatus]:
+    """A put streamed (Put); an unsealed header gets the payload's checksum first."""
     if not sealed:
         header = header.with_checksum(xxhash.xxh3_64_intdigest(src.data))
     r = yield Call(PUT, c._put_frames(header, src), timeout)
@@ -133,11 +140,7 @@ def put_many(
     for i, status in enumerate(out):
         if status is _REFUSED or (status is None and arena is None):
             # L1 cannot take it now, or no arena here: Put sends it below.
-            h = headers[i]
-            if checksum_at_commit:
-                h = h.with_checksum(xxhash.xxh3_64_intdigest(srcs[i].data))
-            r = yield Call(PUT, c._put_frames(h, srcs[i]), timeout)
-            out[i] = status_from_pb(r.status)
+            out[i] = yield from _stream(c, headers[i], srcs[i], timeout, not checksum_at_commit)
     if failed is not None:
         raise failed
     return cast(builtins.list[PutStatus], out)
@@ -183,8 +186,7 @@ def _put_many_shm(
         for part in parts:
             unanswered -= 1  # taken off the pipe by the Receive, answered or failed
             r = yield Receive(pipe)
-            open_ids.update((one.reservation_id, None) for one in r.responses)
-            open_ids.pop(0, None)
+            open_ids.update((one.reservation_id, None) for one in r.responses if one.reservation_id)
             if len(r.responses) != len(part):
                 raise ServerError(f"ReserveMany answered {len(r.responses)} of {len(part)}")
             mine: builtins.list[tuple[int, ReservationBase]] = []
@@ -232,8 +234,7 @@ def _put_many_shm(
                 r = yield Receive(pipe)
             except KVStoreError:
                 continue  # refused too, or the link failed (then each fails at once)
-            open_ids.update((one.reservation_id, None) for one in r.responses)
-        open_ids.pop(0, None)
+            open_ids.update((one.reservation_id, None) for one in r.responses if one.reservation_id)
         for rid in open_ids:
             try:
                 yield Call("Abort", pb.AbortRequest(reservation_id=rid), timeout)

@@ -80,14 +80,18 @@ class ExpressLink:
                 conn.close()
                 return FALLBACK
             code, body = _reply(conn, method, deadline)
-        except TimeoutError as e:
+        except OSError as e:  # TimeoutError and ConnectionError included
             conn.close()
-            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method) from e
-        except (OSError, ConnectionError) as e:
-            conn.close()
-            raise self._error(grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method) from e
+            raise self._lost(method, e) from e
         self._give(conn)
         return self._answer(method, code, body)
+
+    def _lost(self, method: str, e: OSError) -> KVStoreError:
+        """The error of a call whose connection failed after its request went out (the
+        server may have done it): its deadline passed, or the socket broke."""
+        if isinstance(e, TimeoutError):
+            return self._error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method)
+        return self._error(grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method)
 
     def _answer(self, method: str, code: int, body: bytes) -> Any:
         """A reply's message, or its error raised."""
@@ -233,10 +237,7 @@ class ExpressPipe:
     def send(self, method: str, request: Any, timeout: float) -> bool:
         """Write the call; False if the first call of the pipe found the connection dead
         (nothing went out: gRPC carries the pipe instead)."""
-        if self._broken:
-            raise self._link._error(
-                grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
-            )
+        self._check_live(method)
         if method not in express.METHODS:
             raise TypeError(f"{method} is not a unary method of the express plane")
         deadline = time.monotonic() + timeout
@@ -244,18 +245,11 @@ class ExpressPipe:
         self._wrote = 0
         try:
             self._write(memoryview(frame), deadline)
-        except TimeoutError as e:
+        except OSError as e:  # TimeoutError and ConnectionError included
             self._break()
-            raise self._link._error(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method
-            ) from e
-        except OSError as e:  # ConnectionError included
-            self._break()
-            if not self._sent and not self._wrote:
+            if not self._sent and not self._wrote and not isinstance(e, TimeoutError):
                 return False
-            raise self._link._error(
-                grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
-            ) from e
+            raise self._link._lost(method, e) from e
         self._sent += 1
         self._waiting.append((method, timeout))
         return True
@@ -283,25 +277,14 @@ class ExpressPipe:
 
     def receive(self) -> Any:
         method, timeout = self._waiting.popleft()
-        deadline = time.monotonic() + timeout
         if self._early:
             return self._link._answer(method, *self._early.popleft())
-        if self._broken:
-            raise self._link._error(
-                grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
-            )
+        self._check_live(method)
         try:
-            code, body = _reply(self._conn, method, deadline)
-        except TimeoutError as e:
+            code, body = _reply(self._conn, method, time.monotonic() + timeout)
+        except OSError as e:  # TimeoutError and ConnectionError included
             self._break()
-            raise self._link._error(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", method
-            ) from e
-        except (OSError, ConnectionError) as e:
-            self._break()
-            raise self._link._error(
-                grpc.StatusCode.UNAVAILABLE, f"express socket: {e}", method
-            ) from e
+            raise self._link._lost(method, e) from e
         return self._link._answer(method, code, body)
 
     def end(self) -> None:
@@ -316,6 +299,12 @@ class ExpressPipe:
         """The connection carries nothing more: a part of a frame may be on it."""
         self._broken = True
         self._conn.close()
+
+    def _check_live(self, method: str) -> None:
+        if self._broken:
+            raise self._link._error(
+                grpc.StatusCode.UNAVAILABLE, "express socket: an earlier call failed", method
+            )
 
 
 def _left(deadline: float) -> float:

@@ -1009,14 +1009,9 @@ def _delta(after: dict[str, int], before: dict[str, int], *methods: str) -> dict
 
 
 async def _put_batch(kv: Any, ns: Namespace, n: int, bpt: int, seed: int) -> list[Any]:
-    """``n`` chained chunks of 64 tokens stored with one ReserveMany + CommitMany; their
-    (key, payload) pairs, in order."""
-    parent, headers, datas = ROOT, [], []
-    for i in range(n):
-        h = chunk_header(ns, parent, tokens(64, seed + 64 * i), None, "bfloat16", (64, bpt // 2))
-        headers.append(h)
-        datas.append(payload(64 * bpt, seed + i))
-        parent = h.key
+    """``n`` chained chunks of 64 tokens (``_chain``) stored with one ReserveMany +
+    CommitMany; their (key, payload) pairs, in order."""
+    headers, datas = _chain(ns, n, bpt, seed)
     reservations = await kv.reserve(headers)
     for res, data in zip(reservations, datas, strict=True):
         res.write(data)

@@ -226,6 +226,15 @@ def test_a_stalled_server_fails_the_call_at_its_deadline(make_server: MakeServer
         assert c.stats().chunks == 0, "the next call is answered"
 
 
+def _unsealed(ns: Namespace, n: int) -> tuple[list[Any], list[np.ndarray]]:
+    """``n`` chunks of 64 tokens (32 KiB) for a put_many: headers with placeholder
+    checksums, and their payloads."""
+    headers = [
+        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)) for i in range(n)
+    ]
+    return headers, [payload(64 * 512, i) for i in range(n)]
+
+
 def test_a_put_many_pipes_its_calls_on_one_connection(make_server: MakeServer) -> None:
     """A put_many's 8 calls ride one connection of the pool, which goes back to it; with
     the server stalled, the batch fails at its deadline, the connection with an answer
@@ -234,10 +243,7 @@ def test_a_put_many_pipes_its_calls_on_one_connection(make_server: MakeServer) -
     srv = make_server().start()
     assert srv.proc is not None
     ns = namespace("express-pipe", 512)
-    headers, datas = [], []
-    for i in range(16):
-        headers.append(chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)))
-        datas.append(payload(64 * 512, i))
+    headers, datas = _unsealed(ns, 16)
     with kvstore.Client(srv.unix_url, timeout=0.5) as c:
         c.info()
         link = c.express
@@ -300,10 +306,7 @@ def test_a_pipes_reply_is_waited_for_from_when_it_is_asked_for(
 
     srv = make_server().start()
     ns = namespace("express-pipe-slow", 512)
-    headers = [
-        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)) for i in range(8)
-    ]
-    datas = [payload(64 * 512, i) for i in range(8)]
+    headers, datas = _unsealed(ns, 8)
     write = ReservationBase.write
 
     def slow(self: ReservationBase, data: Any) -> None:
@@ -326,10 +329,7 @@ def test_an_async_put_many_cancelled_on_a_stalled_server_is_cancelled(
     srv = make_server().start()
     assert srv.proc is not None
     ns = namespace("express-pipe-cancel", 512)
-    headers = [
-        chunk_header(ns, ROOT, tokens(64, 64 * i), None, "bfloat16", (64, 256)) for i in range(4)
-    ]
-    datas = [payload(64 * 512, i) for i in range(4)]
+    headers, datas = _unsealed(ns, 4)
 
     async def body() -> None:
         async with kvstore.AsyncClient(srv.unix_url, timeout=10) as a:
