@@ -12,6 +12,7 @@ What the native module buys (docs/performance.md has the figures):
 - ``chain_probe``/``chain_keys``: a 128k-token lookup hashes 512 chained ~1 KiB
   messages. hashlib spends more per call than the SHA instructions spend on the
   bytes; one C loop does the chain and the dict probes with no Python call per chunk.
+  ``probe_keys`` is the probe alone, for the keys a client hashed (half the Python loop).
 - ``copy_xxh3``/``scatter_xxh3``: a verified copy. With AVX2 each 64-byte stripe is
   loaded once, stored, and fed to XXH3 from the same registers: one pass over the
   bytes instead of a copy and a hash pass. What is hashed is exactly what was stored.
@@ -82,6 +83,22 @@ def _py_chain_probe(
         keys.append(key)
         values.append(getattr(value, attr))
     return keys, values, None
+
+
+def _py_probe_keys(
+    keys: bytes, mapping: dict[bytes, Any], attr: str, owner_attr: str, owner: object
+) -> tuple[list[Any], bytes | None]:
+    if len(keys) % 32:
+        raise ValueError("keys must be 32 bytes each")
+    get = mapping.get
+    values: list[Any] = []
+    for s in range(0, len(keys), 32):
+        key = keys[s : s + 32]
+        value = get(key)
+        if value is None or getattr(value, owner_attr) != owner:
+            return values, key
+        values.append(getattr(value, attr))
+    return values, None
 
 
 def _py_prefix_digests(prefix: bytes, data: Any, unit: int, size: int) -> bytes:
@@ -183,6 +200,11 @@ chain_probe: Callable[
 the first key not in ``mapping``: (keys found, getattr(value, attr) of each, the
 missing key or None)."""
 
+probe_keys: Callable[[bytes, dict[Any, Any], str, str, object], tuple[list[Any], bytes | None]]
+"""probe_keys(keys, mapping, attr, owner_attr, owner): ``keys`` (32 bytes each,
+concatenated) walked until the first not in ``mapping`` or whose value's ``owner_attr``
+is not ``owner``: (getattr(value, attr) of each key before it, that key or None)."""
+
 prefix_digests: Callable[[bytes, Any, int, int], bytes]
 """prefix_digests(prefix, data, unit, size): for each whole ``unit`` bytes, the first
 ``size`` bytes of SHA-256(prefix || data up to the end of that unit)."""
@@ -223,6 +245,7 @@ if NATIVE:
     scatter_streams = _native.scatter_streams
     chain_keys = _native.chain_keys
     chain_probe = _native.chain_probe
+    probe_keys = _native.probe_keys
     prefix_digests = _native.prefix_digests
     copy = _native.copy
     u32le = _native.u32le
@@ -234,6 +257,7 @@ else:
     scatter_streams = _py_scatter_streams
     chain_keys = _py_chain_keys
     chain_probe = _py_chain_probe
+    probe_keys = _py_probe_keys
     prefix_digests = _py_prefix_digests
     copy = _py_copy
     u32le = _py_u32le

@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
-from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import grpc
 
 from kvstore import errors
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.types import (
-    ChunkMatch,
+    ChunkMatches,
     ChunkView,
     LookupResult,
     NamespaceMatch,
@@ -136,14 +134,14 @@ def lookup_to_pb(result: LookupResult) -> pb.LookupResponse:
         ],
     )
     if result.chunks:
-        keys, start, tokens, stored, tier, partial = zip(*result.chunks, strict=True)
+        m = ChunkMatches.of(result.chunks)
         c = msg.chunks
-        c.keys = b"".join(keys)
-        c.start[:] = start
-        c.tokens[:] = tokens
-        c.stored_tokens[:] = stored
-        c.tier[:] = tier
-        c.partial[:] = partial
+        c.keys = m.key_bytes
+        c.start[:] = m.start
+        c.tokens[:] = m.tokens
+        c.stored_tokens[:] = m.stored_tokens
+        c.tier[:] = m.tier
+        c.partial[:] = m.partial
     return msg
 
 
@@ -166,34 +164,14 @@ def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
     )
 
 
-def _chunks_from_pb(c: pb.ChunkMatches) -> tuple[ChunkMatch, ...]:
-    n = len(c.start)
-    if not (
-        len(c.keys) == 32 * n
-        and len(c.tokens) == len(c.stored_tokens) == len(c.tier) == len(c.partial) == n
-    ):
-        raise errors.KVStoreError("malformed lookup response: chunk columns differ in length")
-    keys = c.keys
-    # Column by column into plain lists first: a 128k-token prompt has 512 rows, and
-    # indexing the message's repeated fields row by row costs more than the RPC. The rows
-    # are built by tuple.__new__ (C), not the NamedTuple's constructor (Python code).
-    return tuple(
-        map(
-            _match_row,
-            zip(
-                [keys[i : i + 32] for i in range(0, 32 * n, 32)],
-                list(c.start),
-                list(c.tokens),
-                list(c.stored_tokens),
-                list(c.tier),
-                list(c.partial),
-                strict=True,
-            ),
-        )
-    )
-
-
-_match_row = cast(Callable[[tuple[Any, ...]], ChunkMatch], partial(tuple.__new__, ChunkMatch))
+def _chunks_from_pb(c: pb.ChunkMatches) -> ChunkMatches:
+    # The message's own columns (rows are made as they are read): a 128k-token prompt
+    # has 512 rows, and making them, or lists of the columns, costs more than the RPC.
+    try:
+        tier = bytes(c.tier)  # ValueError past 255: not a tier
+        return ChunkMatches(c.keys, c.start, c.tokens, c.stored_tokens, tier, c.partial)
+    except ValueError as e:
+        raise errors.KVStoreError(f"malformed lookup response: {e}") from e
 
 
 def _maybe_namespace(msg: pb.Namespace) -> Namespace | None:

@@ -8,8 +8,10 @@ client on a laptop uses the same types without importing the engine.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast, overload
 
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 
@@ -88,6 +90,108 @@ class ChunkMatch(NamedTuple):
     partial: bool  # True when only a prefix of the stored chunk matches
 
 
+KEY_BYTES = 32  # a chunk key's length (kvstore.keys)
+_row = cast(
+    Any, functools.partial(tuple.__new__, ChunkMatch)
+)  # a row built in C, not by Python code
+
+
+class ChunkMatches(Sequence[ChunkMatch]):
+    """A lookup's matched chunks, kept as the columns they travel in; a row
+    (``ChunkMatch``) is made when it is read. A 128k-token prompt matches 512 chunks,
+    and making 512 rows in the server, taking them apart again for the wire and making
+    them again in the client cost more than the rest of the lookup. Equal to any
+    sequence of the same rows (a tuple of ChunkMatch included).
+
+    ``key_bytes``: the keys, 32 bytes each; the other columns one entry per chunk, as
+    ChunkMatch names them. ValueError if the columns differ in length."""
+
+    __slots__ = ("key_bytes", "partial", "start", "stored_tokens", "tier", "tokens")
+
+    def __init__(
+        self,
+        key_bytes: bytes = b"",
+        start: Sequence[int] = (),
+        tokens: Sequence[int] = (),
+        stored_tokens: Sequence[int] = (),
+        tier: Sequence[int] = (),
+        partial: Sequence[bool] = (),
+    ) -> None:
+        n = len(start)
+        if not (
+            len(key_bytes) == KEY_BYTES * n
+            and len(tokens) == len(stored_tokens) == len(tier) == len(partial) == n
+        ):
+            raise ValueError(
+                f"chunk columns differ in length: {len(key_bytes)} key bytes, "
+                f"{n} starts, {len(tokens)} tokens, {len(stored_tokens)} stored, "
+                f"{len(tier)} tiers, {len(partial)} partial"
+            )
+        self.key_bytes, self.start, self.tokens = key_bytes, start, tokens
+        self.stored_tokens, self.tier, self.partial = stored_tokens, tier, partial
+
+    @classmethod
+    def of(cls, rows: Sequence[ChunkMatch]) -> ChunkMatches:
+        """Columns of rows (itself if it is columns already)."""
+        if isinstance(rows, ChunkMatches):
+            return rows
+        if not rows:
+            return cls()
+        keys, start, tokens, stored, tier, part = zip(*rows, strict=True)
+        return cls(b"".join(keys), start, tokens, stored, tier, part)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkMatch: ...
+    @overload
+    def __getitem__(self, i: slice) -> ChunkMatches: ...
+    def __getitem__(self, i: int | slice) -> ChunkMatch | ChunkMatches:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step != 1:
+                return ChunkMatches.of(tuple(self)[i])
+            return ChunkMatches(
+                self.key_bytes[lo * KEY_BYTES : hi * KEY_BYTES],
+                self.start[lo:hi],
+                self.tokens[lo:hi],
+                self.stored_tokens[lo:hi],
+                self.tier[lo:hi],
+                self.partial[lo:hi],
+            )
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("chunk index out of range")
+        k = self.key_bytes[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+        return _row(
+            (k, self.start[i], self.tokens[i], self.stored_tokens[i], self.tier[i], self.partial[i])
+        )
+
+    def __iter__(self) -> Iterator[ChunkMatch]:
+        kb = self.key_bytes
+        keys = (kb[s : s + KEY_BYTES] for s in range(0, len(kb), KEY_BYTES))
+        cols = (self.start, self.tokens, self.stored_tokens, self.tier, self.partial)
+        return map(_row, zip(keys, *cols, strict=True))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to tuples, whose hash it cannot share
+
+    def __repr__(self) -> str:
+        return f"ChunkMatches({list(self)!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Columns may be a protobuf message's (a client's answer), which do not pickle.
+        cols = (self.start, self.tokens, self.stored_tokens, self.tier, self.partial)
+        return ChunkMatches, (self.key_bytes, *(list(c) for c in cols))
+
+
 STOP_REASONS = (
     "complete",  # every token of the prompt matched
     "not_stored",  # the next chunk was never stored (or was evicted long ago)
@@ -113,7 +217,7 @@ class NamespaceMatch:
 class LookupResult:
     matched_tokens: int
     total_tokens: int
-    chunks: tuple[ChunkMatch, ...] = ()
+    chunks: Sequence[ChunkMatch] = ()  # ChunkMatches from a lookup
     stop: str = "not_stored"  # one of STOP_REASONS: why matching ended where it did
     stop_chunk: int = -1  # index of the chunk where matching ended; -1 when complete
     by_tier: dict[int, int] = field(default_factory=dict)  # matched tokens per tier

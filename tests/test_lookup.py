@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 
 import pytest
@@ -10,9 +11,12 @@ from hypothesis import strategies as st
 
 from kvstore.engine.index import Index
 from kvstore.engine.lookup import KeyChain, lookup
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace, token_view
+from kvstore.protocol import lookup_from_pb, lookup_to_pb
 from kvstore.sdk.base import lookup_hashes
+from kvstore.types import ChunkMatch, ChunkMatches, LookupResult
+from kvstore.v1 import kvstore_pb2 as pb
 from tests.helpers import FP, make_chain, make_chunk
 
 C, G = 8, 2  # chunk tokens and granularity for the small cases
@@ -173,7 +177,22 @@ def test_matches_reference_model(prompts: list[list[int]], q: list[int], g_req: 
     r = run(idx, q, granularity=g_req)
     assert r.matched_tokens == reference(prompts, q, g_req), (prompts, q, r)
     assert sum(c.tokens for c in r.chunks) == r.matched_tokens
+    check_rows(r)
     assert by_keys(idx, q, granularity=g_req) == r, "fed by keys, the same lookup answers alike"
+
+
+def check_rows(r: LookupResult) -> None:
+    """What every answer's rows hold, however the columns were built and trimmed, and
+    that they cross the wire unchanged."""
+    rows = list(r.chunks)
+    assert all(c.start == i * C for i, c in enumerate(rows)), rows
+    assert all(0 < c.tokens <= c.stored_tokens for c in rows), rows
+    assert not any(c.partial for c in rows[:-1]), f"only the last chunk is partial: {rows}"
+    per_tier: dict[int, int] = {}
+    for c in rows:
+        per_tier[c.tier] = per_tier.get(c.tier, 0) + c.tokens
+    assert per_tier == r.by_tier, (rows, r.by_tier)
+    assert lookup_from_pb(lookup_to_pb(r)) == r, "the wire keeps every field"
 
 
 @settings(max_examples=200, deadline=None)
@@ -194,6 +213,7 @@ def test_keys_and_token_ids_answer_alike_across_tiers(
     want = run(idx, q, remote=remote, min_tokens=min_tokens)
     got = by_keys(idx, q, remote=remote, min_tokens=min_tokens)
     assert got == want, (local, shared, q)
+    check_rows(got)
     # The SDK's way for a long prompt: keys alone, then the one chunk's sub-hashes if asked.
     keys, subs = lookup_hashes(FP, token_view(q), C, G)
     bare = KeyChain(keys, len(q), b"", C, G)
@@ -278,3 +298,42 @@ def test_a_sibling_of_another_namespace_is_never_matched() -> None:
     idx.add(make_chain(p, C, fp=other)[0][0], 1)  # B's own chunk 0
     r = lookup(idx, FP, KeyChain(okeys, len(p), b"", C, G), chunk_tokens=C)
     assert r.matched_tokens == 0, "keys of B's chunks sent under A's fingerprint name nothing"
+
+
+def test_chunk_matches_read_as_the_rows_they_hold() -> None:
+    """ChunkMatches keeps columns; read as a sequence it is the tuple of rows it stands for."""
+    keys = [bytes([i]) * 32 for i in range(3)]
+    rows = tuple(
+        ChunkMatch(ChunkKey(k), i * C, C if i < 2 else 4, C, 1 + i % 2, i == 2)
+        for i, k in enumerate(keys)
+    )
+    m = ChunkMatches.of(rows)
+    assert len(m) == 3 and m == rows and rows == m and list(m) == list(rows)
+    assert m[0] == rows[0] and m[-1] == rows[-1] and m[-3] == rows[0]
+    assert m[1:] == rows[1:] and isinstance(m[1:], ChunkMatches) and m[::2] == rows[::2]
+    assert m[5:] == () and not m[5:] and ChunkMatches() == () and ChunkMatches.of(m) is m
+    assert m != rows[:2] and m != (*rows[:2], rows[0]) and m != "abc"
+    with pytest.raises(IndexError):
+        m[3]
+    with pytest.raises(IndexError):
+        m[-4]
+    with pytest.raises(ValueError, match="differ in length"):
+        ChunkMatches(b"".join(keys), [0, C], [C] * 3, [C] * 3, b"\x01" * 3, [False] * 3)
+    assert "ChunkMatch(" in repr(m), "a failing test shows the rows"
+
+
+def test_a_lookup_answer_whose_columns_differ_is_refused() -> None:
+    msg = lookup_to_pb(
+        LookupResult(C, C, ChunkMatches.of((ChunkMatch(ChunkKey(b"k" * 32), 0, C, C, 1, False),)))
+    )
+    msg.chunks.tokens.append(C)
+    with pytest.raises(KVStoreError, match="malformed lookup response"):
+        lookup_from_pb(pb.LookupResponse.FromString(msg.SerializeToString()))
+    msg.chunks.tokens.pop()
+    got = lookup_from_pb(msg)
+    assert pickle.loads(pickle.dumps(got)) == got, (
+        "a client's answer pickles (its columns are a message's)"
+    )
+    msg.chunks.tier[0] = 300
+    with pytest.raises(KVStoreError, match="malformed lookup response"):
+        lookup_from_pb(msg)

@@ -7,6 +7,7 @@
  *
  * - chain_keys / chain_probe: the chained SHA-256 chunk keys of a prompt (and, for
  *   lookup, the dict probe of each key) in one loop, with no Python call per chunk.
+ * - probe_keys: the same probe for keys a client hashed (a lookup by keys).
  * - prefix_digests: the cumulative sub-hashes partial matching compares.
  * - copy_xxh3 / scatter_xxh3: a copy that hashes each block right after it lands,
  *   while it is still in L1, so a verified copy costs about one pass over memory
@@ -145,6 +146,69 @@ done:
 
 static PyObject *py_chain_keys(PyObject *self, PyObject *args) { return chain(args, 0); }
 static PyObject *py_chain_probe(PyObject *self, PyObject *args) { return chain(args, 1); }
+
+/* probe_keys(keys, mapping, attr, owner_attr, owner) -> (attrs, stop_key)
+ *
+ * ``keys``: 32-byte keys, concatenated (what a client sent, hashed on its side). Walks
+ * them until the first one not in ``mapping`` (a dict) or whose value's ``owner_attr``
+ * is not equal to ``owner``; returns getattr(value, attr) of each key before it, and
+ * that key (None when every key passed). */
+static PyObject *py_probe_keys(PyObject *self, PyObject *args) {
+    Py_buffer keys;
+    PyObject *mapping, *attr, *owner_attr, *owner;
+    if (!PyArg_ParseTuple(args, "y*O!UUO:probe_keys", &keys, &PyDict_Type, &mapping, &attr,
+                          &owner_attr, &owner))
+        return NULL;
+    PyObject *attrs = NULL, *stop = NULL, *result = NULL;
+    if (keys.len % 32) {
+        PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes each");
+        goto done;
+    }
+    attrs = PyList_New(0);
+    if (!attrs) goto done;
+    const char *buf = keys.buf;
+    for (Py_ssize_t off = 0; off < keys.len; off += 32) {
+        PyObject *k = PyBytes_FromStringAndSize(buf + off, 32);
+        if (!k) goto done;
+        PyObject *value = PyDict_GetItemWithError(mapping, k); /* borrowed */
+        if (!value) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(k);
+                goto done;
+            }
+            stop = k;
+            break;
+        }
+        Py_INCREF(value); /* borrowed from the dict: keep it while getattr runs */
+        PyObject *o = PyObject_GetAttr(value, owner_attr);
+        int same = o ? PyObject_RichCompareBool(o, owner, Py_EQ) : -1;
+        Py_XDECREF(o);
+        if (same < 0) {
+            Py_DECREF(value);
+            Py_DECREF(k);
+            goto done;
+        }
+        if (!same) {
+            Py_DECREF(value);
+            stop = k;
+            break;
+        }
+        PyObject *a = PyObject_GetAttr(value, attr);
+        Py_DECREF(value);
+        Py_DECREF(k);
+        if (!a || PyList_Append(attrs, a) < 0) {
+            Py_XDECREF(a);
+            goto done;
+        }
+        Py_DECREF(a);
+    }
+    result = Py_BuildValue("(OO)", attrs, stop ? stop : Py_None);
+done:
+    Py_XDECREF(attrs);
+    Py_XDECREF(stop);
+    PyBuffer_Release(&keys);
+    return result;
+}
 
 /* prefix_digests(prefix, data, unit, size) -> bytes
  * One entry per whole ``unit`` bytes of data: the first ``size`` bytes of
@@ -554,6 +618,8 @@ static PyMethodDef methods[] = {
     {"chain_keys", py_chain_keys, METH_VARARGS, "Chained SHA-256 keys of a prompt's chunks."},
     {"chain_probe", py_chain_probe, METH_VARARGS,
      "Chained keys up to the first one missing from a dict."},
+    {"probe_keys", py_probe_keys, METH_VARARGS,
+     "Leading 32-byte keys held in a dict by one owner, up to the first that is not."},
     {"prefix_digests", py_prefix_digests, METH_VARARGS,
      "Truncated SHA-256 of each whole-unit prefix."},
     {"u32le", py_u32le, METH_O, "A list or tuple of ints as little-endian u32 bytes."},

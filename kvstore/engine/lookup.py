@@ -19,10 +19,8 @@ stopping point. Nothing scales with store size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
-from itertools import repeat
-from typing import Any, Protocol, cast
+from collections.abc import Sequence
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -41,7 +39,7 @@ from kvstore.keys import (
     sub_hashes,
     token_view,
 )
-from kvstore.types import ChunkMatch, LookupResult
+from kvstore.types import ChunkMatches, LookupResult
 
 
 class RemoteView(Protocol):
@@ -54,8 +52,6 @@ class RemoteView(Protocol):
         ...
 
 
-# ChunkMatch rows built in C from columns: the NamedTuple constructor is Python code.
-_match_row = cast(Callable[[tuple[Any, ...]], ChunkMatch], partial(tuple.__new__, ChunkMatch))
 _FASTEST_BY_MASK = bytes(FASTEST[m & 15] for m in range(256))  # FASTEST for bytes.translate
 _LEVELS = sorted(set(FASTEST))  # every value a tier column can hold
 
@@ -72,9 +68,9 @@ class Chain(Protocol):
 
     n_tokens: int
 
-    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
-        """Keys of the leading chunks the index holds, their tier masks, and the first
-        key it lacks (None when every chunk is held)."""
+    def walk(self, index: Index) -> tuple[bytes, list[int], bytes | None]:
+        """Keys of the leading chunks the index holds (32 bytes each, concatenated),
+        their tier masks, and the first key it lacks (None when every chunk is held)."""
         ...
 
     def after(self, k: int, key: bytes) -> list[bytes]:
@@ -103,10 +99,13 @@ class TokenChain:
         self._step = chunk_tokens * 4
         self._prefix = chunk_prefix(fingerprint)
 
-    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+    def walk(self, index: Index) -> tuple[bytes, list[int], bytes | None]:
         # The hot loop (a 128k-token prompt is 512 chunks): hash, probe, keep, in one C
         # call (accel).
-        return accel.chain_probe(self._prefix, ROOT, self._tb, self._step, index.entries, "tiers")
+        keys, masks, stop = accel.chain_probe(
+            self._prefix, ROOT, self._tb, self._step, index.entries, "tiers"
+        )
+        return b"".join(keys), masks, stop
 
     def after(self, k: int, key: bytes) -> list[bytes]:
         return accel.chain_keys(self._prefix, key, self._tb[(k + 1) * self._step :], self._step)
@@ -166,32 +165,28 @@ class KeyChain:
                 f"{granularity} tokens, the server's granularity), or leave it empty"
             )
         self.n_tokens = n_tokens
-        self._keys = [keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+        self._keys = keys
         self._subs, self._per, self._subs_of = subs, per, subs_of
         self._tail = tail if n_tokens % chunk_tokens else per  # sub-hash bytes of the last
         self.needs: int | None = None  # set by lookup: the chunk whose sub-hashes it lacked
         self.fingerprint = fingerprint  # lookup's, if not given here
 
-    def walk(self, index: Index) -> tuple[list[bytes], list[int], bytes | None]:
+    def walk(self, index: Index) -> tuple[bytes, list[int], bytes | None]:
         # A key stands for tokens of the namespace asked about only if its entry is of that
         # namespace: the caller hashed the keys, and keys of another namespace match nothing.
-        fp = self.fingerprint
-        get = cast(Callable[[bytes], Any], index.entries.get)  # no ChunkKey() call per key
-        masks: list[int] = []
-        for key in self._keys:
-            entry = get(key)
-            if entry is None or entry.fingerprint != fp:
-                return self._keys[: len(masks)], masks, key
-            masks.append(entry.tiers)
-        return self._keys, masks, None
+        masks, stop = accel.probe_keys(
+            self._keys, index.entries, "tiers", "fingerprint", self.fingerprint
+        )
+        return self._keys[: len(masks) * KEY_BYTES], masks, stop
 
     def after(self, k: int, key: bytes) -> list[bytes]:
-        return self._keys[k + 1 :]
+        keys = self._keys
+        return [keys[s : s + KEY_BYTES] for s in range((k + 1) * KEY_BYTES, len(keys), KEY_BYTES)]
 
     def sub_hashes(self, k: int, granularity: int) -> bytes | None:
         # Hashed by the caller at the granularity the store gave it (its Info), the
         # index's; None: not sent for chunk k.
-        if k == len(self._keys) - 1 and self._tail == 0:
+        if k == len(self._keys) // KEY_BYTES - 1 and self._tail == 0:
             return b""  # a last chunk shorter than one unit: nothing to compare
         if not self._subs:
             return None
@@ -233,35 +228,33 @@ def lookup(
     n_chunks = -(-n // ct)
     keys, masks, stop_key = chain.walk(index)
     tiers = bytearray(masks).translate(_FASTEST_BY_MASK)  # the fastest tier of each chunk
-    parent: bytes = keys[-1] if keys else ROOT
+    parent: bytes = keys[-KEY_BYTES:] if keys else ROOT
 
     if remote is not None and stop_key is not None:
-        rest = [stop_key, *chain.after(len(keys), stop_key)]
+        rest = [stop_key, *chain.after(len(keys) // KEY_BYTES, stop_key)]
         present = remote.contains(cast(list[ChunkKey], rest))
         stop_key = None
-        keys = list(keys)
+        found = []
         for key, here in zip(rest, present, strict=True):
             if not here:
                 stop_key = key
                 break
-            keys.append(key)
+            found.append(key)
             tiers.append(3)
             parent = key
+        keys += b"".join(found)
 
     # Equal keys mean equal tokens, so an exact match serves, and its stored chunk
     # holds, exactly the prompt's chunk: chunk_tokens, or fewer for the last one.
-    k = len(keys)
-    matches = list(
-        map(_match_row, zip(keys, range(0, n, ct), repeat(ct), repeat(ct), tiers, repeat(False)))
-    )
+    k = len(keys) // KEY_BYTES
+    rows = _Columns(bytearray(keys), list(range(0, k * ct, ct)), [ct] * k, [ct] * k, tiers)
     levels = sorted((t for t in _LEVELS if t in tiers), key=tiers.index)  # in order of appearance
     by_tier = {t: tiers.count(t) * ct for t in levels}
     matched = min(k * ct, n)
     if k * ct > n:  # the prompt's short last chunk matched
-        last = matches[-1]
-        short = n - last.start
-        matches[-1] = ChunkMatch(last.key, last.start, short, short, last.tier, False)
-        by_tier[last.tier] -= k * ct - n
+        short = n - rows.start[-1]
+        rows.tokens[-1] = rows.stored[-1] = short
+        by_tier[tiers[-1]] -= k * ct - n
 
     stop = "complete"
     stop_chunk = -1  # where matching ended is a fact of the store, before the caller's rounding
@@ -277,21 +270,86 @@ def lookup(
         if best is not None:
             key, units, n_stored, tier = best
             got = units * index.granularity
-            matches.append(ChunkMatch(key, k * ct, got, n_stored, tier, True))
+            rows.append(key, k * ct, got, n_stored, tier, True)
             by_tier[tier] = by_tier.get(tier, 0) + got
             matched += got
             stop = "diverged"
 
     cut = matched // g * g
     if cut < matched:
-        _trim(matches, by_tier, matched - cut)
+        rows.trim(by_tier, matched - cut)
         if stop == "complete":
             stop = "granularity"
-            stop_chunk = len(matches) - (1 if matches and matches[-1].partial else 0)
+            stop_chunk = len(rows.start) - (1 if rows.partial and rows.partial[-1] else 0)
         matched = cut
     if matched and matched < min_tokens:
-        return LookupResult(0, n, (), "below_min_tokens", len(matches) - 1)
-    return LookupResult(matched, n, tuple(matches), stop, stop_chunk, by_tier)
+        return LookupResult(0, n, (), "below_min_tokens", len(rows.start) - 1)
+    return LookupResult(matched, n, rows.freeze(), stop, stop_chunk, by_tier)
+
+
+class _Columns:
+    """The matched chunks as lookup builds them: whole chunks in bulk, then at most a
+    partial one added and the last few trimmed (``kvstore.types.ChunkMatches``)."""
+
+    def __init__(
+        self,
+        keys: bytearray,
+        start: list[int],
+        tokens: list[int],
+        stored: list[int],
+        tier: bytearray,
+    ) -> None:
+        self.keys, self.start, self.tokens, self.stored, self.tier = (
+            keys,
+            start,
+            tokens,
+            stored,
+            tier,
+        )
+        self.partial: list[bool] | None = None  # None while no chunk is: the common case
+
+    def append(
+        self, key: bytes, start: int, tokens: int, stored: int, tier: int, part: bool
+    ) -> None:
+        if part and self.partial is None:
+            self.partial = [False] * len(self.start)
+        self.keys += key
+        self.start.append(start)
+        self.tokens.append(tokens)
+        self.stored.append(stored)
+        self.tier.append(tier)
+        if self.partial is not None:
+            self.partial.append(part)
+
+    def trim(self, by_tier: dict[int, int], excess: int) -> None:
+        """Take ``excess`` tokens off the end (and off ``by_tier``)."""
+        while excess > 0:
+            key = bytes(self.keys[-KEY_BYTES:])
+            del self.keys[-KEY_BYTES:]
+            start, tokens, stored = self.start.pop(), self.tokens.pop(), self.stored.pop()
+            tier = self.tier.pop()
+            if self.partial is not None:
+                self.partial.pop()
+            cut = min(tokens, excess)
+            excess -= cut
+            left = by_tier[tier] - cut
+            if left:
+                by_tier[tier] = left
+            else:
+                del by_tier[tier]
+            if cut < tokens:
+                self.append(key, start, tokens - cut, stored, tier, True)
+
+    def freeze(self) -> ChunkMatches:
+        n = len(self.start)
+        return ChunkMatches(
+            bytes(self.keys),
+            self.start,
+            self.tokens,
+            self.stored,
+            bytes(self.tier),
+            [False] * n if self.partial is None else self.partial,
+        )
 
 
 def _best_sibling(
@@ -330,19 +388,3 @@ def _has_siblings(
     if index.children.get(family(parent, fingerprint)):
         return True
     return remote is not None and bool(remote.children(parent, fingerprint))
-
-
-def _trim(matches: list[ChunkMatch], by_tier: dict[int, int], excess: int) -> None:
-    """Take ``excess`` tokens off the end of ``matches`` (and ``by_tier``), in place."""
-    while excess > 0:
-        m = matches.pop()
-        cut = min(m.tokens, excess)
-        excess -= cut
-        left = by_tier[m.tier] - cut
-        if left:
-            by_tier[m.tier] = left
-        else:
-            del by_tier[m.tier]
-        if cut < m.tokens:
-            left_tokens = m.tokens - cut
-            matches.append(ChunkMatch(m.key, m.start, left_tokens, m.stored_tokens, m.tier, True))
