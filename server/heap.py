@@ -60,10 +60,12 @@ class ShortCollections:
             gc.callbacks.remove(self)
 
 
-def keep_full_collections_short(pause_ms: float) -> ShortCollections | None:
+def keep_full_collections_short(
+    pause_ms: float, clock: Callable[[], float] = time.perf_counter
+) -> ShortCollections | None:
     """Collect and freeze what is alive now (the store is open: its index is built), and
-    freeze again after every full collection longer than ``pause_ms``; 0 leaves Python's
-    collector as it is (None)."""
+    freeze again after every full collection longer than ``pause_ms`` (timed by
+    ``clock``); 0 leaves Python's collector as it is (None)."""
     if pause_ms <= 0:
         return None
     gc.collect()
@@ -71,6 +73,6 @@ def keep_full_collections_short(pause_ms: float) -> ShortCollections | None:
     log.debug(
         "%d objects alive at the start frozen (gc_pause_ms=%g)", gc.get_freeze_count(), pause_ms
     )
-    short = ShortCollections(pause_ms / 1000)
+    short = ShortCollections(pause_ms / 1000, clock)
     gc.callbacks.append(short)
     return short

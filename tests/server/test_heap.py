@@ -30,10 +30,22 @@ class _Cycle:
         self.me = self
 
 
+class _Ticks:
+    """A clock that reads the times it is given, one per call. They are set in place
+    (``times[:] = ...``): an object replaced would leave the frozen ones' count."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self) -> float:
+        return self.times.pop(0)
+
+
 def test_what_is_alive_at_the_start_is_frozen_and_a_long_collection_freezes_again(
     thawed: None,
 ) -> None:
-    short = keep_full_collections_short(5.0)
+    ticks = _Ticks()
+    short = keep_full_collections_short(5.0, clock=ticks)
     assert short is not None and short in gc.callbacks
     at_start = gc.get_freeze_count()
     assert at_start > 1000, f"only {at_start} objects frozen: the start's objects were not"
@@ -41,13 +53,11 @@ def test_what_is_alive_at_the_start_is_frozen_and_a_long_collection_freezes_agai
     garbage = [_Cycle() for _ in range(1000)]
     del garbage  # cycles: only the collector frees them
 
-    ticks = iter([0.0, 0.001])  # a full collection of 1 ms: short, nothing frozen
-    short._clock = lambda: next(ticks)
+    ticks.times[:] = [0.0, 0.001]  # a full collection of 1 ms: short, nothing frozen
     gc.collect()
     assert short.freezes == 0 and gc.get_freeze_count() == at_start
 
-    ticks = iter([0.0, 0.010])  # 10 ms: what survived it is frozen
-    short._clock = lambda: next(ticks)
+    ticks.times[:] = [0.0, 0.010]  # 10 ms: what survived it is frozen
     gc.collect()
     assert short.freezes == 1
     grown = gc.get_freeze_count() - at_start
@@ -57,8 +67,7 @@ def test_what_is_alive_at_the_start_is_frozen_and_a_long_collection_freezes_agai
     )
     assert all(k.me is k for k in kept)
 
-    ticks = iter([0.0, 0.010])
-    short._clock = lambda: next(ticks)
+    ticks.times[:] = [0.0, 0.010]
     gc.collect(1)  # a young collection is never one to freeze after
     assert short.freezes == 1
     short.remove()
