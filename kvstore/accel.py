@@ -85,17 +85,19 @@ def _py_chain_probe(
     return keys, values, None
 
 
+_ABSENT = object()
+
+
 def _py_probe_keys(
     keys: bytes, mapping: dict[bytes, Any], attr: str, owner_attr: str, owner: object
 ) -> tuple[list[Any], bytes | None]:
     if len(keys) % 32:
         raise ValueError("keys must be 32 bytes each")
-    get = mapping.get
     values: list[Any] = []
     for s in range(0, len(keys), 32):
         key = keys[s : s + 32]
-        value = get(key)
-        if value is None or getattr(value, owner_attr) != owner:
+        value = mapping.get(key, _ABSENT)
+        if value is _ABSENT or getattr(value, owner_attr) != owner:
             return values, key
         values.append(getattr(value, attr))
     return values, None

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast, overload
 
-from kvstore.keys import ChunkKey, Fingerprint, Namespace
+from kvstore.keys import KEY_BYTES, ChunkKey, Fingerprint, Namespace
 
 
 class TierLevel(enum.IntEnum):
@@ -90,23 +90,22 @@ class ChunkMatch(NamedTuple):
     partial: bool  # True when only a prefix of the stored chunk matches
 
 
-KEY_BYTES = 32  # a chunk key's length (kvstore.keys)
-_row = cast(
-    Any, functools.partial(tuple.__new__, ChunkMatch)
-)  # a row built in C, not by Python code
+_row = cast(Any, functools.partial(tuple.__new__, ChunkMatch))  # built in C, not Python
 
 
 class ChunkMatches(Sequence[ChunkMatch]):
-    """A lookup's matched chunks, kept as the columns they travel in; a row
-    (``ChunkMatch``) is made when it is read. A 128k-token prompt matches 512 chunks,
-    and making 512 rows in the server, taking them apart again for the wire and making
-    them again in the client cost more than the rest of the lookup. Equal to any
-    sequence of the same rows (a tuple of ChunkMatch included).
+    """A lookup's matched chunks, kept as the columns they travel in; the rows
+    (``ChunkMatch``) are made when first read, once. A 128k-token prompt matches 512
+    chunks, and making 512 rows in the server, taking them apart again for the wire and
+    making them again in the client cost more than the rest of the lookup; a caller who
+    reads only ``matched_tokens``, or a slice, makes none. Equal to any sequence of the
+    same rows (a tuple of ChunkMatch included).
 
-    ``key_bytes``: the keys, 32 bytes each; the other columns one entry per chunk, as
-    ChunkMatch names them. ValueError if the columns differ in length."""
+    The columns, read-only: ``key_bytes`` (the keys, 32 bytes each), ``start``,
+    ``tokens``, ``stored_tokens``, ``tier`` and ``partial`` (one entry per chunk, as
+    ChunkMatch names them). ValueError if they differ in length."""
 
-    __slots__ = ("key_bytes", "partial", "start", "stored_tokens", "tier", "tokens")
+    __slots__ = ("_keys", "_partial", "_rows", "_start", "_stored", "_tier", "_tokens")
 
     def __init__(
         self,
@@ -127,8 +126,9 @@ class ChunkMatches(Sequence[ChunkMatch]):
                 f"{n} starts, {len(tokens)} tokens, {len(stored_tokens)} stored, "
                 f"{len(tier)} tiers, {len(partial)} partial"
             )
-        self.key_bytes, self.start, self.tokens = key_bytes, start, tokens
-        self.stored_tokens, self.tier, self.partial = stored_tokens, tier, partial
+        self._keys, self._start, self._tokens = key_bytes, start, tokens
+        self._stored, self._tier, self._partial = stored_tokens, tier, partial
+        self._rows: tuple[ChunkMatch, ...] | None = None
 
     @classmethod
     def of(cls, rows: Sequence[ChunkMatch]) -> ChunkMatches:
@@ -140,8 +140,35 @@ class ChunkMatches(Sequence[ChunkMatch]):
         keys, start, tokens, stored, tier, part = zip(*rows, strict=True)
         return cls(b"".join(keys), start, tokens, stored, tier, part)
 
+    @property
+    def key_bytes(self) -> bytes:
+        return self._keys
+
+    @property
+    def start(self) -> Sequence[int]:
+        return self._start
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    @property
+    def stored_tokens(self) -> Sequence[int]:
+        return self._stored
+
+    @property
+    def tier(self) -> Sequence[int]:
+        return self._tier
+
+    @property
+    def partial(self) -> Sequence[bool]:
+        return self._partial
+
+    def _columns(self) -> tuple[Sequence[int], ...]:
+        return self._start, self._tokens, self._stored, self._tier, self._partial
+
     def __len__(self) -> int:
-        return len(self.start)
+        return len(self._start)
 
     @overload
     def __getitem__(self, i: int) -> ChunkMatch: ...
@@ -151,33 +178,32 @@ class ChunkMatches(Sequence[ChunkMatch]):
         if isinstance(i, slice):
             lo, hi, step = i.indices(len(self))
             if step != 1:
-                return ChunkMatches.of(tuple(self)[i])
-            return ChunkMatches(
-                self.key_bytes[lo * KEY_BYTES : hi * KEY_BYTES],
-                self.start[lo:hi],
-                self.tokens[lo:hi],
-                self.stored_tokens[lo:hi],
-                self.tier[lo:hi],
-                self.partial[lo:hi],
-            )
+                return ChunkMatches.of(self.rows()[i])
+            keys = self._keys[lo * KEY_BYTES : hi * KEY_BYTES]
+            return ChunkMatches(keys, *(c[lo:hi] for c in self._columns()))  # type: ignore[arg-type]
+        if self._rows is not None:
+            return self._rows[i]
         n = len(self)
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError("chunk index out of range")
-        k = self.key_bytes[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-        return _row(
-            (k, self.start[i], self.tokens[i], self.stored_tokens[i], self.tier[i], self.partial[i])
-        )
+        key = self._keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+        return _row((key, *(c[i] for c in self._columns())))
+
+    def rows(self) -> tuple[ChunkMatch, ...]:
+        """Every row, made once: later reads take them from here."""
+        if self._rows is None:
+            kb = self._keys
+            keys = (kb[s : s + KEY_BYTES] for s in range(0, len(kb), KEY_BYTES))
+            self._rows = tuple(map(_row, zip(keys, *self._columns(), strict=True)))
+        return self._rows
 
     def __iter__(self) -> Iterator[ChunkMatch]:
-        kb = self.key_bytes
-        keys = (kb[s : s + KEY_BYTES] for s in range(0, len(kb), KEY_BYTES))
-        cols = (self.start, self.tokens, self.stored_tokens, self.tier, self.partial)
-        return map(_row, zip(keys, *cols, strict=True))
+        return iter(self.rows())
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes, bytearray)):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
 
@@ -188,8 +214,7 @@ class ChunkMatches(Sequence[ChunkMatch]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Columns may be a protobuf message's (a client's answer), which do not pickle.
-        cols = (self.start, self.tokens, self.stored_tokens, self.tier, self.partial)
-        return ChunkMatches, (self.key_bytes, *(list(c) for c in cols))
+        return ChunkMatches, (self._keys, *(list(c) for c in self._columns()))
 
 
 STOP_REASONS = (
@@ -217,7 +242,7 @@ class NamespaceMatch:
 class LookupResult:
     matched_tokens: int
     total_tokens: int
-    chunks: Sequence[ChunkMatch] = ()  # ChunkMatches from a lookup
+    chunks: Sequence[ChunkMatch] = field(default_factory=ChunkMatches)  # rows as columns
     stop: str = "not_stored"  # one of STOP_REASONS: why matching ended where it did
     stop_chunk: int = -1  # index of the chunk where matching ended; -1 when complete
     by_tier: dict[int, int] = field(default_factory=dict)  # matched tokens per tier

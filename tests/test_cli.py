@@ -552,3 +552,15 @@ def test_bench(server: Server, stored: dict) -> None:
     assert doc["put"]["statuses"] == {"stored": 2}, doc
     assert as_json(call(server, "stats", "--json"))["chunks"] == before, "bench left chunks"
     assert "size" in failed(call(server, "bench", "--size", "lots"), 2)
+
+
+def test_a_lookup_result_as_json_lists_its_chunks() -> None:
+    """``--json`` output of a LookupResult: its chunks (columns, ``ChunkMatches``) as rows."""
+    from kvstore.cli.format import emit_json
+    from kvstore.types import ChunkMatch, ChunkMatches, LookupResult
+
+    row = ChunkMatch(ChunkKey(b"k" * 32), 0, 8, 8, 1, False)
+    out = io.StringIO()
+    emit_json(LookupResult(8, 8, ChunkMatches.of((row,)), "complete"), out)
+    doc = json.loads(out.getvalue())
+    assert doc["chunks"] == [[(b"k" * 32).hex(), 0, 8, 8, 1, False]], doc

@@ -108,6 +108,14 @@ def test_min_tokens_and_granularity() -> None:
     assert run(idx, p, granularity=5).matched_tokens == 20, (
         "rounded down to the engine's block size"
     )
+    # Where matching ended, in chunks, before the caller's rounding or its min_tokens.
+    below = run(idx, p[:10], min_tokens=16)
+    assert below.stop_chunk == 1 and below.chunks == (), "10 tokens: chunk 0 and 2 of chunk 1"
+    cut = run(idx, p, granularity=5)  # 24 -> 20: chunk 2 kept in part (4 of its 8)
+    assert cut.stop == "granularity" and cut.stop_chunk == 2, cut
+    assert cut.chunks[-1].partial and cut.chunks[-1].tokens == 4, cut
+    whole = run(idx, p, granularity=16)  # 24 -> 16: chunk 2 cut off whole
+    assert whole.stop == "granularity" and whole.stop_chunk == 2 and len(whole.chunks) == 2
 
 
 def test_prefix_spanning_tiers() -> None:
@@ -188,6 +196,8 @@ def check_rows(r: LookupResult) -> None:
     assert all(c.start == i * C for i, c in enumerate(rows)), rows
     assert all(0 < c.tokens <= c.stored_tokens for c in rows), rows
     assert not any(c.partial for c in rows[:-1]), f"only the last chunk is partial: {rows}"
+    for c in rows:  # an exact match serves the prompt's chunk whole: a short last one too
+        assert c.partial or c.tokens == c.stored_tokens == min(C, r.total_tokens - c.start), rows
     per_tier: dict[int, int] = {}
     for c in rows:
         per_tier[c.tier] = per_tier.get(c.tier, 0) + c.tokens

@@ -19,7 +19,7 @@ from typing import IO, Any
 from kvstore.config import parse_size
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import FINGERPRINT_BYTES, ChunkKey, Namespace, parse_key
-from kvstore.types import TierLevel, tier_label
+from kvstore.types import ChunkMatches, TierLevel, tier_label
 
 Doc = dict[str, Any]  # what a command returns: rendered for people, or printed as JSON
 
@@ -136,7 +136,7 @@ def _json_default(value: Any) -> Any:
         return bytes(value).hex()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
-    if isinstance(value, (set, frozenset, tuple)):
+    if isinstance(value, (set, frozenset, tuple, ChunkMatches)):
         return list(value)
     if hasattr(value, "item"):  # numpy scalars
         return value.item()

@@ -283,7 +283,7 @@ def lookup(
             stop_chunk = len(rows.start) - (1 if rows.partial and rows.partial[-1] else 0)
         matched = cut
     if matched and matched < min_tokens:
-        return LookupResult(0, n, (), "below_min_tokens", len(rows.start) - 1)
+        return LookupResult(0, n, ChunkMatches(), "below_min_tokens", len(rows.start) - 1)
     return LookupResult(matched, n, rows.freeze(), stop, stop_chunk, by_tier)
 
 
@@ -342,13 +342,14 @@ class _Columns:
 
     def freeze(self) -> ChunkMatches:
         n = len(self.start)
+        partial = (False,) * n if self.partial is None else tuple(self.partial)
         return ChunkMatches(
             bytes(self.keys),
-            self.start,
-            self.tokens,
-            self.stored,
+            tuple(self.start),
+            tuple(self.tokens),
+            tuple(self.stored),
             bytes(self.tier),
-            [False] * n if self.partial is None else self.partial,
+            partial,
         )
 
 
