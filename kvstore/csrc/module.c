@@ -67,6 +67,30 @@ static void chunk_key(const kv_sha256 *base, const uint8_t parent[32], const uin
     kv_sha256_digest(&s, out);
 }
 
+/* The probe of one key in a dict: 1 with getattr(value, attr) appended to ``attrs`` when
+ * the key is there (and, with ``owner_attr``, its value's owner_attr equals ``owner``),
+ * 0 when it is not, -1 with an exception set. */
+static int probe_one(PyObject *mapping, PyObject *k, PyObject *attr, PyObject *owner_attr,
+                     PyObject *owner, PyObject *attrs) {
+    PyObject *value = PyDict_GetItemWithError(mapping, k); /* borrowed */
+    if (!value) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(value); /* borrowed from the dict: keep it while getattr runs */
+    if (owner_attr) {
+        PyObject *o = PyObject_GetAttr(value, owner_attr);
+        int same = o ? PyObject_RichCompareBool(o, owner, Py_EQ) : -1;
+        Py_XDECREF(o);
+        if (same <= 0) {
+            Py_DECREF(value);
+            return same;
+        }
+    }
+    PyObject *a = PyObject_GetAttr(value, attr);
+    Py_DECREF(value);
+    int ok = a && PyList_Append(attrs, a) == 0;
+    Py_XDECREF(a);
+    return ok ? 1 : -1;
+}
+
 /* chain_keys(prefix, parent, data, step) -> list[bytes]
  * chain_probe(prefix, parent, data, step, mapping, attr) -> (keys, attrs, stop_key)
  *
@@ -102,24 +126,15 @@ static PyObject *chain(PyObject *args, int probe) {
         PyObject *k = PyBytes_FromStringAndSize((const char *)key, 32);
         if (!k) goto done;
         if (probe) {
-            PyObject *value = PyDict_GetItemWithError(mapping, k); /* borrowed */
-            if (!value) {
-                if (PyErr_Occurred()) {
-                    Py_DECREF(k);
-                    goto done;
-                }
-                stop = k;
-                break;
-            }
-            Py_INCREF(value); /* borrowed from the dict: keep it while getattr runs */
-            PyObject *a = PyObject_GetAttr(value, attr);
-            Py_DECREF(value);
-            if (!a || PyList_Append(attrs, a) < 0) {
-                Py_XDECREF(a);
+            int held = probe_one(mapping, k, attr, NULL, NULL, attrs);
+            if (held < 0) {
                 Py_DECREF(k);
                 goto done;
             }
-            Py_DECREF(a);
+            if (!held) {
+                stop = k;
+                break;
+            }
         }
         if (PyList_Append(keys, k) < 0) {
             Py_DECREF(k);
@@ -170,37 +185,16 @@ static PyObject *py_probe_keys(PyObject *self, PyObject *args) {
     for (Py_ssize_t off = 0; off < keys.len; off += 32) {
         PyObject *k = PyBytes_FromStringAndSize(buf + off, 32);
         if (!k) goto done;
-        PyObject *value = PyDict_GetItemWithError(mapping, k); /* borrowed */
-        if (!value) {
-            if (PyErr_Occurred()) {
-                Py_DECREF(k);
-                goto done;
-            }
-            stop = k;
-            break;
-        }
-        Py_INCREF(value); /* borrowed from the dict: keep it while getattr runs */
-        PyObject *o = PyObject_GetAttr(value, owner_attr);
-        int same = o ? PyObject_RichCompareBool(o, owner, Py_EQ) : -1;
-        Py_XDECREF(o);
-        if (same < 0) {
-            Py_DECREF(value);
+        int held = probe_one(mapping, k, attr, owner_attr, owner, attrs);
+        if (held < 0) {
             Py_DECREF(k);
             goto done;
         }
-        if (!same) {
-            Py_DECREF(value);
+        if (!held) {
             stop = k;
             break;
         }
-        PyObject *a = PyObject_GetAttr(value, attr);
-        Py_DECREF(value);
         Py_DECREF(k);
-        if (!a || PyList_Append(attrs, a) < 0) {
-            Py_XDECREF(a);
-            goto done;
-        }
-        Py_DECREF(a);
     }
     result = Py_BuildValue("(OO)", attrs, stop ? stop : Py_None);
 done:
