@@ -34,6 +34,14 @@ from kvstore.clock import Clock, monotonic
 
 log = init_logger("vllm.kvstore.connector")
 
+# A step of an engine with nothing to compute but requests waiting for their loads is
+# over at once, and vLLM runs the next: about a thousand steps a second of Python, each
+# holding the GIL the loader takes back between its copies (get_finished was called
+# once a millisecond through loads of 5-40 ms in the loads benchmark). Such a step waits
+# this long for a load to land instead, the GIL let go: a new request waits as much at
+# most, and a load that lands ends the wait.
+IDLE_WAIT_S = 0.002
+
 
 class Ticket:
     """One request's asynchronous load: its spec, its deadline, and the fence between the
@@ -111,6 +119,7 @@ class AsyncLoads:
         self._batches: queue.SimpleQueue[list[Ticket] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._done: list[tuple[list[Ticket], float]] = []  # batches finished, with seconds
+        self._landed = threading.Event()  # set as a batch finishes (``idle``)
         self._thread = threading.Thread(target=self._loop, name="kvstore-loader", daemon=True)
         self._thread.start()
 
@@ -150,6 +159,20 @@ class AsyncLoads:
                 for t in batch:
                     t.done = True
                 self._done.append((batch, seconds))
+            self._landed.set()
+
+    def idle(self) -> None:
+        """A step that computes nothing, with loads under way: wait until one lands, up to
+        IDLE_WAIT_S and never past a load's deadline (engine thread)."""
+        if not self._tickets:
+            return
+        self._landed.clear()
+        with self._lock:
+            if self._done:  # landed already: finished() reports it now
+                return
+        left = min(IDLE_WAIT_S, min(t.deadline for t in self._tickets.values()) - self._clock())
+        if left > 0:
+            self._landed.wait(left)
 
     def finished(self, finished_req_ids: Iterable[str] = ()) -> Finished:
         """The loads that are over since the last call: done, past their deadline, or of

@@ -211,6 +211,8 @@ class KVStoreWorker:
             self._failed_reqs |= recving
         if self.background is None:
             return None, recving or None
+        if not self.background.loads.busy:
+            self.background.idle()  # nothing computed: give the loader the GIL a moment
         out = self.background.finished(finished_req_ids)
         if self.setup.hybrid:
             self._failed_reqs |= out.failed_reqs

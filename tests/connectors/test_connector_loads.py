@@ -560,6 +560,51 @@ def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_a
     assert work.get("load_late_requests") == 1, work
 
 
+def test_a_step_that_computes_nothing_waits_a_moment_for_a_background_load(
+    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a background load runs and nothing else computes, each step waits up to
+    IDLE_WAIT_S for it (vLLM would run ~1,000 steps a second, each holding the GIL the
+    loader needs), and the step after it lands reports it. A step beside decodes never
+    waits."""
+    lay = Layout()
+    ps = [prompt(8), prompt(9)]
+    store(engine, ps, lay)
+    disk_only(server)
+    idles: list[float] = []
+    idle = vllm_async.AsyncLoads.idle
+
+    def timed(self: vllm_async.AsyncLoads) -> None:
+        t = time.monotonic()
+        idle(self)
+        idles.append(time.monotonic() - t)
+
+    monkeypatch.setattr(vllm_async.AsyncLoads, "idle", timed)
+    for decoding in (0, 4):
+        engine.decoding = decoding
+        stall = Stall(monkeypatch, 0.3)
+        dst = lay.take(600)
+        req = background_request(engine, ps[decoding // 4], dst)
+        assert stall.entered.wait(5), "the loader never asked the server"
+        idles.clear()
+        steps, t0 = 0, time.monotonic()
+        reported: set[str] = set()
+        while not reported and time.monotonic() - t0 < 5:
+            reported, failed = engine._run(step_output([]))
+            steps += 1
+        took = time.monotonic() - t0
+        assert reported == {req.request_id} and not failed, (reported, failed)
+        assert stall.left.is_set() and took < 0.3 + 1.0, f"reported {took:.2f} s after"
+        if decoding:
+            assert idles == [], f"beside decodes {len(idles)} of {steps} steps waited"
+        else:
+            assert len(idles) == steps, f"{len(idles)} of {steps} idle steps waited"
+            # Each but the last waited its IDLE_WAIT_S (the load landed in the last).
+            assert steps <= took / vllm_async.IDLE_WAIT_S + 2, f"{steps} steps in {took:.2f} s"
+            assert sorted(idles)[len(idles) // 2] >= vllm_async.IDLE_WAIT_S * 0.9, idles
+    engine.decoding = 0
+
+
 @pytest.mark.parametrize("how", ["preempted", "aborted"])
 def test_a_preempted_or_aborted_request_stops_its_background_load(
     how: str, engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
