@@ -155,13 +155,19 @@ class Engine:
                 waiting.append((req, ids, a, have))
             else:
                 now.append((req.request_id, ids, have + n, len(tokens) - have - n))
-        _, failed = self._run(step_output(now))
+        first, failed = self._run(step_output(now))
         for a, (_, ids, _, _) in zip((a for a in out if not a.background), now, strict=True):
             a.failed = {b for b in failed if b in ids}
         if between is not None:
             between(self, out)
         t0 = time.monotonic()
         pending = {a.rid: (req, ids, a) for req, ids, a, _ in waiting}
+        # A load may land within the step that started it (vLLM takes that report: the
+        # request waits for remote KVs from that step's schedule on).
+        for rid in first & pending.keys():
+            _, ids, a = pending.pop(rid)
+            a.waited_s = 0.0
+            a.failed = {b for b in failed if b in ids}
         while pending:
             assert time.monotonic() - t0 < wait_s, (
                 f"background loads never reported: {set(pending)}"
