@@ -162,21 +162,21 @@ class Engine:
             between(self, out)
         t0 = time.monotonic()
         pending = {a.rid: (req, ids, a) for req, ids, a, _ in waiting}
+
+        def landed(done: set[str], failed: set[int]) -> None:
+            for rid in done:
+                _, ids, a = pending.pop(rid)
+                a.waited_s = time.monotonic() - t0
+                a.failed = {b for b in failed if b in ids}
+
         # A load may land within the step that started it (vLLM takes that report: the
         # request waits for remote KVs from that step's schedule on).
-        for rid in first & pending.keys():
-            _, ids, a = pending.pop(rid)
-            a.waited_s = 0.0
-            a.failed = {b for b in failed if b in ids}
+        landed(first, failed)
         while pending:
             assert time.monotonic() - t0 < wait_s, (
                 f"background loads never reported: {set(pending)}"
             )
-            done, failed = self._run(step_output([]))
-            for rid in done:
-                req, ids, a = pending.pop(rid)
-                a.waited_s = time.monotonic() - t0
-                a.failed = {b for b in failed if b in ids}
+            landed(*self._run(step_output([])))
             for _, _, a in pending.values():
                 a.steps += 1
             if pending:
