@@ -299,13 +299,8 @@ class _Columns:
         stored: list[int],
         tier: bytearray,
     ) -> None:
-        self.keys, self.start, self.tokens, self.stored, self.tier = (
-            keys,
-            start,
-            tokens,
-            stored,
-            tier,
-        )
+        self.keys, self.start, self.tokens = keys, start, tokens
+        self.stored, self.tier = stored, tier
         self.partial: list[bool] | None = None  # None while no chunk is: the common case
 
     def append(
