@@ -127,6 +127,19 @@ def _py_u32le(ids: Any) -> bytes:
     return arr.tobytes()
 
 
+def _py_advise(address: int, size: int, advice: int, piece: int) -> int:
+    import ctypes
+
+    if size < 0 or piece <= 0:
+        raise ValueError("size must be >= 0 and piece > 0")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    for off in range(0, size, piece):
+        if libc.madvise(address + off, min(piece, size - off), advice) != 0:
+            return ctypes.get_errno()
+    return 0
+
+
 def _py_copy(dst: Any, src: Any) -> None:
     d, s = memoryview(dst).cast("B"), memoryview(src).cast("B")
     if len(d) != len(s):
@@ -219,6 +232,12 @@ u32le: Callable[[Any], bytes]
 id outside [0, 2**32), TypeError for one that is not an integer). Natively ~5x faster
 than array("I", ids): vLLM hands prompts over as lists."""
 
+advise: Callable[[int, int, int, int], int]
+"""advise(address, size, advice, piece): madvise ``size`` bytes from ``address`` one
+``piece`` at a time (the process's mapping lock is held for one piece at most); 0, or
+the errno of the first piece refused. Natively the GIL is let go for the whole loop; the
+twin's ctypes calls take it back after every piece."""
+
 copy: Callable[[Any, Any], None]
 """copy(dst, src): copy src into dst (same length in bytes; overlapping buffers are
 copied as memmove would). Natively a vector loop,
@@ -250,6 +269,7 @@ if NATIVE:
     probe_keys = _native.probe_keys
     prefix_digests = _native.prefix_digests
     copy = _native.copy
+    advise = _native.advise
     u32le = _native.u32le
     xxh3_2 = _native.xxh3_2
     copy_xxh3 = _native.copy_xxh3
@@ -262,6 +282,7 @@ else:
     probe_keys = _py_probe_keys
     prefix_digests = _py_prefix_digests
     copy = _py_copy
+    advise = _py_advise
     u32le = _py_u32le
     xxh3_2 = _py_xxh3_2
     copy_xxh3 = _py_copy_xxh3

@@ -14,10 +14,13 @@
  *   instead of two. The GIL is released for large copies.
  * - Streams / scatter_streams: the same for payloads whose bytes arrive over several
  *   calls (one layer of many chunks per call), each hashed as one stream.
+ * - advise: madvise over a range in pieces, the GIL let go for the whole loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "sha256.h"
 
@@ -302,6 +305,35 @@ static PyObject *py_copies_select(PyObject *self, PyObject *arg) {
     return PyUnicode_FromString(kv_copies_impl());
 }
 
+/* advise(address, size, advice, piece) -> int: madvise [address, address + size) one
+ * piece of ``piece`` bytes at a time; 0, or the errno of the first piece refused (the
+ * rest is not advised). Each call holds the process's mapping lock while it runs, and
+ * whatever maps memory meanwhile (a thread's stack, a large allocation) waits for it:
+ * small pieces keep that wait short. The GIL is let go for the whole loop, where a
+ * Python loop of ctypes calls would take it back after every piece. */
+static PyObject *py_advise(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t size, piece;
+    int advice;
+    if (!PyArg_ParseTuple(args, "Knin", &address, &size, &advice, &piece)) return NULL;
+    if (size < 0 || piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "size must be >= 0 and piece > 0");
+        return NULL;
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t off = 0; off < size; off += piece) {
+        Py_ssize_t n = size - off < piece ? size - off : piece;
+        if (madvise((void *)(uintptr_t)(address + (unsigned long long)off), (size_t)n,
+                    advice) != 0) {
+            err = errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(err);
+}
+
 /* Whether [a, a+n) and [b, b+n) share a byte. */
 static int overlap(const uint8_t *a, const uint8_t *b, Py_ssize_t n) {
     return n > 0 && a < b + n && b < a + n;
@@ -536,6 +568,8 @@ static Py_ssize_t streams_len(StreamsObject *o) { return o->n; }
 static PyMethodDef streams_methods[] = {
     {"digest", (PyCFunction)streams_digest, METH_O,
      "End stream i (no more bytes go into it) and return its xxh3_64."},
+    {"advise", py_advise, METH_VARARGS,
+     "madvise a range in pieces without the GIL; 0 or the first errno."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -627,6 +661,8 @@ static PyMethodDef methods[] = {
      "Copy along arena spans, returning the xxh3_64 of what landed."},
     {"scatter_streams", py_scatter_streams, METH_VARARGS,
      "Copy along spans, hashing each span onto its stream of a Streams."},
+    {"advise", py_advise, METH_VARARGS,
+     "madvise a range in pieces without the GIL; 0 or the first errno."},
     {NULL, NULL, 0, NULL},
 };
 
