@@ -314,8 +314,6 @@ class Loads:
         for t in later:
             ticket = tickets[t.spec] if tickets is not None else None
             self._staged(t, None, ticket, deadline, loaded)
-        if tickets is not None:  # a background load: nothing waits on this thread
-            self.release_done()
 
     def _start_layers(
         self, now: list[tuple[_Task, LeaseBase, Ticket | None]], job: LoadJob
@@ -493,7 +491,8 @@ class Loads:
     # -- ending leases ----------------------------------------------------------------------
     def release_done(self) -> None:
         """End, with one Release not waited for, the leases whose bytes are in the cache
-        (on CUDA: whose transfers have landed). The worker calls it after the forward pass."""
+        (on CUDA: whose transfers have landed). The worker calls it after the forward
+        pass; the background loader once it has reported the batch (``AsyncLoads``)."""
         keep = []
         for event, leased in self._landing:
             if event is None or event.query():
