@@ -528,6 +528,44 @@ def disk_only(server: KVServer) -> None:
     time.sleep(0.3)
 
 
+def _active_leases(server: KVServer) -> int:
+    with Client(server.unix_url) as c:
+        return int(c.stats().extra["active_leases"])
+
+
+def test_the_loader_is_connected_before_its_first_load(server: KVServer) -> None:
+    """The loader thread connects, maps the server's arena and starts its Session as it
+    starts: its first background load makes no Info call and pays no mapping or thread
+    start (10-18 ms of a first 4k-token load in the loads benchmark)."""
+    engine = Engine(server.unix_url, blocks=400, load_mode="async")
+    try:
+        loader = engine.worker.background.loads.client
+        deadline = time.monotonic() + 10
+        while (c := loader._client) is None or c.arena is None:
+            assert time.monotonic() < deadline, "the loader did not connect when it started"
+            time.sleep(0.01)
+        assert c.session_up.wait(5), "the loader's Session never came up"
+        info, arena, session = c._info, c.arena, c._session
+        lay = Layout()
+        p = prompt(12)
+        srcs = store(engine, [p], lay)
+        dst = lay.take(len(p))
+        (got,) = engine.step([(p, dst)], wait_s=20)
+        assert got.background and got.told == stored(600) and not got.failed, got
+        k = stored(600) // BS
+        assert engine.same(dst[:k], srcs[0][:k]), "the background load put other bytes"
+        assert loader._client is c, "the loader connected again"
+        assert c._info is info, "the first background load asked the server's Info"
+        assert c.arena is arena and c._session is session, "the load set up its plane anew"
+        # Its leases end after the report, in a Release nobody waits for.
+        deadline = time.monotonic() + 5
+        while (held := _active_leases(server)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert held == 0, f"{held} leases still held after the background load"
+    finally:
+        engine.close()
+
+
 def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_after(
     engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
