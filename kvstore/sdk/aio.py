@@ -37,7 +37,7 @@ from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_writes as writes
-from kvstore.sdk.base import GET_METHOD, PUT_METHOD, ClientBase, NamespaceLike, Tokens
+from kvstore.sdk.base import ClientBase, NamespaceLike, Tokens
 from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
@@ -54,42 +54,8 @@ T = TypeVar("T")
 class AsyncClient(ClientBase):
     """An asyncio client of kvstore-server. See ``kvstore.sdk.client`` for the semantics."""
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        token: str | None = None,
-        tls_ca: str | bytes | None = None,
-        tls_server_name: str | None = None,
-        timeout: float = 10.0,
-        shm: bool | None = None,
-        verify: bool = True,
-    ) -> None:
-        super().__init__(
-            url,
-            token=token,
-            tls_ca=tls_ca,
-            tls_server_name=tls_server_name,
-            timeout=timeout,
-            shm=shm,
-            verify=verify,
-        )
-        ep = self.endpoint
-        self._channel = (
-            grpc.aio.secure_channel(ep.target, self._credentials(), self._options)
-            if ep.tls
-            else grpc.aio.insecure_channel(ep.target, self._options)
-        )
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._methods: dict[str, Any] = {m: getattr(self._stub, m) for m in core.UNARY_METHODS}
-        self._methods[core.PUT] = self._channel.stream_unary(
-            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
-        )
-        self._get_raw = self._channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None,
-        )
+    def _open(self) -> None:
+        self._open_channel(grpc.aio, core.UNARY_METHODS, core.PUT)
         self._lock: asyncio.Lock | None = None
         self._pending: set[asyncio.Task[None]] = set()  # Releases sent without waiting
         self._stop: asyncio.Event | None = None

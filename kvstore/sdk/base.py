@@ -61,6 +61,7 @@ from kvstore.sdk.shm import prefault, retire
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, error_from_rpc
 from kvstore.sockets import untrusted_reason
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.sdk.client")
 
@@ -284,15 +285,20 @@ class ClientBase:
 
     def __init__(
         self,
-        url: str | None,
+        url: str | None = None,
         *,
-        token: str | None,
-        tls_ca: str | bytes | None,
-        tls_server_name: str | None,
-        timeout: float,
-        shm: bool | None,
-        verify: bool,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 10.0,
+        shm: bool | None = None,
+        verify: bool = True,
     ) -> None:
+        """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
+        instead of the server checking the pages before the lease. Both verify every
+        byte; here the bytes are hashed as they are copied (one pass with the native
+        module; cheaper than the server's pass over the pages), and a rogue writer on the
+        host changing pages mid-read is caught too. ``verify=False`` leaves it to the server."""
         self.endpoint = parse_url(url)
         check_default_socket(self.endpoint)
         self.url = self.endpoint.url
@@ -334,6 +340,31 @@ class ClientBase:
         # costs the client ~3x the keys (~1 ms for 128k tokens), so the server asks for
         # the one chunk's it needs, a second round trip only where a partial match may be.
         self.inline_sub_hashes = 64
+        self._open()
+
+    def _open(self) -> None:
+        """The transport's channel (``_open_channel``) and its own state."""
+        raise NotImplementedError
+
+    def _open_channel(self, channels: Any, unary: Sequence[str], put: str) -> None:
+        """The gRPC channel to the endpoint, its stub and a handle per method, made by
+        ``channels``: ``grpc`` for the blocking transport, ``grpc.aio`` for asyncio."""
+        ep = self.endpoint
+        self._channel = (
+            channels.secure_channel(ep.target, self._credentials(), self._options)
+            if ep.tls
+            else channels.insecure_channel(ep.target, self._options)
+        )
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._methods: dict[str, Any] = {m: getattr(self._stub, m) for m in unary}
+        self._methods[put] = self._channel.stream_unary(
+            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
+        )
+        self._get_raw = self._channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     def _session_alive(self) -> bool:
         """Whether the Session stream is still running (each transport knows how)."""

@@ -27,14 +27,11 @@ from kvstore.arena import ArenaView
 from kvstore.errors import KVStoreError
 from kvstore.sdk import client_core as core
 from kvstore.sdk.base import (
-    GET_METHOD,
-    PUT_METHOD,
     ClientBase,
 )
 from kvstore.sdk.express import FALLBACK, ExpressLink
 from kvstore.sdk.wire import info_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
@@ -42,47 +39,8 @@ T = TypeVar("T")
 class BlockingTransport(ClientBase):
     """The calls of a blocking client (``kvstore.Client``); thread-safe."""
 
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        token: str | None = None,
-        tls_ca: str | bytes | None = None,
-        tls_server_name: str | None = None,
-        timeout: float = 10.0,
-        shm: bool | None = None,
-        verify: bool = True,
-    ) -> None:
-        """``verify``: checksum what ``get``/``get_into`` copy out of shared memory here,
-        instead of the server checking the pages before the lease. Both verify every
-        byte; here the bytes are hashed as they are copied (one pass with the native
-        module; cheaper than the server's pass over the pages), and a rogue writer on the
-        host changing pages mid-read is caught too. ``verify=False`` leaves it to the server."""
-        super().__init__(
-            url,
-            token=token,
-            tls_ca=tls_ca,
-            tls_server_name=tls_server_name,
-            timeout=timeout,
-            shm=shm,
-            verify=verify,
-        )
-        ep = self.endpoint
-        self._channel = (
-            grpc.secure_channel(ep.target, self._credentials(), self._options)
-            if ep.tls
-            else grpc.insecure_channel(ep.target, self._options)
-        )
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        self._methods: dict[str, Any] = {m: getattr(self._stub, m) for m in core.UNARY_METHODS}
-        self._methods[core.PUT] = self._channel.stream_unary(
-            PUT_METHOD, request_serializer=None, response_deserializer=pb.PutResponse.FromString
-        )
-        self._get_raw = self._channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None,
-        )
+    def _open(self) -> None:
+        self._open_channel(grpc, core.UNARY_METHODS, core.PUT)
         self._lock = threading.Lock()
         self._pending: set[grpc.Future] = set()  # Releases sent without waiting
         self._stop = threading.Event()
