@@ -599,12 +599,22 @@ def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_a
 
 
 def test_a_step_that_computes_nothing_waits_a_moment_for_a_background_load(
-    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+    server: KVServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While a background load runs and nothing else computes, each step waits up to
     IDLE_WAIT_S for it (vLLM would run ~1,000 steps a second, each holding the GIL the
     loader needs), and the step after it lands reports it. A step beside decodes never
     waits."""
+    # A deadline well past the stall: the fixture's 400 ms left a load on a busy host
+    # (after the stall's 300 ms, the first calls to the restarted server) late at times.
+    engine = Engine(server.unix_url, blocks=1200, load_deadline_ms=3000)
+    try:
+        _idle_steps_wait(engine, server, monkeypatch)
+    finally:
+        engine.close()
+
+
+def _idle_steps_wait(engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch) -> None:
     lay = Layout()
     ps = [prompt(8), prompt(9)]
     store(engine, ps, lay)
