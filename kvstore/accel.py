@@ -23,6 +23,7 @@ What the native module buys (docs/performance.md has the figures):
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import importlib
 import os
@@ -132,8 +133,11 @@ def _py_advise(address: int, size: int, advice: int, piece: int) -> int:
 
     if size < 0 or piece <= 0:
         raise ValueError("size must be >= 0 and piece > 0")
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):  # no C library to ask, or no madvise in it
+        return errno.ENOSYS
     for off in range(0, size, piece):
         if libc.madvise(address + off, min(piece, size - off), advice) != 0:
             return ctypes.get_errno()

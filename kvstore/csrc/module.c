@@ -315,7 +315,7 @@ static PyObject *py_advise(PyObject *self, PyObject *args) {
     unsigned long long address;
     Py_ssize_t size, piece;
     int advice;
-    if (!PyArg_ParseTuple(args, "Knin", &address, &size, &advice, &piece)) return NULL;
+    if (!PyArg_ParseTuple(args, "Knin:advise", &address, &size, &advice, &piece)) return NULL;
     if (size < 0 || piece <= 0) {
         PyErr_SetString(PyExc_ValueError, "size must be >= 0 and piece > 0");
         return NULL;
@@ -568,8 +568,6 @@ static Py_ssize_t streams_len(StreamsObject *o) { return o->n; }
 static PyMethodDef streams_methods[] = {
     {"digest", (PyCFunction)streams_digest, METH_O,
      "End stream i (no more bytes go into it) and return its xxh3_64."},
-    {"advise", py_advise, METH_VARARGS,
-     "madvise a range in pieces without the GIL; 0 or the first errno."},
     {NULL, NULL, 0, NULL},
 };
 

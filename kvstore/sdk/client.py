@@ -71,7 +71,7 @@ __all__ = [
 
 class Client(BlockingTransport):
     """A blocking client of kvstore-server; thread-safe. See the module docstring and
-    ``BlockingTransport.__init__`` for its arguments (``kvstore.sdk.blocking``)."""
+    ``ClientBase.__init__`` for its arguments (``kvstore.sdk.base``)."""
 
     def _lease(self, timeout: float | None) -> functools.partial[Lease]:
         return functools.partial(Lease, release=lambda lid: self._run(core.release(lid, timeout)))
