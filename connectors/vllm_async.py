@@ -110,8 +110,12 @@ class AsyncLoads:
         *,
         clock: Clock = monotonic,
         cpus: frozenset[int] | None = None,
+        connect: bool = False,
     ) -> None:
+        """``connect``: the loader's client connects as the thread starts (where the
+        scheduler may send loads to the background), not in the first load."""
         self.loads = loads
+        self._connect = connect
         self.cpus = cpus  # where the loader thread runs (vllm_cpus); None: where it starts
         self.deadline_s = deadline_s
         self._clock = clock
@@ -145,11 +149,12 @@ class AsyncLoads:
         # Connected and the data plane set up before the first load, not during it: the
         # server's Info, the arena's mapping and the Session's thread took 10-18 ms of
         # the first background load in the loads benchmark. A server out of reach now is
-        # the breaker's to retry, as at any load.
-        try:
-            self.loads.client.shm_active()
-        except Exception as e:  # the Info's answer refused: the first load finds out again
-            self.loads.client.failed("connect", e)
+        # the breaker's to retry, as at any load (BreakerClient reports it).
+        if self._connect:
+            try:
+                self.loads.client.shm_active()
+            except Exception as e:  # the data plane's set-up failed: reported, not fatal
+                self.loads.client.failed("connect", e)
         while (batch := self._batches.get()) is not None:
             live = [t for t in batch if not t.cancelled]
             t0 = time.perf_counter()
@@ -171,7 +176,10 @@ class AsyncLoads:
             # The leases end after the report: sending the Release took 0.2-0.8 ms of a
             # 4k load's 4-6 ms in the loads benchmark (the GIL, taken back from the
             # engine thread), and the bytes were verified as they were copied.
-            self.loads.release_done()
+            try:
+                self.loads.release_done()
+            except Exception as e:  # a bug (or a CUDA event's query): the thread goes on
+                self.loads.client.failed("release", e)
 
     def idle(self) -> None:
         """A step that computes nothing, with loads under way: wait until one lands, up to

@@ -87,6 +87,9 @@ class KVStoreWorker:
                 s.cfg.load_deadline_ms / 1000,
                 clock=self._clock,
                 cpus=cpus,
+                # Loads go to the background unless load_mode is sync (a hybrid model's
+                # always do): only then is the loader's client worth its connection.
+                connect=s.cfg.load_mode != "sync" or s.hybrid,
             )
         if s.producer:
             for g, group_layout in enumerate(layouts or [layout]):

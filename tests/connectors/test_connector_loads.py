@@ -566,6 +566,18 @@ def test_the_loader_is_connected_before_its_first_load(server: KVServer) -> None
         engine.close()
 
 
+def test_a_loader_that_never_loads_does_not_connect(server: KVServer) -> None:
+    """With load_mode sync (and no hybrid model) nothing loads in the background: the
+    loader's client takes no connection, arena mapping or Session of the server."""
+    engine = Engine(server.unix_url, blocks=400, load_mode="sync")
+    try:
+        assert engine.worker.background is not None
+        time.sleep(0.5)  # the loader thread has long started
+        assert engine.worker.background.loads.client._client is None, "the loader connected"
+    finally:
+        engine.close()
+
+
 def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_after(
     engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
