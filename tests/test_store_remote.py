@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, RemoteConfig, StoreConfig
 from kvstore.engine.store import TieredStore
-from kvstore.engine.tiers.remote_parts import PART_BYTES, part_names
+from kvstore.engine.tiers.remote_parts import part_count, part_names, split
 from kvstore.records import parse_header
 from kvstore.testing.redis import RedisServer
 from tests.helpers import FP, make_chain
@@ -184,7 +184,7 @@ def test_server_side_eviction_shortens_prefixes_and_reads_miss(
     chunk = chunk_kib * KiB  # the chain fits in 24 MB: nothing is evicted before it is old
     toks = list(range(5000, 5000 + C * n))
     chain = make_chain(toks, C, bytes_per_token=chunk // C)
-    parts = -(-chunk // PART_BYTES) if chunk > PART_BYTES else 0
+    parts = part_count(chain[0][0]) if split(chain[0][0]) else 0  # the codec is raw
     with RedisServer(flavor, args=args) as srv:
         raw = _plain(srv)
 
@@ -192,11 +192,11 @@ def test_server_side_eviction_shortens_prefixes_and_reads_miss(
             """Which records are there: what a lookup sees (a manifest, for one in parts)."""
             return [bool(raw.exists(f"kvs:c:{h.key.hex()}")) for h, _ in chain]
 
-        def whole() -> list[bool]:
-            """Which records are there with every part."""
+        def whole(held: list[bool]) -> list[bool]:
+            """Of the records ``present()`` found, which are there with every part."""
             return [
                 there and (not parts or raw.exists(*part_names("kvs", h.key, parts)) == parts)
-                for (h, _), there in zip(chain, present(), strict=True)
+                for (h, _), there in zip(chain, held, strict=True)
             ]
 
         with make_store(tmp_path / "a", srv.url, memory=256 * MiB, codec="raw") as a:
@@ -211,7 +211,7 @@ def test_server_side_eviction_shortens_prefixes_and_reads_miss(
             # gone in part at most, and the hot head, read in the same second as the
             # fillers, is not the next in the server's LRU order.
             for i in range(64):
-                if not all(whole()):
+                if not all(whole(present())):
                     break
                 for h, _ in chain[:hot]:
                     assert a.remote.get(h.key) is not None, "the hot head was evicted"
@@ -219,7 +219,8 @@ def test_server_side_eviction_shortens_prefixes_and_reads_miss(
                                     bytes_per_token=chunk // C)  # fmt: skip
                 assert a.put(*filler[0]).ok
                 assert a.flush(10)
-        held, complete = present(), whole()
+        held = present()
+        complete = whole(held)
         raw.close()
         assert not all(complete), "the server never evicted any of the chain"
         assert all(complete[:hot]), f"the server evicted the hot head: {complete}"

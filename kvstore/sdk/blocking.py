@@ -26,9 +26,7 @@ from kvstore import express
 from kvstore.arena import ArenaView
 from kvstore.errors import KVStoreError
 from kvstore.sdk import client_core as core
-from kvstore.sdk.base import (
-    ClientBase,
-)
+from kvstore.sdk.base import ClientBase
 from kvstore.sdk.express import FALLBACK, ExpressLink
 from kvstore.sdk.wire import info_from_pb
 from kvstore.v1 import kvstore_pb2 as pb
