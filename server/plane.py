@@ -26,7 +26,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, NotFound
 from kvstore.keys import ChunkKey
 from kvstore.protocol import MAX_RESERVE_BATCH, status_of, status_to_pb
 from kvstore.records import RecordHeader
-from kvstore.types import PutStatus
+from kvstore.types import LookupResult, PutStatus, TierLevel
 from kvstore.v1 import kvstore_pb2 as pb
 
 from .calls import rpc
@@ -170,15 +170,45 @@ class SharedMemoryPlane:
             raise
         return out
 
-    def _lend(self, keys: list[ChunkKey], owner: str) -> pb.AcquireManyResponse:
+    def lend_matched(
+        self, request: pb.LookupRequest, result: LookupResult, context: grpc.ServicerContext
+    ) -> list[pb.AcquireResponse]:
+        """``LookupRequest.lend_from``: leases on the matched chunks from that token on,
+        one answer per matched chunk (found=False: not lent). Only what can be lent
+        without a read: chunks in L1, and in L2 where the client reads its file. None
+        where the plane is not offered to this caller: the lookup answers all the same."""
+        if not self.config.shm or self._tenant(context) is not None:
+            return []
+        tiers = (
+            (TierLevel.MEMORY, TierLevel.DISK) if request.client_reads_disk else (TierLevel.MEMORY,)
+        )
+        todo = [
+            i
+            for i, m in enumerate(result.chunks)
+            if m.start + m.tokens > request.lend_from and m.tier in tiers
+        ][:MAX_RESERVE_BATCH]
+        if not todo:
+            return []
+        owner = self._owner(context, request.lend_to)
+        got = self._lend([result.chunks[i].key for i in todo], owner, promote=False)
+        out = [pb.AcquireResponse() for _ in result.chunks]
+        for i, answer in zip(todo, got.responses, strict=True):
+            out[i] = answer
+        return out
+
+    def _lend(
+        self, keys: list[ChunkKey], owner: str, *, promote: bool = True
+    ) -> pb.AcquireManyResponse:
         """AcquireMany for a client that reads L2's file itself: what only L2 holds is
-        lent where it lies there (``on_disk``), not promoted (``TieredStore.lend``)."""
-        got = self.store.lend(keys, owner)
+        lent where it lies there (``on_disk``), not promoted (``TieredStore.lend``;
+        ``promote=False``: nor what lies below L2, which is then not lent)."""
+        got = self.store.lend(keys, owner, promote=promote)
         out = pb.AcquireManyResponse()
         lease_ms = self.store.config.memory.lease_ms
         for key, g in zip(keys, got, strict=True):
             if g is None:
-                out.responses.append(pb.AcquireResponse(found=False, use_get=key in self.store))
+                use_get = promote and key in self.store
+                out.responses.append(pb.AcquireResponse(found=False, use_get=use_get))
                 continue
             self._moved("out", "disk" if isinstance(g, Lent) else "shm", g.header.stored_size)
             if isinstance(g, Lent):
@@ -215,7 +245,7 @@ class SharedMemoryPlane:
     def Release(
         self, request: pb.ReleaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseResponse:
-        owner = self._owner(context)
+        owner = self._owner(context, request.holder)
         ids = list(dict.fromkeys(request.lease_ids))
         drops = self._drop_keys(request, context)  # checked before anything is released
         mine = [i for i in ids if self._holds_lease(i, owner)]

@@ -351,7 +351,9 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             self._prefetch(request, fp, result)
             msg = lookup_to_pb(result)
             if needs is not None:
-                msg.needs_sub_hashes = needs
+                msg.needs_sub_hashes = needs  # asked again with them: lent then
+            elif request.HasField("lend_from"):
+                msg.lent.extend(self.lend_matched(request, result, context))
             return msg
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
@@ -364,7 +366,10 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self._prefetch(request, fp, result)
         if request.explain:
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
-        return lookup_to_pb(result)
+        msg = lookup_to_pb(result)
+        if request.HasField("lend_from"):
+            msg.lent.extend(self.lend_matched(request, result, context))
+        return msg
 
     def _prefetch(self, request: pb.LookupRequest, fp: Fingerprint, result: LookupResult) -> None:
         """With ``prefetch``: the matched chunks not in L1 start their way there (queued,

@@ -89,12 +89,16 @@ class ReadPath:
             self._touch(key)
         return lease
 
-    def lend(self, keys: Sequence[ChunkKey], owner: str = "") -> list[ReadLease | Lent | None]:
+    def lend(
+        self, keys: Sequence[ChunkKey], owner: str = "", *, promote: bool = True
+    ) -> list[ReadLease | Lent | None]:
         """For each key a lease on the chunk in L1, or else its record lent where it lies
         in L2's file (``DiskTier.lend``: one read transaction for them all, no
         promotion), or else a lease after a promotion from below (L3, or a record L2
         holds encoded), or None. For a reader on this host that maps L2's data file and
-        verifies every payload as it copies it: only headers are checked here."""
+        verifies every payload as it copies it: only headers are checked here.
+        ``promote=False`` (a lookup lending what it found): nothing is read from below,
+        so a chunk neither in L1 nor lendable in place is None."""
         self._check_open()
         self._count("gets", len(keys))
         out: list[ReadLease | Lent | None] = [
@@ -109,7 +113,8 @@ class ReadPath:
                     out[i] = lent
             for i, got in enumerate(out):
                 if got is None:
-                    out[i] = self._acquired(keys[i], None, owner, False, False)
+                    if promote:
+                        out[i] = self._acquired(keys[i], None, owner, False, False)
                 else:
                     self._count("hits")
                     self._touch(keys[i])

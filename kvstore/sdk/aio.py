@@ -37,8 +37,9 @@ from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_writes as writes
+from kvstore.sdk import lending
 from kvstore.sdk.base import ClientBase, NamespaceLike, Tokens
-from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, UseGet
+from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, LentLease, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
@@ -190,7 +191,7 @@ class AsyncClient(ClientBase):
 
     def _lease(self, timeout: float | None) -> functools.partial[AsyncLease]:
         return functools.partial(
-            AsyncLease, release=lambda lid: self._run(core.release(lid, timeout))
+            AsyncLease, release=lambda lid, holder: self._run(core.release(lid, timeout, holder))
         )
 
     def _reservation(self, timeout: float | None) -> Callable[..., AsyncReservation]:
@@ -400,6 +401,36 @@ class AsyncClient(ClientBase):
                 reads_disk,
             )
         )
+
+    async def lookup_lend(
+        self,
+        namespace: NamespaceLike,
+        tokens: Tokens,
+        *,
+        lend_from: int = 0,
+        holder: str = "",
+        min_tokens: int = 0,
+        granularity: int = 0,
+        repeat: bool = False,
+        prefetch: bool = False,
+        reads_disk: bool = False,
+        timeout: float | None = None,
+    ) -> tuple[LookupResult, builtins.list[LentLease | None]]:
+        """``lookup``, lending the matched chunks from ``lend_from`` on in the same call
+        (see ``Client.lookup_lend``)."""
+        return await self._run(
+            lending.lookup_lend(
+                self, namespace, tokens, lend_from, holder, min_tokens, granularity,
+                repeat, prefetch, reads_disk, timeout,
+            )
+        )  # fmt: skip
+
+    async def adopt(
+        self, lent: Sequence[LentLease], *, timeout: float | None = None
+    ) -> builtins.list[AsyncLease | None]:
+        """Leases another client's lookup lent, read through this client's mappings (see
+        ``Client.adopt``)."""
+        return await self._run(lending.adopt(self, lent, self._lease(timeout)))
 
     async def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None

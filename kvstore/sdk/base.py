@@ -497,12 +497,14 @@ class ClientBase:
         self, extents: Iterable[pb.Extent], *, disk: bool = False
     ) -> list[tuple[int, int]]:
         """A lease's extents, checked to lie in the arena (``disk``: in L2's file)."""
+        return self._in_view([(e.offset, e.length) for e in extents], disk=disk)
+
+    def _in_view(self, out: list[tuple[int, int]], *, disk: bool) -> list[tuple[int, int]]:
         view = self._disk if disk else self._arena
         if view is None:
             raise ServerError(
                 f"the server lent from {'a file' if disk else 'an arena'} not mapped here"
             )
-        out = [(e.offset, e.length) for e in extents]
         if any(o + n > view.size for o, n in out):
             raise ServerError(
                 f"the server handed out extents beyond its {'data file' if disk else 'arena'} "

@@ -42,6 +42,7 @@ from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_writes as writes
+from kvstore.sdk import lending
 from kvstore.sdk.base import (
     Endpoint,
     NamespaceLike,
@@ -51,7 +52,7 @@ from kvstore.sdk.base import (
     parse_url,
 )
 from kvstore.sdk.blocking import BlockingTransport
-from kvstore.sdk.shm import USE_GET, Lease, Reservation, UseGet, prefault
+from kvstore.sdk.shm import USE_GET, Lease, LentLease, Reservation, UseGet, prefault
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats
 
@@ -74,7 +75,9 @@ class Client(BlockingTransport):
     ``ClientBase.__init__`` for its arguments (``kvstore.sdk.base``)."""
 
     def _lease(self, timeout: float | None) -> functools.partial[Lease]:
-        return functools.partial(Lease, release=lambda lid: self._run(core.release(lid, timeout)))
+        return functools.partial(
+            Lease, release=lambda lid, holder: self._run(core.release(lid, timeout, holder))
+        )
 
     def _reservation(self, timeout: float | None) -> Callable[..., Reservation]:
         def finish(rid: int, commit: bool, checksum: int | None) -> PutStatus:
@@ -326,6 +329,48 @@ class Client(BlockingTransport):
                 reads_disk,
             )
         )
+
+    def lookup_lend(
+        self,
+        namespace: NamespaceLike,
+        tokens: Tokens,
+        *,
+        lend_from: int = 0,
+        holder: str = "",
+        min_tokens: int = 0,
+        granularity: int = 0,
+        repeat: bool = False,
+        prefetch: bool = False,
+        reads_disk: bool = False,
+        timeout: float | None = None,
+    ) -> tuple[LookupResult, builtins.list[LentLease | None]]:
+        """``lookup``, lending in the same call the matched chunks from token
+        ``lend_from`` on: per matched chunk a ``LentLease`` or None (not lent: before
+        ``lend_from``, only below L2, or L1 could not lend it now; acquire it). Only on
+        the server's host; lent are chunks in L1 and, with ``reads_disk``, in L2 where
+        they lie in its file; the server reads nothing from below to answer.
+
+        The leases are held by session ``holder`` (default: this client's); another
+        client of the same server on this host takes them with ``adopt`` (they pickle),
+        and they end with its ``release_many``/``release_later``, in the holder's name.
+        A holder without a Session stream keeps a lease no load takes ``lease_ms`` at
+        most (``kvstore.sdk.lending``)."""
+        return self._run(
+            lending.lookup_lend(
+                self, namespace, tokens, lend_from, holder, min_tokens, granularity,
+                repeat, prefetch, reads_disk, timeout,
+            )
+        )  # fmt: skip
+
+    def adopt(
+        self, lent: Sequence[LentLease], *, timeout: float | None = None
+    ) -> builtins.list[Lease | None]:
+        """Leases another client's ``lookup_lend`` lent, read through this client's
+        mappings: per lease a ``Lease`` or None (this client cannot read it: a restarted
+        server, L2's file not mapped here; acquire that chunk instead). Copy them out
+        verified (``read_verified``, ``read_scattered``) and end them with
+        ``release_many`` or ``release_later`` as any other lease."""
+        return self._run(lending.adopt(self, lent, self._lease(timeout)))
 
     def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None

@@ -99,9 +99,12 @@ class ReleaseLater:
 
     lease_ids: tuple[int, ...]
     drop_keys: tuple[bytes, ...] = ()  # chunks to drop once released (``drop``)
+    holder: str = ""  # the session holding the leases, when not this client's (lent)
 
     def request(self) -> pb.ReleaseRequest:
-        return pb.ReleaseRequest(lease_ids=self.lease_ids, drop_keys=self.drop_keys)
+        return pb.ReleaseRequest(
+            lease_ids=self.lease_ids, drop_keys=self.drop_keys, holder=self.holder
+        )
 
 
 class Dropped(NamedTuple):
@@ -320,22 +323,21 @@ def release_many(leases: Sequence[LeaseBase], timeout: float | None) -> Plan[int
     """End many leases in one Release; how many the server still held (fewer: some had
     expired or were dropped, so what was read through them may be wrong unless verified).
     Leases already released are skipped."""
-    ids = _ending(leases)
-    if not ids:
-        return 0
-    try:
-        r = yield Call("Release", pb.ReleaseRequest(lease_ids=ids), timeout)
-    except NotFound:
-        return 0
-    return int(r.released)
+    released = 0
+    for holder, ids in _ending(leases).items():  # one Release (a second for lent leases)
+        released += yield from _release_held(ids, holder, timeout)
+    return released
 
 
 def release_later(leases: Sequence[LeaseBase], drop: Sequence[bytes] = ()) -> Plan[None]:
-    """End many leases with one Release not waited for (off the caller's critical path),
-    dropping the chunks ``drop`` names in the same call (see ``drop``)."""
-    ids, keys = _ending(leases), _drop_keys(drop)
-    if ids or keys:
-        yield ReleaseLater(tuple(ids), keys)
+    """End many leases with one Release not waited for (off the caller's critical path;
+    a second for leases lent to another session), dropping the chunks ``drop`` names in
+    the first (see ``drop``)."""
+    keys = _drop_keys(drop)
+    ending = _ending(leases) or ({"": []} if keys else {})
+    for holder, ids in ending.items():
+        yield ReleaseLater(tuple(ids), keys, holder)
+        keys = ()
 
 
 def drop(
@@ -345,11 +347,24 @@ def drop(
     deleted from every tier now, or, while another lease holds it, once the last one
     ends (it stays readable for that holder). Keys not stored, or of chunks the caller
     may not see (another tenant's), are skipped."""
-    ids, drop_keys = _ending(leases), _drop_keys(keys)
-    if not ids and not drop_keys:
+    ending, drop_keys = _ending(leases), _drop_keys(keys)
+    if not ending and not drop_keys:
         return Dropped(0, 0, 0)
-    r = yield Call("Release", pb.ReleaseRequest(lease_ids=ids, drop_keys=drop_keys), timeout)
-    return Dropped(int(r.released), int(r.dropped), int(r.drop_deferred))
+    lent = {h: ids for h, ids in ending.items() if h}
+    released = 0
+    for holder, ids in lent.items():  # leases lent to another session: ended first
+        released += yield from _release_held(ids, holder, timeout)
+    req = pb.ReleaseRequest(lease_ids=ending.get("", []), drop_keys=drop_keys)
+    r = yield Call("Release", req, timeout)
+    return Dropped(released + int(r.released), int(r.dropped), int(r.drop_deferred))
+
+
+def _release_held(ids: builtins.list[int], holder: str, timeout: float | None) -> Plan[int]:
+    try:
+        r = yield Call("Release", pb.ReleaseRequest(lease_ids=ids, holder=holder), timeout)
+    except NotFound:
+        return 0
+    return int(r.released)
 
 
 def _drop_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
@@ -359,23 +374,21 @@ def _drop_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     return out
 
 
-def _ending(leases: Sequence[LeaseBase]) -> builtins.list[int]:
-    """The ids of the leases not released yet, each marked released (once)."""
-    ids: dict[int, None] = {}
+def _ending(leases: Sequence[LeaseBase]) -> dict[str, builtins.list[int]]:
+    """The ids of the leases not released yet by the session holding them ("": this
+    client's), each marked released (once)."""
+    ids: dict[str, dict[int, None]] = {}
     for lease in leases:
         if not lease.released:
             lease.released = True
-            ids[lease.id] = None
-    return builtins.list(ids)
+            ids.setdefault(lease.holder, {})[lease.id] = None
+    return {h: builtins.list(held) for h, held in ids.items()}
 
 
-def release(lease_id: int, timeout: float | None) -> Plan[bool]:
-    """False if the lease was gone (expired, or dropped with a broken Session)."""
-    try:
-        r = yield Call("Release", pb.ReleaseRequest(lease_ids=[lease_id]), timeout)
-    except NotFound:
-        return False
-    return bool(r.released == 1)
+def release(lease_id: int, timeout: float | None, holder: str = "") -> Plan[bool]:
+    """False if the lease was gone (expired, or dropped with a broken Session).
+    ``holder``: the session holding it, when not this client's (a lent lease)."""
+    return (yield from _release_held([lease_id], holder, timeout)) == 1
 
 
 def read_lease(c: ClientBase, key: bytes, timeout: float | None) -> Plan[LeaseBase | UseGet | None]:
@@ -473,14 +486,42 @@ def lookup(
     prefetch: bool = False,
     reads_disk: bool = False,
 ) -> Plan[LookupResult]:
+    args = (namespace, tokens, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
+    return lookup_from_pb((yield from lookup_pb(c, *args, timeout=timeout)))
+
+
+def lookup_pb(
+    c: ClientBase,
+    namespace: NamespaceLike,
+    tokens: Tokens,
+    min_tokens: int,
+    granularity: int,
+    explain: bool,
+    repeat: bool,
+    prefetch: bool,
+    reads_disk: bool,
+    *,
+    timeout: float | None,
+    lend_from: int | None = None,
+    holder: str = "",
+) -> Plan[pb.LookupResponse]:
     """By chunk keys where the server takes them (``ClientBase._lookup_request``); where
     the answer says the partial match needs one chunk's sub-hashes, asked again with
-    them, and by token ids if the store changed in between (a third ask, seldom)."""
+    them, and by token ids if the store changed in between (a third ask, seldom).
+    ``lend_from``: the answer lends the matched chunks from that token on to ``holder``
+    (the server lends on the ask it answers in full only)."""
     if c._info is None and c.lookup_by_keys and not explain:
         yield from info(c, timeout)  # its chunking, to key the prompt as the server does
     tb = token_view(tokens)
     args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
-    req = c._lookup_request(*args)
+
+    def ask(by_keys: bool = True) -> pb.LookupRequest:
+        req = c._lookup_request(*args, by_keys=by_keys)
+        if lend_from is not None:
+            req.lend_from, req.lend_to, req.client_reads_disk = lend_from, holder, reads_disk
+        return req
+
+    req = ask()
     r = yield Call("Lookup", req, timeout)
     if r.HasField("needs_sub_hashes") and req.chunk_keys:
         again = pb.LookupRequest()
@@ -489,8 +530,8 @@ def lookup(
         again.sub_hashes_of = r.needs_sub_hashes
         r = yield Call("Lookup", again, timeout)
         if r.HasField("needs_sub_hashes"):  # it stopped elsewhere this time
-            r = yield Call("Lookup", c._lookup_request(*args, by_keys=False), timeout)
-    return lookup_from_pb(r)
+            r = yield Call("Lookup", ask(by_keys=False), timeout)
+    return r
 
 
 def exists(keys: Sequence[bytes], timeout: float | None) -> Plan[builtins.list[tuple[int, ...]]]:

@@ -18,7 +18,7 @@ import enum
 import mmap
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,6 +57,22 @@ class UseGet(enum.Enum):
 USE_GET = UseGet.USE_GET
 
 
+class LentLease(NamedTuple):
+    """One chunk a lookup lent, as it travels to the client that reads it (picklable)."""
+
+    key: bytes
+    lease_id: int
+    header: bytes  # the record's header as stored (parsed, its key checked, on adoption)
+    extents: tuple[tuple[int, int], ...]  # (offset, length) in the arena, or in L2's file
+    payload_offset: int
+    on_disk: bool  # lent where it lies in L2's file, not in the arena
+    valid_until: float  # monotonic time before which it surely holds (the lender's clock)
+    holder: str  # the session holding it: the one its Release names
+    # The server's arena when it was lent (shm path, inode, size, boot id): a lease of a
+    # server since restarted names pages of another arena, and is not taken.
+    arena: tuple[str, int, int, str]
+
+
 class LeaseBase:
     """A read lease on a chunk in the server's arena: read in place, then release.
 
@@ -80,6 +96,9 @@ class LeaseBase:
         self.valid_until = valid_until
         self._extents, self._offset, self._arena = extents, payload_offset, arena
         self.released = False
+        # The session holding it when not this client's: a lease a lookup lent to another
+        # session (``adopt``), ended in that session's name.
+        self.holder = ""
 
     def views(self) -> list[memoryview]:
         """The payload as memoryviews into the arena, in order (zero copy)."""
@@ -178,7 +197,7 @@ class Lease(LeaseBase):
         extents: list[tuple[int, int]],
         payload_offset: int,
         arena: ArenaView,
-        release: Callable[[int], bool],
+        release: Callable[[int, str], bool],
         valid_until: float = 0.0,
     ) -> None:
         super().__init__(header, lease_id, extents, payload_offset, arena, valid_until)
@@ -189,7 +208,7 @@ class Lease(LeaseBase):
         if self.released:
             return True
         self.released = True
-        return self._release(self.id)
+        return self._release(self.id, self.holder)
 
     def __enter__(self) -> Lease:
         return self
@@ -208,7 +227,7 @@ class AsyncLease(LeaseBase):
         extents: list[tuple[int, int]],
         payload_offset: int,
         arena: ArenaView,
-        release: Callable[[int], Awaitable[bool]],
+        release: Callable[[int, str], Awaitable[bool]],
         valid_until: float = 0.0,
     ) -> None:
         super().__init__(header, lease_id, extents, payload_offset, arena, valid_until)
@@ -219,7 +238,7 @@ class AsyncLease(LeaseBase):
         if self.released:
             return True
         self.released = True
-        return await self._release(self.id)
+        return await self._release(self.id, self.holder)
 
     async def __aenter__(self) -> AsyncLease:
         return self

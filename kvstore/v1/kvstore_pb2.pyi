@@ -119,7 +119,7 @@ class InfoResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_inode: _Optional[int] = ..., disk_map_size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of", "client_reads_disk")
+    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of", "client_reads_disk", "lend_from", "lend_to")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,8 @@ class LookupRequest(_message.Message):
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     SUB_HASHES_OF_FIELD_NUMBER: _ClassVar[int]
     CLIENT_READS_DISK_FIELD_NUMBER: _ClassVar[int]
+    LEND_FROM_FIELD_NUMBER: _ClassVar[int]
+    LEND_TO_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     token_ids: bytes
     min_tokens: int
@@ -146,7 +148,9 @@ class LookupRequest(_message.Message):
     prefetch: bool
     sub_hashes_of: int
     client_reads_disk: bool
-    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ..., client_reads_disk: _Optional[bool] = ...) -> None: ...
+    lend_from: int
+    lend_to: str
+    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ..., client_reads_disk: _Optional[bool] = ..., lend_from: _Optional[int] = ..., lend_to: _Optional[str] = ...) -> None: ...
 
 class NamespaceMatch(_message.Message):
     __slots__ = ("fingerprint", "matched_tokens", "namespace")
@@ -175,7 +179,7 @@ class ChunkMatches(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., start: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[int]] = ..., partial: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks", "needs_sub_hashes")
+    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks", "needs_sub_hashes", "lent")
     class TokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +195,7 @@ class LookupResponse(_message.Message):
     OTHER_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_SUB_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     total_tokens: int
     stop: str
@@ -199,7 +204,8 @@ class LookupResponse(_message.Message):
     other_namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceMatch]
     chunks: ChunkMatches
     needs_sub_hashes: int
-    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ..., needs_sub_hashes: _Optional[int] = ...) -> None: ...
+    lent: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ..., needs_sub_hashes: _Optional[int] = ..., lent: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -350,12 +356,14 @@ class AcquireManyResponse(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids", "drop_keys")
+    __slots__ = ("lease_ids", "drop_keys", "holder")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     DROP_KEYS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[int]
     drop_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., drop_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    holder: str
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ..., drop_keys: _Optional[_Iterable[bytes]] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "dropped", "drop_deferred")

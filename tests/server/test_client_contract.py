@@ -111,7 +111,7 @@ def _wrap(value: Any) -> Any:
 def _unwrap(value: Any) -> Any:
     if isinstance(value, (_AwaitedLease, _AwaitedReservation)):
         return value._lease if isinstance(value, _AwaitedLease) else value._res
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):  # not a NamedTuple (a LentLease)
         return type(value)(_unwrap(v) for v in value)
     return value
 
