@@ -30,7 +30,7 @@ from kvstore.errors import ConfigError, DeadlineExceeded, ServerUnavailable
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.records import RecordHeader
 from kvstore.retry import CircuitBreaker
-from kvstore.sdk import LeaseBase
+from kvstore.sdk import LeaseBase, LentLease
 from kvstore.types import LookupResult
 
 log = init_logger("vllm.kvstore.connector")
@@ -254,6 +254,62 @@ class BreakerClient:
             )
         except Exception as e:
             self.failed("lookup", e)
+            return None
+
+    def lookup_lend(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int],
+        *,
+        lend_from: int,
+        holder: str,
+        min_tokens: int = 0,
+        granularity: int = 0,
+        prefetch: bool = False,
+        reads_disk: bool = False,
+    ) -> tuple[LookupResult, list[LentLease | None]] | None:
+        """``lookup``, the matched chunks from token ``lend_from`` on lent in the same
+        call to session ``holder`` (``Client.lookup_lend``), for the worker that loads
+        them next (``adopt``)."""
+        client = self._connect()
+        if client is None:
+            return None
+        try:
+            return client.lookup_lend(
+                ns,
+                tokens,
+                lend_from=lend_from,
+                holder=holder,
+                min_tokens=min_tokens,
+                granularity=granularity,
+                prefetch=prefetch,
+                reads_disk=reads_disk,
+                timeout=self.cfg.lookup_timeout_ms / 1000,
+            )
+        except Exception as e:
+            self.failed("lookup", e)
+            return None
+
+    def release_lent(self, lent: Sequence[LentLease]) -> None:
+        """End, not waited for, leases a lookup lent that no load takes."""
+        client = self._client if lent else None
+        if client is None:
+            return  # closed since: a server out of reach; they run out (lease_ms)
+        try:
+            client.release_lent(lent)
+        except Exception as e:
+            self.failed("release", e)
+
+    def adopt(self, lent: Sequence[LentLease]) -> list[Any] | None:
+        """Leases the scheduler's lookup lent, as leases of this client (a ``Lease``, or
+        None where it cannot read one: acquire that chunk); None when the call failed."""
+        client = self._connect()
+        if client is None:
+            return None
+        try:
+            return list(client.adopt(lent))
+        except Exception as e:
+            self.failed("load", e)
             return None
 
     def shm_active(self) -> bool:

@@ -46,7 +46,7 @@ from kvstore.connectors.vllm_layers import LayerCopy, LoadJob
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
 
 from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
-from kvstore.sdk import USE_GET, LeaseBase, ScatterBatch
+from kvstore.sdk import USE_GET, LeaseBase, LentLease, ScatterBatch
 
 if TYPE_CHECKING:
     from kvstore.connectors.vllm_async import Ticket
@@ -149,11 +149,34 @@ class Loads:
                 self.client.failed("load", e)
                 job.outs[i].failed.update(spec.block_ids)
         drops = dropped_keys(specs, tasks)
+        lent = self._lent(specs)
+        taken: set[int] = set()
         try:
-            self._fetch(tasks, tickets, deadline, job, drops, by_layer and self.by_layer)
+            self._fetch(
+                tasks, tickets, deadline, job, drops, by_layer and self.by_layer, lent, taken
+            )
         except Exception as e:  # a bug: every block not loaded yet is recomputed
             self.client.failed("load", e)
+        finally:
+            # Lent for chunks this batch did not read (no blocks to fill, a second
+            # request's lease on the same chunk, a load given up): ended now.
+            unused = [x for i, x in lent.items() if i not in taken]
+            if unused:
+                self.client.release_lent(unused)
         return job
+
+    def _lent(self, specs: Sequence[LoadSpec]) -> dict[int, LentLease]:
+        """The leases the scheduler's lookups lent for these specs, by id: this worker's to
+        read and end where its namespace is the scheduler's (another TP/PP rank reads
+        other keys, and acquires them)."""
+        out: dict[int, LentLease] = {}
+        for spec in specs:
+            if spec.groups or spec.fingerprint != self.setup.ns.for_request(spec.salt).fingerprint:
+                continue
+            for c in spec.chunks:
+                if c.lent is not None:
+                    out[c.lent.lease_id] = c.lent
+        return out
 
     def _outcomes(self, job: LoadJob) -> list[SpecOutcome]:
         bs = self.setup.block_size
@@ -232,7 +255,7 @@ class Loads:
             for c in chunks:
                 raw = tokens_to_bytes(spec.tokens[c.start : c.start + c.stored_tokens])
                 parent = chunk_key(parent, fp, raw)
-                out.append(c._replace(key=parent))
+                out.append(c._replace(key=parent, lent=None))
             return out
         ns = s.ns.for_request(spec.salt)
         result = self.client.lookup(ns, spec.tokens, granularity=s.block_size, worker=True)
@@ -251,7 +274,11 @@ class Loads:
         job: LoadJob,
         drops: frozenset[bytes] = frozenset(),
         by_layer: bool = False,
+        given: dict[int, LentLease] | None = None,
+        taken: set[int] | None = None,
     ) -> None:
+        """``given``: leases the scheduler's lookup lent, read instead of acquired; the ids
+        of those this takes (read, or refused and ended) go to ``taken``."""
         loaded = job.loaded
         if not tasks:
             return
@@ -266,9 +293,7 @@ class Loads:
             self.client.drop_later([k for k in dict.fromkeys(t.key for t in tasks) if k in drops])
             return
         keys = list(dict.fromkeys(t.key for t in tasks))  # requests sharing a prefix
-        # A chunk only in L2 is copied from LMDB's file straight into its blocks (one
-        # pass, no promotion into L1 first) where Setup.reads_disk says so.
-        leased = self.client.acquire_many(keys, left, disk=self.setup.reads_disk)
+        leased = self._leases(keys, left, given or {}, taken if taken is not None else set())
         if leased is None:
             return  # the server is down: every block is reported
         # Dropped in the Release that ends the leases, once the bytes are in the cache.
@@ -314,6 +339,29 @@ class Loads:
         for t in later:
             ticket = tickets[t.spec] if tickets is not None else None
             self._staged(t, None, ticket, deadline, loaded)
+
+    def _leases(
+        self, keys: list[bytes], left: float | None, lent: dict[int, LentLease], taken: set[int]
+    ) -> Leased | None:
+        """Per key a lease (lent by the lookup, or acquired here), ``USE_GET`` or None;
+        None if the server is down. What the lookup lent is taken (``adopt``: no call);
+        the rest comes in one AcquireMany (a chunk only in L2 lent where it lies in
+        LMDB's file where Setup.reads_disk says so: one pass, not promoted first)."""
+        by_key: dict[bytes, LentLease] = {}
+        for x in lent.values():
+            by_key.setdefault(x.key, x)
+        mine = [by_key[k] for k in keys if k in by_key]
+        got: dict[bytes, Any] = {}
+        if mine:
+            taken.update(x.lease_id for x in mine)
+            adopted = self.client.adopt(mine) or [None] * len(mine)
+            got = {x.key: a for x, a in zip(mine, adopted, strict=True) if a is not None}
+        rest = [k for k in keys if k not in got]
+        acquired = self.client.acquire_many(rest, left, disk=self.setup.reads_disk)
+        if acquired is None:  # the client is closed: what it adopted runs out (lease_ms)
+            return None
+        got.update(zip(rest, acquired.items, strict=True))
+        return Leased(acquired.client, [got[k] for k in keys])
 
     def _start_layers(
         self, now: list[tuple[_Task, LeaseBase, Ticket | None]], job: LoadJob

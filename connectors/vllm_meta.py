@@ -13,6 +13,8 @@ from kvstore.connectors.vllm_namespace import EngineNamespace, Group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvstore.sdk import LentLease
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -96,6 +98,9 @@ class ChunkRef(NamedTuple):
     tokens: int  # tokens of the prompt it serves (whole blocks)
     stored_tokens: int  # tokens the stored chunk holds (more when only a prefix matches)
     partial: bool  # a stored sibling of which only a prefix matches the prompt
+    # Its lease, lent by the lookup (the worker of the scheduler's namespace reads through
+    # it and ends it: ``Loads``); None: the worker acquires the chunk itself.
+    lent: LentLease | None = None
 
 
 class _Matched(Protocol):

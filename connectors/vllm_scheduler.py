@@ -17,8 +17,9 @@ workers load it in the background and the other requests run.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.connectors.vllm_client import BreakerClient
@@ -38,6 +39,7 @@ from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
 from kvstore.errors import ConfigError
+from kvstore.sdk import LentLease
 from kvstore.types import ChunkMatch, TierLevel
 
 _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
@@ -69,6 +71,7 @@ class _Hit:
     matched: int  # tokens to count as loaded (whole blocks, or one short of the prompt)
     chunks: tuple[ChunkMatch, ...]
     groups: tuple[tuple[ChunkMatch, ...], ...] = ()  # hybrid: each group's chunks
+    lent: tuple[LentLease | None, ...] = ()  # per chunk, its lease if the lookup lent it
 
 
 def request_salt(request: Any) -> str:
@@ -107,6 +110,12 @@ class KVStoreScheduler:
         # A worker that reads L2 hits where they lie in LMDB's file (one pass, on the
         # server's host): a prefetch promoting them into L1 would be a second pass.
         self._reads_disk = local and setup.reads_disk
+        # On this host the lookup also lends the chunks it found to the worker that loads
+        # them (``Loads`` adopts them): the load needs no AcquireMany, which took 0.7-3 ms
+        # of a 5-8 ms load from L2 (docs/performance.md). To a holder with no Session,
+        # so leases of a load that never happens run out after lease_ms at the latest.
+        self._lends = local and not setup.hybrid
+        self._holder = f"kvstore-lent-{uuid.uuid4().hex}"
         # vllm_observe's hooks: its KV events learn of every save planned, and a prefix-cache
         # reset moves every later request to a new key generation.
         self.on_save: Callable[[str, int, int], None] | None = None
@@ -119,8 +128,16 @@ class KVStoreScheduler:
         """vLLM reset its prefix cache (vllm_observe): later requests look up and store under
         ``generation``; lookup answers of the old one are dropped."""
         self.generation = generation
+        self._let_go(*self._asked.values(), *(h for _, h, _ in self._hits.values()))
         self._asked.clear()
         self._hits.clear()
+
+    def _let_go(self, *hits: _Hit | None) -> None:
+        """End the leases these hits were lent (no load will take them), once each."""
+        held = {id(h): h for h in hits if h is not None and h.lent}
+        lent = [x for h in held.values() for x in h.lent if x is not None]
+        if lent:
+            self.client.release_lent(lent)
 
     def _background(self, hit: _Hit, computed: int) -> bool:
         """Load asynchronously: asked to, or a chunk to load is below the server's L1, or
@@ -153,33 +170,57 @@ class KVStoreScheduler:
         now = self._clock()
         hit = self._asked.get(request.request_id)
         if hit is None or now - hit.when >= _ASK_TTL_S:
+            self._let_go(hit)
             if s.hybrid:
                 hit = self._asked[request.request_id] = self._hybrid_hit(request, now, limit)
             else:
-                ns = s.ns.for_request(self._salt(request))
-                result = self.client.lookup(
-                    ns,
-                    tokens,
-                    min_tokens=s.cfg.min_tokens,
-                    granularity=s.block_size,
-                    prefetch=self._prefetch,
-                    reads_disk=self._reads_disk,
+                hit = self._asked[request.request_id] = self._hit(
+                    request, tokens, now, limit, num_computed_tokens
                 )
-                matched = result.matched_tokens if result else 0
-                if s.window:  # a window's records serve a hit only where they end
-                    matched = max(
-                        (c.start + c.tokens for c in whole_chunks(result.chunks if result else ())
-                         if c.start + c.tokens <= matched),
-                        default=0,
-                    )  # fmt: skip
-                matched = min(matched, limit)
-                chunks = tuple(c for c in (result.chunks if result else ()) if c.start < matched)
-                hit = self._asked[request.request_id] = _Hit(now, matched, chunks)
         if hit.matched <= num_computed_tokens:
+            if hit.lent:  # nothing to load: the leases go now, the answer stays
+                self._let_go(hit)
+                self._asked[request.request_id] = replace(hit, lent=())
             return 0, False
         background = self._background(hit, num_computed_tokens)
         self._hits[request.request_id] = (num_computed_tokens, hit, background)
         return hit.matched - num_computed_tokens, background
+
+    def _hit(self, request: Any, tokens: list[int], now: float, limit: int, computed: int) -> _Hit:
+        """One Lookup's answer, the chunks from ``computed`` on lent with it where the
+        workers read this server's memory."""
+        s = self.setup
+        ns = s.ns.for_request(self._salt(request))
+        args: dict[str, Any] = dict(
+            min_tokens=s.cfg.min_tokens,
+            granularity=s.block_size,
+            prefetch=self._prefetch,
+            reads_disk=self._reads_disk,
+        )
+        lent: list[LentLease | None] = []
+        if self._lends:
+            got = self.client.lookup_lend(
+                ns, tokens, lend_from=computed, holder=self._holder, **args
+            )
+            result, lent = got if got is not None else (None, [])
+        else:
+            result = self.client.lookup(ns, tokens, **args)
+        rows = list(result.chunks) if result else []
+        matched = result.matched_tokens if result else 0
+        if s.window:  # a window's records serve a hit only where they end
+            matched = max(
+                (c.start + c.tokens for c in whole_chunks(rows) if c.start + c.tokens <= matched),
+                default=0,
+            )
+        matched = min(matched, limit)
+        lent = lent or [None] * len(rows)
+        unused = [x for c, x in zip(rows, lent, strict=True) if x and c.start >= matched]
+        if unused:
+            self.client.release_lent(unused)
+        keep = [(c, x) for c, x in zip(rows, lent, strict=True) if c.start < matched]
+        chunks = tuple(c for c, _ in keep)
+        held = tuple(x for _, x in keep) if any(x for _, x in keep) else ()
+        return _Hit(now, matched, chunks, lent=held)
 
     def _hybrid_hit(self, request: Any, now: float, limit: int) -> _Hit:
         """A hybrid model's hit: the longest prefix every KV-cache group can serve, one
@@ -237,11 +278,13 @@ class KVStoreScheduler:
             r.waiting = False
             return
         found = self._hits.pop(request.request_id, None)
-        self._asked.pop(request.request_id, None)
+        asked = self._asked.pop(request.request_id, None)
         if num_external_tokens > 0 and found is not None:
             start, hit, background = found
+            if asked is not hit:
+                self._let_go(asked)
             r.load = (start, start + num_external_tokens)
-            r.hit = hit
+            r.hit = hit  # its leases go to the workers with the load
             if background:
                 # Not among the step's scheduled requests: its blocks are these.
                 r.group_blocks = [list(b) for b in blocks.get_block_ids()]
@@ -252,7 +295,9 @@ class KVStoreScheduler:
             loaded = s.blocks(start + num_external_tokens) * s.block_size
             r.saved = max(r.saved, loaded // s.chunk_tokens * s.chunk_tokens)
             self.stats.add(lookup_hits=1, hit_tokens=num_external_tokens)
-        elif s.consumer:
+            return
+        self._let_go(asked, found[1] if found is not None else None)
+        if s.consumer:
             self.stats.add(lookup_misses=1)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMeta:
@@ -262,7 +307,8 @@ class KVStoreScheduler:
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             meta.preempted.append(rid)  # a load still writing into its blocks stops
             if rid not in resumed:  # its blocks are gone; it comes back through a new lookup
-                self._reqs.pop(rid, None)
+                gone = self._reqs.pop(rid, None)
+                self._let_go(gone.hit if gone is not None else None)
         for rid, waiting in self._reqs.items():
             if waiting.waiting and waiting.load is not None:  # not scheduled this step
                 meta.loads.append(self._load_spec(rid, waiting, background=True))
@@ -318,11 +364,16 @@ class KVStoreScheduler:
         assert r.load is not None
         start, end = r.load
         whole = s.blocks(end)
+        found = r.hit.chunks if r.hit is not None else ()
+        lent = (r.hit.lent if r.hit is not None else ()) or (None,) * len(found)
         chunks = tuple(
-            ChunkRef(c.key, c.start, c.tokens, c.stored_tokens, c.partial)
-            for c in (r.hit.chunks if r.hit is not None else ())
+            ChunkRef(c.key, c.start, c.tokens, c.stored_tokens, c.partial, x)
+            for c, x in zip(found, lent, strict=True)
             if c.start < whole * bs
         )
+        unused = [x for c, x in zip(found, lent, strict=True) if x and c.start >= whole * bs]
+        if unused:  # those the workers get are theirs to end (Loads)
+            self.client.release_lent(unused)
         if s.hybrid and r.hit is not None:
             r.load, hit, r.hit = None, r.hit, None
             return self._hybrid_load(rid, r, start, end, hit)
@@ -400,9 +451,11 @@ class KVStoreScheduler:
                     self._no_load.add(rid)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
-        self._asked.pop(request.request_id, None)
+        r = self._reqs.pop(request.request_id, None)
+        found = self._hits.pop(request.request_id, None)
+        asked = self._asked.pop(request.request_id, None)
+        # A hit lent but not sent to the workers (a load planned is theirs to end)
+        self._let_go(r.hit if r is not None else None, found[1] if found else None, asked)
         self._no_load.discard(request.request_id)
         # A background load still running keeps its blocks: vLLM frees them only once a
         # worker reports the request in finished_recving (at the latest its deadline).

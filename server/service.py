@@ -353,7 +353,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             if needs is not None:
                 msg.needs_sub_hashes = needs  # asked again with them: lent then
             elif request.HasField("lend_from"):
-                msg.lent.extend(self.lend_matched(request, result, context))
+                self._lend_into(msg, request, result, context)
             return msg
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
@@ -368,8 +368,19 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
         msg = lookup_to_pb(result)
         if request.HasField("lend_from"):
-            msg.lent.extend(self.lend_matched(request, result, context))
+            self._lend_into(msg, request, result, context)
         return msg
+
+    def _lend_into(
+        self,
+        msg: pb.LookupResponse,
+        request: pb.LookupRequest,
+        result: LookupResult,
+        context: grpc.ServicerContext,
+    ) -> None:
+        msg.lent.extend(self.lend_matched(request, result, context))
+        if msg.lent:
+            msg.lent_arena = self._info.shm_path
 
     def _prefetch(self, request: pb.LookupRequest, fp: Fingerprint, result: LookupResult) -> None:
         """With ``prefetch``: the matched chunks not in L1 start their way there (queued,

@@ -432,6 +432,10 @@ class AsyncClient(ClientBase):
         ``Client.adopt``)."""
         return await self._run(lending.adopt(self, lent, self._lease(timeout)))
 
+    async def release_lent(self, lent: Sequence[LentLease]) -> None:
+        """End leases a lookup lent that will not be read (see ``Client.release_lent``)."""
+        await self._run(lending.release_lent(lent))
+
     async def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> builtins.list[tuple[int, ...]]:

@@ -372,6 +372,11 @@ class Client(BlockingTransport):
         ``release_many`` or ``release_later`` as any other lease."""
         return self._run(lending.adopt(self, lent, self._lease(timeout)))
 
+    def release_lent(self, lent: Sequence[LentLease]) -> None:
+        """End leases a lookup lent that will not be read (not taken with ``adopt``),
+        with one Release per holder not waited for."""
+        self._run(lending.release_lent(lent))
+
     def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> builtins.list[tuple[int, ...]]:

@@ -23,7 +23,7 @@ from kvstore.errors import KVStoreError, ServerError
 from kvstore.protocol import lookup_from_pb
 from kvstore.records import parse_header
 from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens
-from kvstore.sdk.client_core import NEED_ARENA, Plan, ReleaseLater, info, lookup_pb
+from kvstore.sdk.client_core import NEED_ARENA, Plan, ReleaseLater, lookup_pb
 from kvstore.sdk.shm import LeaseBase, LentLease
 from kvstore.types import LookupResult
 
@@ -47,11 +47,6 @@ def lookup_lend(
     (default: this client's session): per matched chunk a ``LentLease``, or None where
     nothing was lent (before ``lend_from``, below what can be lent without a read, or
     the server lends nothing: another host, shm off)."""
-    if c._info is None:
-        yield from info(c, timeout)
-    assert c._info is not None
-    now = c._info
-    arena = (now.shm_path, now.shm_inode, now.shm_size, now.boot_id)
     holder = holder or c.session_id
     t0 = c._clock()
     args = (namespace, tokens, min_tokens, granularity, False, repeat, prefetch, reads_disk)
@@ -69,7 +64,7 @@ def lookup_lend(
             spans = tuple((e.offset, e.length) for e in a.extents)
             out[i] = LentLease(
                 bytes(m.key), a.lease_id, a.header, spans, a.payload_offset, a.on_disk,
-                until, holder, arena,
+                until, holder, r.lent_arena,
             )  # fmt: skip
     return result, out
 
@@ -86,7 +81,7 @@ def adopt(
     out: builtins.list[L | None] = []
     refused: dict[str, builtins.list[int]] = {}
     for x in lent:
-        if arena is None or x.arena != c._arena_id:
+        if arena is None or c._arena_id is None or x.arena != c._arena_id[0]:
             out.append(None)  # the server restarted (or no plane here): nothing to end
             continue
         view = c._disk_view() if x.on_disk else arena
@@ -105,3 +100,13 @@ def adopt(
     for holder, ids in refused.items():
         yield ReleaseLater(tuple(ids), (), holder)
     return out
+
+
+def release_lent(lent: Sequence[LentLease]) -> Plan[None]:
+    """End leases a lookup lent that no load will take, without taking them (no arena
+    needed): one Release per holder, not waited for."""
+    held: dict[str, builtins.list[int]] = {}
+    for x in lent:
+        held.setdefault(x.holder, []).append(x.lease_id)
+    for holder, ids in held.items():
+        yield ReleaseLater(tuple(dict.fromkeys(ids)), (), holder)

@@ -126,13 +126,24 @@ def raise_once(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[in
 
 
 # (class, method, which half counts the error, tokens vLLM is told to load, blocks reported
-# failed: the one chunk whose copy raised, or the whole load when the batch's AcquireMany did)
+# failed: the one chunk whose copy raised, or the whole load when the batch's AcquireMany did,
+# whether the scheduler's lookup lends the chunks it found)
 BUGS = {
-    "placing a chunk in the cache": (BlockLayout, "layer_pieces", "worker", STORED, DST[:16]),
+    "placing a chunk in the cache": (BlockLayout, "layer_pieces", "worker", STORED, DST[:16], True),
     # A load in the step is one batch copied layer by layer: a bug there fails all of it.
-    "the layer by layer copy": (ScatterBatch, "copy", "worker", STORED, DST[: STORED // BS]),
-    "client acquire_many": (Client, "acquire_many", "worker", STORED, DST[: STORED // BS]),
-    "client lookup": (Client, "lookup", "scheduler", 0, []),
+    "the layer by layer copy": (
+        ScatterBatch,
+        "copy",
+        "worker",
+        STORED,
+        DST[: STORED // BS],
+        True,
+    ),
+    # Taking what the lookup lent failed: the chunks are acquired instead, and load.
+    "client adopt": (Client, "adopt", "worker", STORED, [], True),
+    "client acquire_many": (Client, "acquire_many", "worker", STORED, DST[: STORED // BS], False),
+    "client lookup_lend": (Client, "lookup_lend", "scheduler", 0, [], True),
+    "client lookup": (Client, "lookup", "scheduler", 0, [], False),
 }
 
 
@@ -143,7 +154,8 @@ def test_bug_in_a_load_costs_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
     connector_log: list[logging.LogRecord],
 ) -> None:
-    cls, name, half, told, failed = BUGS[where]
+    cls, name, half, told, failed, lends = BUGS[where]
+    engine.scheduler._lends = lends
     calls = raise_once(monkeypatch, cls, name)
     assert engine.request(DST) == told, f"a bug in {where} changed what the lookup found"
     assert calls, f"the injected fault in {where} was never reached"

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -100,14 +101,32 @@ def store(engine: Engine, prompts: list[list[int]], lay: Layout) -> list[list[in
     return srcs
 
 
+def held(server: KVServer, settle_s: float = 2.0) -> int:
+    """Leases and L2 loans the server holds, once none are left or ``settle_s`` passed
+    (a Release sent without waiting may land a moment later)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        with Client(server.unix_url) as c:
+            st = c.stats()
+        n = st.tiers[0].detail["active_leases"] + st.tiers[1].detail.get("loans", 0)
+        if not n or time.monotonic() > deadline:
+            return int(n)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("lends", [True, False], ids=["lent", "acquired"])
 @pytest.mark.parametrize("count", [4, 12])
 def test_a_steps_loads_cost_a_constant_number_of_calls(
-    count: int, engine: Engine, server: KVServer
+    count: int, lends: bool, engine: Engine, server: KVServer
 ) -> None:
     """``count`` requests of 3 chunks each load in one step: one Lookup each (the
-    scheduler's), one AcquireMany and one Release for the whole step, no Acquire, no
-    Get, and the worker looks nothing up again. A regression to calls per chunk (or per
-    request) makes the counts grow with ``count``."""
+    scheduler's), which lends the chunks it found; the worker reads through those
+    leases with no call of its own and ends them all in one Release. Where the lookup
+    lends nothing (``acquired``: a worker of another rank, say) one AcquireMany takes
+    them all. No Acquire, no Get, and the worker looks nothing up again. A regression
+    to calls per chunk (or per request) makes the counts grow with ``count``; every
+    lease ends."""
+    engine.scheduler._lends = lends
     lay = Layout()
     prompts = [prompt(100 * count + i) for i in range(count)]
     srcs = store(engine, prompts, lay)
@@ -123,13 +142,50 @@ def test_a_steps_loads_cost_a_constant_number_of_calls(
         k = stored(600) // BS
         assert engine.same(dst[:k], src[:k]), "a loaded block differs from the stored one"
     assert calls == {
-        "AcquireMany": 1,
+        "AcquireMany": 0 if lends else 1,
         "Acquire": 0,
         "Get": 0,
         "Release": 1,
         "Lookup": count,
         "Stats": 0,
     }, f"{count} requests x 3 chunks loaded in one step cost {calls}"
+    assert held(server) == 0, "a lease of the step's loads was never ended"
+
+
+def test_leases_a_lookup_lent_end_when_no_load_takes_them(engine: Engine, server: KVServer) -> None:
+    """The scheduler's lookup lends the chunks it found; each way a hit ends without a
+    load ends its leases too, with no wait for lease_ms: the request went away before
+    it was scheduled, vLLM allocated nothing external for it, vLLM's own cache already
+    held the hit. Two requests of one step lending the same chunks: the worker reads
+    through one lease per chunk and ends the other."""
+    lay = Layout()
+    prompts = [prompt(900 + i) for i in range(3)]
+    store(engine, prompts, lay)
+    assert held(server) == 0
+    sched = engine.scheduler
+
+    def req(i: int) -> Any:
+        return SimpleNamespace(
+            request_id=f"lend-{i}", prompt_token_ids=prompts[i % 3], num_tokens=600
+        )
+
+    n, _ = sched.get_num_new_matched_tokens(req(0), 0)
+    assert n == stored(600) and held(server, 0) == 3, "the lookup lent the hit's chunks"
+    sched.request_finished(req(0))
+    assert held(server) == 0, "an aborted request's leases"
+    sched.get_num_new_matched_tokens(req(1), 0)
+    sched.update_state_after_alloc(req(1), Blocks([]), 0)
+    sched.request_finished(req(1))
+    assert held(server) == 0, "leases of a hit vLLM allocated nothing for"
+    n, _ = sched.get_num_new_matched_tokens(req(2), stored(600))
+    assert n == 0 and held(server) == 0, "leases of a hit vLLM's own cache holds"
+    sched.request_finished(req(2))
+
+    dsts = [lay.take(600) for _ in range(2)]
+    got = engine.step([(prompts[0], dsts[0]), (prompts[0], dsts[1])])
+    assert all(a.told == stored(600) and not a.failed for a in got), got
+    assert engine.same(dsts[0][:4], dsts[1][:4])
+    assert held(server) == 0, "the second request's leases on the same chunks"
 
 
 def test_large_batches_are_copied_by_two_threads_into_the_same_places(
@@ -422,9 +478,9 @@ def test_a_layer_later_than_the_timeout_fails_the_load_without_hanging(
 
 def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) -> None:
     """After a restart the chunks are on disk only: the request is told load_async, waits
-    while the worker loads it (one AcquireMany for the step), and loads right, each
-    chunk copied from where it lies in LMDB's file (lent: neither the lookup's prefetch
-    nor the AcquireMany promotes it into L1 first)."""
+    while the worker loads it (through the loans the lookup made: no AcquireMany), and
+    loads right, each chunk copied from where it lies in LMDB's file (lent: the lookup
+    neither promotes it into L1 first nor prefetches it there)."""
     lay = Layout()
     ps = [prompt(3), prompt(4)]
     srcs = store(engine, ps, lay)
@@ -440,7 +496,7 @@ def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) 
         assert a.background, "a hit on disk must load in the background"
         assert a.told == stored(600) and not a.failed, (a.told, a.failed, engine.breakers())
         assert engine.same(dst[:k], src[:k]), "a background load put other bytes"
-    assert calls["AcquireMany"] == 1 and calls["Get"] == 0 and calls["Acquire"] == 0, calls
+    assert calls["AcquireMany"] == 0 and calls["Get"] == 0 and calls["Acquire"] == 0, calls
     with Client(server.unix_url) as c:
         l1, l2 = c.stats().tiers[:2]
     chunks = len(ps) * -(-stored(600) // CHUNK)
@@ -493,12 +549,15 @@ def test_a_background_load_yields_to_requests_computing_beside_it(
 
 
 class Stall:
-    """Makes the loader's next AcquireMany wait ``seconds`` first (a busy server)."""
+    """Makes the loader's next call for its leases (taking those the lookup lent, or an
+    AcquireMany) wait ``seconds`` first (a busy server, a stalled host)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         self.seconds, self.entered, self.left = seconds, threading.Event(), threading.Event()
-        real = Client.acquire_many
+        for name in ("adopt", "acquire_many"):
+            monkeypatch.setattr(Client, name, self._slow(getattr(Client, name)))
 
+    def _slow(self, real: Any) -> Any:
         def slow(client: Client, *args: Any, **kwargs: Any) -> Any:
             if threading.current_thread().name == "kvstore-loader" and not self.entered.is_set():
                 self.entered.set()
@@ -509,7 +568,7 @@ class Stall:
                     self.left.set()
             return real(client, *args, **kwargs)
 
-        monkeypatch.setattr(Client, "acquire_many", slow)
+        return slow
 
 
 def background_request(engine: Engine, p: list[int], ids: list[int]) -> Any:

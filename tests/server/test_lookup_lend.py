@@ -120,6 +120,15 @@ def test_a_lookup_lends_its_matches_and_another_client_loads_through_them(
         _, past = await kv.lookup_lend(ns, prompt, lend_from=N * 256)
         assert past == [None] * N and _held(await kv.stats()) == (0, 0)
 
+        # Lent, then not loaded (the request went away): ended without being taken.
+        _, unused = await kv.lookup_lend(ns, prompt, holder=holder, reads_disk=True)
+        assert _held(await kv.stats()) == (3, 5)
+        await kv.release_lent([x for x in unused if x])
+        deadline = time.monotonic() + 10
+        while _held(await kv.stats()) != (0, 0):
+            assert time.monotonic() < deadline, "release_lent ended nothing"
+            await asyncio.sleep(0.02)
+
     drive(body, server=srv)
     assert srv.stop() == 0, srv.log()
 
