@@ -157,6 +157,10 @@ class AsyncLoads:
                 self.loads.client.failed("connect", e)
         while (batch := self._batches.get()) is not None:
             live = [t for t in batch if not t.cancelled]
+            # The leases the lookup lent for loads given up before they started
+            self.loads.let_go(
+                list(self.loads.lent([t.spec for t in batch if t.cancelled]).values())
+            )
             t0 = time.perf_counter()
             if live:
                 # The tickets' deadline on the real clock: no call waits past it.

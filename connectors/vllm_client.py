@@ -343,7 +343,14 @@ class BreakerClient:
         dropping ``leased.drop`` in the same call."""
         leases = [x for x in leased.items if isinstance(x, LeaseBase) and not x.released]
         if leased.client is not self._client or leased.client.arena is None:
-            # That client was closed since: the server dropped its leases with it.
+            # That client was closed since: the server dropped its leases with it, but not
+            # those lent to another holder (the scheduler's lookup's): ended from here.
+            lent = [x for x in leases if x.holder]
+            if lent and self._client is not None:
+                try:
+                    self._client.release_later(lent)
+                except Exception as e:
+                    self.failed("release", e)
             self.drop_later(leased.drop)
             return
         if not leases and not leased.drop:

@@ -149,34 +149,45 @@ class Loads:
                 self.client.failed("load", e)
                 job.outs[i].failed.update(spec.block_ids)
         drops = dropped_keys(specs, tasks)
-        lent = self._lent(specs)
+        lent: dict[int, LentLease] = {}
         taken: set[int] = set()
         try:
-            self._fetch(
-                tasks, tickets, deadline, job, drops, by_layer and self.by_layer, lent, taken
+            lent = self.lent(specs)
+            taken = self._fetch(
+                tasks, tickets, deadline, job, drops, by_layer and self.by_layer, lent
             )
         except Exception as e:  # a bug: every block not loaded yet is recomputed
             self.client.failed("load", e)
         finally:
             # Lent for chunks this batch did not read (no blocks to fill, a second
-            # request's lease on the same chunk, a load given up): ended now.
-            unused = [x for i, x in lent.items() if i not in taken]
-            if unused:
-                self.client.release_lent(unused)
+            # request's lease on the same chunk, a load given up, one this client could
+            # not take): ended now.
+            self.let_go([x for i, x in lent.items() if i not in taken])
         return job
 
-    def _lent(self, specs: Sequence[LoadSpec]) -> dict[int, LentLease]:
+    def lent(self, specs: Sequence[LoadSpec]) -> dict[int, LentLease]:
         """The leases the scheduler's lookups lent for these specs, by id: this worker's to
-        read and end where its namespace is the scheduler's (another TP/PP rank reads
-        other keys, and acquires them)."""
+        read and end where its namespace is the scheduler's and it writes for it (another
+        TP/PP rank reads other keys, and acquires them; of the ranks sharing one copy, an
+        MLA model's, only the first takes them, as only it would end them)."""
         out: dict[int, LentLease] = {}
+        ns = self.setup.ns
         for spec in specs:
-            if spec.groups or spec.fingerprint != self.setup.ns.for_request(spec.salt).fingerprint:
+            if (
+                spec.groups
+                or not ns.writer
+                or spec.fingerprint != ns.for_request(spec.salt).fingerprint
+            ):
                 continue
             for c in spec.chunks:
                 if c.lent is not None:
                     out[c.lent.lease_id] = c.lent
         return out
+
+    def let_go(self, lent: Sequence[LentLease]) -> None:
+        """End leases lent for loads that will not read them (one Release, not waited for)."""
+        if lent:
+            self.client.release_lent(lent)
 
     def _outcomes(self, job: LoadJob) -> list[SpecOutcome]:
         bs = self.setup.block_size
@@ -275,27 +286,26 @@ class Loads:
         drops: frozenset[bytes] = frozenset(),
         by_layer: bool = False,
         given: dict[int, LentLease] | None = None,
-        taken: set[int] | None = None,
-    ) -> None:
+    ) -> set[int]:
         """``given``: leases the scheduler's lookup lent, read instead of acquired; the ids
-        of those this takes (read, or refused and ended) go to ``taken``."""
+        of those taken (the caller ends the others)."""
         loaded = job.loaded
         if not tasks:
-            return
+            return set()
         self.release_done()
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            return
+            return set()
         if not self.client.shm_active():  # a server on another host: Get per chunk
             for t in tasks:
                 ticket = tickets[t.spec] if tickets is not None else None
                 self._staged(t, None, ticket, deadline, loaded)
             self.client.drop_later([k for k in dict.fromkeys(t.key for t in tasks) if k in drops])
-            return
+            return set()
         keys = list(dict.fromkeys(t.key for t in tasks))  # requests sharing a prefix
-        leased = self._leases(keys, left, given or {}, taken if taken is not None else set())
+        leased, taken = self._leases(keys, left, given or {})
         if leased is None:
-            return  # the server is down: every block is reported
+            return taken  # the server is down: every block is reported
         # Dropped in the Release that ends the leases, once the bytes are in the cache.
         leased = leased._replace(drop=tuple(k for k in keys if k in drops))
         lent = dict(zip(keys, leased.items, strict=True))
@@ -339,29 +349,36 @@ class Loads:
         for t in later:
             ticket = tickets[t.spec] if tickets is not None else None
             self._staged(t, None, ticket, deadline, loaded)
+        return taken
 
     def _leases(
-        self, keys: list[bytes], left: float | None, lent: dict[int, LentLease], taken: set[int]
-    ) -> Leased | None:
-        """Per key a lease (lent by the lookup, or acquired here), ``USE_GET`` or None;
-        None if the server is down. What the lookup lent is taken (``adopt``: no call);
-        the rest comes in one AcquireMany (a chunk only in L2 lent where it lies in
-        LMDB's file where Setup.reads_disk says so: one pass, not promoted first)."""
+        self, keys: list[bytes], left: float | None, lent: dict[int, LentLease]
+    ) -> tuple[Leased | None, set[int]]:
+        """Per key a lease (lent by the lookup, or acquired here), ``USE_GET`` or None
+        (None: the server is down), and the ids of the lent leases taken. What the lookup
+        lent is taken (``adopt``: no call); the rest comes in one AcquireMany (a chunk
+        only in L2 lent where it lies in LMDB's file where Setup.reads_disk says so: one
+        pass, not promoted first), and a second where a lent lease could not be taken."""
         by_key: dict[bytes, LentLease] = {}
         for x in lent.values():
             by_key.setdefault(x.key, x)
         mine = [by_key[k] for k in keys if k in by_key]
         got: dict[bytes, Any] = {}
+        taken: set[int] = set()
         if mine:
-            taken.update(x.lease_id for x in mine)
             adopted = self.client.adopt(mine) or [None] * len(mine)
-            got = {x.key: a for x, a in zip(mine, adopted, strict=True) if a is not None}
+            for x, lease in zip(mine, adopted, strict=True):
+                if lease is not None:
+                    got[x.key] = lease
+                    taken.add(x.lease_id)
         rest = [k for k in keys if k not in got]
         acquired = self.client.acquire_many(rest, left, disk=self.setup.reads_disk)
-        if acquired is None:  # the client is closed: what it adopted runs out (lease_ms)
-            return None
+        if acquired is None:
+            # A failed call closed the client, its mappings with it: nothing is read
+            # through the leases taken, which run out after lease_ms.
+            return None, taken
         got.update(zip(rest, acquired.items, strict=True))
-        return Leased(acquired.client, [got[k] for k in keys])
+        return Leased(acquired.client, [got[k] for k in keys]), taken
 
     def _start_layers(
         self, now: list[tuple[_Task, LeaseBase, Ticket | None]], job: LoadJob

@@ -472,4 +472,9 @@ class KVStoreScheduler:
         return out
 
     def shutdown(self) -> None:
+        self._let_go(
+            *self._asked.values(),
+            *(h for _, h, _ in self._hits.values()),
+            *(r.hit for r in self._reqs.values()),
+        )
         self.client.close()

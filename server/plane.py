@@ -46,7 +46,10 @@ class SharedMemoryPlane:
         counts: Counter[tuple[str, str]]
         _lock: threading.Lock
 
+        _info: pb.InfoResponse
+
         def _shm_enabled(self, context: grpc.ServicerContext) -> None: ...
+        def _shm_refusal(self, context: grpc.ServicerContext) -> str | None: ...
         def _owner(self, context: grpc.ServicerContext, named: str = "") -> str: ...
         def _key(self, raw: bytes, what: str = "key") -> ChunkKey: ...
         def _keys(self, raws: Any) -> list[ChunkKey]: ...
@@ -170,18 +173,29 @@ class SharedMemoryPlane:
             raise
         return out
 
-    def lend_matched(
+    def lend_into(
+        self,
+        msg: pb.LookupResponse,
+        request: pb.LookupRequest,
+        result: LookupResult,
+        context: grpc.ServicerContext,
+    ) -> None:
+        """A Lookup's answer with ``lend_from``: its leases, and the arena they are in."""
+        msg.lent.extend(self._lend_matched(request, result, context))
+        if msg.lent:
+            msg.lent_arena, msg.lent_arena_inode = self._info.shm_path, self._info.shm_inode
+
+    def _lend_matched(
         self, request: pb.LookupRequest, result: LookupResult, context: grpc.ServicerContext
     ) -> list[pb.AcquireResponse]:
         """``LookupRequest.lend_from``: leases on the matched chunks from that token on,
         one answer per matched chunk (found=False: not lent). Only what can be lent
         without a read: chunks in L1, and in L2 where the client reads its file. None
         where the plane is not offered to this caller: the lookup answers all the same."""
-        if not self.config.shm or self._tenant(context) is not None:
+        if self._shm_refusal(context) is not None:
             return []
-        tiers = (
-            (TierLevel.MEMORY, TierLevel.DISK) if request.client_reads_disk else (TierLevel.MEMORY,)
-        )
+        reads_disk = request.client_reads_disk
+        tiers = (TierLevel.MEMORY, TierLevel.DISK) if reads_disk else (TierLevel.MEMORY,)
         todo = [
             i
             for i, m in enumerate(result.chunks)
@@ -190,19 +204,26 @@ class SharedMemoryPlane:
         if not todo:
             return []
         owner = self._owner(context, request.lend_to)
-        got = self._lend([result.chunks[i].key for i in todo], owner, promote=False)
+        keys = [result.chunks[i].key for i in todo]
+        got = self._lend(keys, owner, promote=False, disk=reads_disk)
+        if not context.is_active():  # the caller gave up on the answer (its deadline)
+            for answer in got.responses:
+                if answer.found:
+                    self.store.release(answer.lease_id)
+            return []
         out = [pb.AcquireResponse() for _ in result.chunks]
         for i, answer in zip(todo, got.responses, strict=True):
             out[i] = answer
         return out
 
     def _lend(
-        self, keys: list[ChunkKey], owner: str, *, promote: bool = True
+        self, keys: list[ChunkKey], owner: str, *, promote: bool = True, disk: bool = True
     ) -> pb.AcquireManyResponse:
         """AcquireMany for a client that reads L2's file itself: what only L2 holds is
         lent where it lies there (``on_disk``), not promoted (``TieredStore.lend``;
-        ``promote=False``: nor what lies below L2, which is then not lent)."""
-        got = self.store.lend(keys, owner, promote=promote)
+        ``promote=False``: nor what lies below L2, which is then not lent; ``disk=False``:
+        L1's chunks only)."""
+        got = self.store.lend(keys, owner, promote=promote, disk=disk)
         out = pb.AcquireManyResponse()
         lease_ms = self.store.config.memory.lease_ms
         for key, g in zip(keys, got, strict=True):

@@ -236,7 +236,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         tenant names nothing. A call without a session id is anonymous (""): its holds
         are reached only by their ids, which are random (``MemoryTier``).
         """
-        owner = named
+        owner = named[:128]
         for key, value in context.invocation_metadata() or ():
             if key == SESSION_HEADER and not owner:
                 owner = str(value)[:128]
@@ -280,18 +280,21 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         check_put(header, max_chunk_bytes=self.store.config.max_chunk_bytes)
         return header
 
-    def _shm_enabled(self, context: grpc.ServicerContext) -> None:
+    def _shm_refusal(self, context: grpc.ServicerContext) -> str | None:
+        """Why the shared-memory plane is not offered to this caller; None: it is."""
         if not self.config.shm:
-            raise Status(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the shared-memory data plane is disabled on this server (shm=false)",
-            )
+            return "the shared-memory data plane is disabled on this server (shm=false)"
         if self._tenant(context) is not None:
-            raise Status(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            return (
                 "the shared-memory data plane is not offered to tenants (whoever maps "
-                "the arena can read every record): use Put and Get",
+                "the arena can read every record): use Put and Get"
             )
+        return None
+
+    def _shm_enabled(self, context: grpc.ServicerContext) -> None:
+        why = self._shm_refusal(context)
+        if why is not None:
+            raise Status(grpc.StatusCode.FAILED_PRECONDITION, why)
 
     def _moved(self, direction: str, plane: str, nbytes: int) -> None:
         if self.metrics is not None:
@@ -353,7 +356,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             if needs is not None:
                 msg.needs_sub_hashes = needs  # asked again with them: lent then
             elif request.HasField("lend_from"):
-                self._lend_into(msg, request, result, context)
+                self.lend_into(msg, request, result, context)
             return msg
         tokens = np.frombuffer(request.token_ids, dtype="<u4")
         result = self.store.lookup(
@@ -368,19 +371,8 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             result = replace(result, other_namespaces=self._explain(fp, tokens, result, tenant))
         msg = lookup_to_pb(result)
         if request.HasField("lend_from"):
-            self._lend_into(msg, request, result, context)
+            self.lend_into(msg, request, result, context)
         return msg
-
-    def _lend_into(
-        self,
-        msg: pb.LookupResponse,
-        request: pb.LookupRequest,
-        result: LookupResult,
-        context: grpc.ServicerContext,
-    ) -> None:
-        msg.lent.extend(self.lend_matched(request, result, context))
-        if msg.lent:
-            msg.lent_arena = self._info.shm_path
 
     def _prefetch(self, request: pb.LookupRequest, fp: Fingerprint, result: LookupResult) -> None:
         """With ``prefetch``: the matched chunks not in L1 start their way there (queued,

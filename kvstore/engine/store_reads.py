@@ -90,7 +90,12 @@ class ReadPath:
         return lease
 
     def lend(
-        self, keys: Sequence[ChunkKey], owner: str = "", *, promote: bool = True
+        self,
+        keys: Sequence[ChunkKey],
+        owner: str = "",
+        *,
+        promote: bool = True,
+        disk: bool = True,
     ) -> list[ReadLease | Lent | None]:
         """For each key a lease on the chunk in L1, or else its record lent where it lies
         in L2's file (``DiskTier.lend``: one read transaction for them all, no
@@ -98,17 +103,18 @@ class ReadPath:
         holds encoded), or None. For a reader on this host that maps L2's data file and
         verifies every payload as it copies it: only headers are checked here.
         ``promote=False`` (a lookup lending what it found): nothing is read from below,
-        so a chunk neither in L1 nor lendable in place is None."""
+        so a chunk neither in L1 nor lendable in place is None; ``disk=False`` (a reader
+        that does not map L2's file): nothing is lent in place either."""
         self._check_open()
         self._count("gets", len(keys))
         out: list[ReadLease | Lent | None] = [
             self.memory.acquire(key, owner=owner, payload=False) for key in keys
         ]
-        disk, lender = self.disk, self.lender
+        l2, lender = self.disk, self.lender
         missed = [i for i, got in enumerate(out) if got is None]
         try:
-            if disk is not None and lender is not None and missed:
-                here = [i for i in missed if self._may_hold(disk, self.index.get(keys[i]))]
+            if disk and l2 is not None and lender is not None and missed:
+                here = [i for i in missed if self._may_hold(l2, self.index.get(keys[i]))]
                 for i, lent in zip(here, lender.lend([keys[i] for i in here], owner), strict=True):
                     out[i] = lent
             for i, got in enumerate(out):

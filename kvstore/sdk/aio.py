@@ -36,8 +36,8 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
+from kvstore.sdk import client_lookup as lookups
 from kvstore.sdk import client_writes as writes
-from kvstore.sdk import lending
 from kvstore.sdk.base import ClientBase, NamespaceLike, Tokens
 from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, LentLease, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
@@ -388,7 +388,7 @@ class AsyncClient(ClientBase):
         (``acquire_many(disk=True)``), so only chunks below L2 are promoted.
         """
         return await self._run(
-            core.lookup(
+            lookups.lookup(
                 self,
                 namespace,
                 tokens,
@@ -419,7 +419,7 @@ class AsyncClient(ClientBase):
         """``lookup``, lending the matched chunks from ``lend_from`` on in the same call
         (see ``Client.lookup_lend``)."""
         return await self._run(
-            lending.lookup_lend(
+            lookups.lookup_lend(
                 self, namespace, tokens, lend_from, holder, min_tokens, granularity,
                 repeat, prefetch, reads_disk, timeout,
             )
@@ -430,11 +430,11 @@ class AsyncClient(ClientBase):
     ) -> builtins.list[AsyncLease | None]:
         """Leases another client's lookup lent, read through this client's mappings (see
         ``Client.adopt``)."""
-        return await self._run(lending.adopt(self, lent, self._lease(timeout)))
+        return await self._run(lookups.adopt(self, lent, self._lease(timeout)))
 
     async def release_lent(self, lent: Sequence[LentLease]) -> None:
         """End leases a lookup lent that will not be read (see ``Client.release_lent``)."""
-        await self._run(lending.release_lent(lent))
+        await self._run(lookups.release_lent(lent))
 
     async def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None

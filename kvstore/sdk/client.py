@@ -41,8 +41,8 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
+from kvstore.sdk import client_lookup as lookups
 from kvstore.sdk import client_writes as writes
-from kvstore.sdk import lending
 from kvstore.sdk.base import (
     Endpoint,
     NamespaceLike,
@@ -316,7 +316,7 @@ class Client(BlockingTransport):
         (``acquire_many(disk=True)``), so only chunks below L2 are promoted.
         """
         return self._run(
-            core.lookup(
+            lookups.lookup(
                 self,
                 namespace,
                 tokens,
@@ -356,7 +356,7 @@ class Client(BlockingTransport):
         A holder without a Session stream keeps a lease no load takes ``lease_ms`` at
         most (``kvstore.sdk.lending``)."""
         return self._run(
-            lending.lookup_lend(
+            lookups.lookup_lend(
                 self, namespace, tokens, lend_from, holder, min_tokens, granularity,
                 repeat, prefetch, reads_disk, timeout,
             )
@@ -367,15 +367,16 @@ class Client(BlockingTransport):
     ) -> builtins.list[Lease | None]:
         """Leases another client's ``lookup_lend`` lent, read through this client's
         mappings: per lease a ``Lease`` or None (this client cannot read it: a restarted
-        server, L2's file not mapped here; acquire that chunk instead). Copy them out
+        server, L2's file not mapped here, past its ``valid_until``; acquire that chunk
+        instead, and end the lease with ``release_lent``). Copy them out
         verified (``read_verified``, ``read_scattered``) and end them with
         ``release_many`` or ``release_later`` as any other lease."""
-        return self._run(lending.adopt(self, lent, self._lease(timeout)))
+        return self._run(lookups.adopt(self, lent, self._lease(timeout)))
 
     def release_lent(self, lent: Sequence[LentLease]) -> None:
         """End leases a lookup lent that will not be read (not taken with ``adopt``),
         with one Release per holder not waited for."""
-        self._run(lending.release_lent(lent))
+        self._run(lookups.release_lent(lent))
 
     def exists(
         self, keys: Sequence[bytes], *, timeout: float | None = None

@@ -35,19 +35,17 @@ from typing import Any, Final, NamedTuple, TypeVar
 
 from kvstore.arena import ArenaView, as_u8
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ServerError
-from kvstore.keys import token_view
 from kvstore.protocol import (
     MAX_RESERVE_BATCH,
     SERVICE_NAME,
     chunk_from_pb,
-    lookup_from_pb,
     stats_from_pb,
 )
 from kvstore.records import RecordHeader, parse_header
-from kvstore.sdk.base import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike, Tokens
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike
 from kvstore.sdk.shm import USE_GET, LeaseBase, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, info_from_pb
-from kvstore.types import ChunkView, LookupResult, StoreStats
+from kvstore.types import ChunkView, StoreStats
 from kvstore.v1 import kvstore_pb2 as pb
 
 T = TypeVar("T")
@@ -472,66 +470,6 @@ def get_into(
 
 
 # -- lookup and management -------------------------------------------------------------
-
-
-def lookup(
-    c: ClientBase,
-    namespace: NamespaceLike,
-    tokens: Tokens,
-    min_tokens: int = 0,
-    granularity: int = 0,
-    explain: bool = False,
-    repeat: bool = False,
-    timeout: float | None = None,
-    prefetch: bool = False,
-    reads_disk: bool = False,
-) -> Plan[LookupResult]:
-    args = (namespace, tokens, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
-    return lookup_from_pb((yield from lookup_pb(c, *args, timeout=timeout)))
-
-
-def lookup_pb(
-    c: ClientBase,
-    namespace: NamespaceLike,
-    tokens: Tokens,
-    min_tokens: int,
-    granularity: int,
-    explain: bool,
-    repeat: bool,
-    prefetch: bool,
-    reads_disk: bool,
-    *,
-    timeout: float | None,
-    lend_from: int | None = None,
-    holder: str = "",
-) -> Plan[pb.LookupResponse]:
-    """By chunk keys where the server takes them (``ClientBase._lookup_request``); where
-    the answer says the partial match needs one chunk's sub-hashes, asked again with
-    them, and by token ids if the store changed in between (a third ask, seldom).
-    ``lend_from``: the answer lends the matched chunks from that token on to ``holder``
-    (the server lends on the ask it answers in full only)."""
-    if c._info is None and c.lookup_by_keys and not explain:
-        yield from info(c, timeout)  # its chunking, to key the prompt as the server does
-    tb = token_view(tokens)
-    args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
-
-    def ask(by_keys: bool = True) -> pb.LookupRequest:
-        req = c._lookup_request(*args, by_keys=by_keys)
-        if lend_from is not None:
-            req.lend_from, req.lend_to, req.client_reads_disk = lend_from, holder, reads_disk
-        return req
-
-    req = ask()
-    r = yield Call("Lookup", req, timeout)
-    if r.HasField("needs_sub_hashes") and req.chunk_keys:
-        again = pb.LookupRequest()
-        again.CopyFrom(req)
-        again.sub_hashes = c._sub_hashes_of(tb, r.needs_sub_hashes)
-        again.sub_hashes_of = r.needs_sub_hashes
-        r = yield Call("Lookup", again, timeout)
-        if r.HasField("needs_sub_hashes"):  # it stopped elsewhere this time
-            r = yield Call("Lookup", ask(by_keys=False), timeout)
-    return r
 
 
 def exists(keys: Sequence[bytes], timeout: float | None) -> Plan[builtins.list[tuple[int, ...]]]:

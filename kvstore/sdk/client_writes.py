@@ -41,8 +41,8 @@ from kvstore.sdk.client_core import (
     Receive,
     Send,
     info,
-    lookup,
 )
+from kvstore.sdk.client_lookup import lookup
 from kvstore.sdk.shm import ReservationBase
 from kvstore.sdk.wire import error_from_code
 from kvstore.types import PutStatus

@@ -68,9 +68,9 @@ class LentLease(NamedTuple):
     on_disk: bool  # lent where it lies in L2's file, not in the arena
     valid_until: float  # monotonic time before which it surely holds (the lender's clock)
     holder: str  # the session holding it: the one its Release names
-    # The server's arena when it was lent (its path, one per server run): a lease of a
-    # server since restarted names pages of another arena, and is not taken.
-    arena: str
+    # The server's arena when it was lent (its path and inode): a lease of a server since
+    # restarted names pages of another arena, and is not taken.
+    arena: tuple[str, int]
 
 
 class LeaseBase:

@@ -179,7 +179,7 @@ class ChunkMatches(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., start: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., stored_tokens: _Optional[_Iterable[int]] = ..., tier: _Optional[_Iterable[int]] = ..., partial: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks", "needs_sub_hashes", "lent", "lent_arena")
+    __slots__ = ("matched_tokens", "total_tokens", "stop", "stop_chunk", "tokens_by_tier", "other_namespaces", "chunks", "needs_sub_hashes", "lent", "lent_arena", "lent_arena_inode")
     class TokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class LookupResponse(_message.Message):
     NEEDS_SUB_HASHES_FIELD_NUMBER: _ClassVar[int]
     LENT_FIELD_NUMBER: _ClassVar[int]
     LENT_ARENA_FIELD_NUMBER: _ClassVar[int]
+    LENT_ARENA_INODE_FIELD_NUMBER: _ClassVar[int]
     matched_tokens: int
     total_tokens: int
     stop: str
@@ -207,7 +208,8 @@ class LookupResponse(_message.Message):
     needs_sub_hashes: int
     lent: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
     lent_arena: str
-    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ..., needs_sub_hashes: _Optional[int] = ..., lent: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., lent_arena: _Optional[str] = ...) -> None: ...
+    lent_arena_inode: int
+    def __init__(self, matched_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stop: _Optional[str] = ..., stop_chunk: _Optional[int] = ..., tokens_by_tier: _Optional[_Mapping[int, int]] = ..., other_namespaces: _Optional[_Iterable[_Union[NamespaceMatch, _Mapping]]] = ..., chunks: _Optional[_Union[ChunkMatches, _Mapping]] = ..., needs_sub_hashes: _Optional[int] = ..., lent: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ..., lent_arena: _Optional[str] = ..., lent_arena_inode: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")

@@ -758,6 +758,34 @@ def test_a_preempted_or_aborted_request_stops_its_background_load(
     assert all(bool((v[dst] == 5).all()) for v in engine.cache.values()), (
         f"the load of a {how} request wrote into its blocks afterwards"
     )
+    assert held(server) == 0, f"a lease of the {how} request's load was never ended"
+
+
+def test_a_load_given_up_before_it_started_ends_the_leases_lent_for_it(
+    engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's load stalls in the loader (past its deadline); B's waits behind it and is
+    preempted before the loader reaches it: the leases B's lookup lent end then, not
+    after lease_ms, and those of A's late load once it is given up."""
+    lay = Layout()
+    pa, pb = prompt(8), prompt(9)
+    store(engine, [pa, pb], lay)
+    disk_only(server)
+    stall = Stall(monkeypatch, 1.0)
+    da, db = lay.take(600), lay.take(600)
+    a = background_request(engine, pa, da)
+    assert stall.entered.wait(5), "the loader never asked the server"
+    b = background_request(engine, pb, db)
+    engine._run(step_output([], preempted={b.request_id}))
+    assert stall.left.wait(5)
+    deadline = time.monotonic() + 5
+    reported: set[str] = set()
+    while a.request_id not in reported:
+        assert time.monotonic() < deadline, "A's load was never reported"
+        reported |= engine._run(step_output([]))[0]
+        time.sleep(0.01)
+    assert b.request_id not in reported, "a preempted request's load was reported"
+    assert held(server) == 0, "the leases lent for B's load were not ended"
 
 
 def test_load_settings_are_checked() -> None:

@@ -156,6 +156,7 @@ def test_lent_leases_nobody_takes_expire_and_a_restart_voids_them(
         while sum(_held(await kv.stats())):
             assert time.monotonic() < deadline, "lent leases outlived their lease_ms"
             await asyncio.sleep(0.05)
+        assert await kv.adopt(lent) == [None] * N, "leases past valid_until were taken"
         _, again = await kv.lookup_lend(ns, prompt, holder="nobody")
         return list(again)
 

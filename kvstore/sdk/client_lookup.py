@@ -1,4 +1,5 @@
-"""Leases a lookup lends: the load that follows a lookup needs no call of its own.
+"""The lookup plans: ``lookup``, and a lookup that lends what it found (``lookup_lend``),
+taken by another client (``adopt``) so the load that follows needs no call of its own.
 
 An engine looks a prompt up in its scheduler, then its worker loads the chunks found:
 with ``lookup_lend`` the Lookup also lends the matched chunks the worker will load (those
@@ -20,14 +21,76 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvstore.errors import KVStoreError, ServerError
+from kvstore.keys import token_view
 from kvstore.protocol import lookup_from_pb
 from kvstore.records import parse_header
 from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens
-from kvstore.sdk.client_core import NEED_ARENA, Plan, ReleaseLater, lookup_pb
+from kvstore.sdk.client_core import NEED_ARENA, Call, Plan, ReleaseLater, info
 from kvstore.sdk.shm import LeaseBase, LentLease
 from kvstore.types import LookupResult
+from kvstore.v1 import kvstore_pb2 as pb
 
 L = TypeVar("L", bound=LeaseBase)
+
+
+def lookup(
+    c: ClientBase,
+    namespace: NamespaceLike,
+    tokens: Tokens,
+    min_tokens: int = 0,
+    granularity: int = 0,
+    explain: bool = False,
+    repeat: bool = False,
+    timeout: float | None = None,
+    prefetch: bool = False,
+    reads_disk: bool = False,
+) -> Plan[LookupResult]:
+    args = (namespace, tokens, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
+    return lookup_from_pb((yield from lookup_pb(c, *args, timeout=timeout)))
+
+
+def lookup_pb(
+    c: ClientBase,
+    namespace: NamespaceLike,
+    tokens: Tokens,
+    min_tokens: int,
+    granularity: int,
+    explain: bool,
+    repeat: bool,
+    prefetch: bool,
+    reads_disk: bool,
+    *,
+    timeout: float | None,
+    lend_from: int | None = None,
+    holder: str = "",
+) -> Plan[pb.LookupResponse]:
+    """By chunk keys where the server takes them (``ClientBase._lookup_request``); where
+    the answer says the partial match needs one chunk's sub-hashes, asked again with
+    them, and by token ids if the store changed in between (a third ask, seldom).
+    ``lend_from``: the answer lends the matched chunks from that token on to ``holder``
+    (the server lends on the ask it answers in full only)."""
+    if c._info is None and c.lookup_by_keys and not explain:
+        yield from info(c, timeout)  # its chunking, to key the prompt as the server does
+    tb = token_view(tokens)
+    args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
+
+    def ask(by_keys: bool = True) -> pb.LookupRequest:
+        req = c._lookup_request(*args, by_keys=by_keys)
+        if lend_from is not None:
+            req.lend_from, req.lend_to, req.client_reads_disk = lend_from, holder, reads_disk
+        return req
+
+    req = ask()
+    r = yield Call("Lookup", req, timeout)
+    if r.HasField("needs_sub_hashes") and req.chunk_keys:
+        again = pb.LookupRequest()
+        again.CopyFrom(req)
+        again.sub_hashes = c._sub_hashes_of(tb, r.needs_sub_hashes)
+        again.sub_hashes_of = r.needs_sub_hashes
+        r = yield Call("Lookup", again, timeout)
+        if r.HasField("needs_sub_hashes"):  # it stopped elsewhere this time
+            r = yield Call("Lookup", ask(by_keys=False), timeout)
+    return r
 
 
 def lookup_lend(
@@ -64,7 +127,7 @@ def lookup_lend(
             spans = tuple((e.offset, e.length) for e in a.extents)
             out[i] = LentLease(
                 bytes(m.key), a.lease_id, a.header, spans, a.payload_offset, a.on_disk,
-                until, holder, r.lent_arena,
+                until, holder, (r.lent_arena, r.lent_arena_inode),
             )  # fmt: skip
     return result, out
 
@@ -75,30 +138,29 @@ def adopt(
     """Leases another client's lookup lent, as leases of this client (built by ``make``
     as ``acquire_many`` builds them), ended in their holder's name: per lease one, or
     None where this client cannot read it (no arena here, another arena than the one it
-    was lent in, L2's file not mapped here, a bad header or extents): acquire that chunk
-    instead. Those of this arena not taken are released (one Release not waited for)."""
+    was lent in, L2's file not mapped here, past its ``valid_until``, a bad header or
+    extents): acquire that chunk instead, and end the lease (``release_lent``)."""
     arena = yield NEED_ARENA
     out: builtins.list[L | None] = []
-    refused: dict[str, builtins.list[int]] = {}
+    now = c._clock()
     for x in lent:
-        if arena is None or c._arena_id is None or x.arena != c._arena_id[0]:
-            out.append(None)  # the server restarted (or no plane here): nothing to end
+        if arena is None or c._arena_id is None or x.arena != c._arena_id[:2]:
+            out.append(None)  # the server restarted (or no plane here)
             continue
         view = c._disk_view() if x.on_disk else arena
         try:
             if view is None:
                 raise KVStoreError("L2's file is not mapped here")
+            if now >= x.valid_until:  # its holder renews nothing: it may have run out
+                raise KVStoreError(f"lease {x.lease_id} may have expired")
             header = parse_header(x.header, expect_key=x.key)
             extents = c._in_view(list(x.extents), disk=x.on_disk)
         except KVStoreError:
-            refused.setdefault(x.holder, []).append(x.lease_id)
             out.append(None)
             continue
         lease = make(header, x.lease_id, extents, x.payload_offset, view, valid_until=x.valid_until)
         lease.holder = x.holder
         out.append(lease)
-    for holder, ids in refused.items():
-        yield ReleaseLater(tuple(ids), (), holder)
     return out
 
 
