@@ -224,7 +224,7 @@ def load_of(run: dict[str, Any]) -> tuple[int, float, bool]:
 
 def in_step_of(run: dict[str, Any]) -> float | None:
     """Seconds of a warm run's load that its step waited for (a load copied layer by
-    layer beside the forward pass: the AcquireMany and the waits for layers); None for a
+    layer beside the forward pass: taking the leases and the waits for layers); None for a
     load copied before the forward pass (all of it)."""
     loads = [m for m in map(LOAD_LINE.search, run["log"]) if m and m.group(5)]
     return sum(float(m.group(5)) for m in loads) / 1e3 if loads else None
@@ -438,7 +438,7 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
             how = (
                 f"; copied layer by layer beside the forward pass, "
                 f"{statistics.median(stepped) * 1e3:.1f} ms of it in the step "
-                "(the AcquireMany, the waits for layers)"
+                "(taking the leases the lookup lent, the waits for layers)"
             )
         l2 = [load_of(w) for w in sync.l2]
         if any(not bg for _, _, bg in l2):
@@ -462,8 +462,8 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
                    f"{tokens} tokens ({mb:.0f} MiB) from L1 into vLLM's paged cache in "
                    f"{load_s * 1e3:.1f} ms (median of {len(loads)}: "
                    f"{', '.join(f'{s * 1e3:.1f}' for _, s, _ in sorted(loads, key=lambda x: x[1]))}"
-                   " ms): one AcquireMany, each chunk copied from the arena into its blocks "
-                   f"hashed as it lands{how}"),
+                   " ms): through the leases the lookup lent (no call), each chunk copied "
+                   f"from the arena into its blocks hashed as it lands{how}"),
             Record(f"connector.load.l2_vs_lmdb.{label}", nbytes / ev_s / 1e9, "GB/s", lmdb, None,
                    "raw LMDB read of the same bytes (same value sizes) into a buffer of their "
                    "size, page cache warm", "ratio >= 0.5",

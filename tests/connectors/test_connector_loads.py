@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.connectors import vllm_async, vllm_blocks, vllm_loads
+from kvstore.connectors import vllm_async, vllm_blocks, vllm_loads, vllm_scheduler
 from kvstore.connectors.vllm_client import BreakerClient
 from kvstore.connectors.vllm_config import ConnectorConfig
 from kvstore.connectors.vllm_meta import KVStoreMeta
@@ -114,19 +114,23 @@ def held(server: KVServer, settle_s: float = 2.0) -> int:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("lends", [True, False], ids=["lent", "acquired"])
+@pytest.mark.parametrize("how", ["lent", "acquired", "too long to lend"])
 @pytest.mark.parametrize("count", [4, 12])
 def test_a_steps_loads_cost_a_constant_number_of_calls(
-    count: int, lends: bool, engine: Engine, server: KVServer
+    count: int, how: str, engine: Engine, server: KVServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``count`` requests of 3 chunks each load in one step: one Lookup each (the
     scheduler's), which lends the chunks it found; the worker reads through those
     leases with no call of its own and ends them all in one Release. Where the lookup
     lends nothing (``acquired``: a worker of another rank, say) one AcquireMany takes
-    them all. No Acquire, no Get, and the worker looks nothing up again. A regression
+    them all, as for a hit of more chunks than the lookup lends (``too long``: one
+    chunk here). No Acquire, no Get, and the worker looks nothing up again. A regression
     to calls per chunk (or per request) makes the counts grow with ``count``; every
     lease ends."""
-    engine.scheduler._lends = lends
+    lends = how == "lent"
+    engine.scheduler._lends = how != "acquired"
+    if how == "too long to lend":
+        monkeypatch.setattr(vllm_scheduler, "_LEND_CHUNKS", 1)
     lay = Layout()
     prompts = [prompt(100 * count + i) for i in range(count)]
     srcs = store(engine, prompts, lay)
