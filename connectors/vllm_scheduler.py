@@ -204,7 +204,7 @@ class KVStoreScheduler:
             reads_disk=self._reads_disk,
         )
         lent: list[LentLease | None] = []
-        if self._lends and len(tokens) - computed <= _LEND_CHUNKS * s.chunk_tokens:
+        if self._lends and (len(tokens) - computed) // s.chunk_tokens <= _LEND_CHUNKS:
             got = self.client.lookup_lend(
                 ns, tokens, lend_from=computed, holder=self._holder, **args
             )
