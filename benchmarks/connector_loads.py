@@ -194,12 +194,16 @@ def push_out_of_l1(url: str, l1_bytes: int, tag: str) -> None:
             raise AssertionError(f"pushing the prompts out of L1: {pending} writes still pending")
 
 
-def lent_chunks(url: str) -> int:
-    """Chunks the server has lent from L2's file in place since it started (loans)."""
+def lent_chunks(url: str) -> tuple[int, int]:
+    """Chunks the server has lent from L2's file in place since it started (loans), and
+    the AcquireMany calls it answered (none where the lookups lent the leases)."""
     import kvstore
 
     with kvstore.Client(url, timeout=60) as c:
-        return int(c.stats().tiers[1].detail.get("lent", 0))
+        st = c.stats()
+        return int(st.tiers[1].detail.get("lent", 0)), int(
+            st.extra["requests"].get("AcquireMany", 0)
+        )
 
 
 def server_cpus() -> list[str]:
@@ -291,9 +295,11 @@ def measure(p: LoadParams, progress: Progress, work: Path) -> dict[str, Any]:
             for rep in range(p.l2_reps):  # pushed out of L1 by other chunks, on disk still
                 push_out_of_l1(server.unix_url, l1_bytes, f"{n}-{rep}")
                 run("auto", {"reset": True})
-                lent = lent_chunks(server.unix_url)
+                lent, calls = lent_chunks(server.unix_url)
                 runs["auto"].evicted.append(run("auto", {"n": n, "seed": seed}))
-                runs["auto"].evicted[-1]["lent"] = lent_chunks(server.unix_url) - lent
+                now_lent, now_calls = lent_chunks(server.unix_url)
+                runs["auto"].evicted[-1]["lent"] = now_lent - lent
+                runs["auto"].evicted[-1]["acquires"] = now_calls - calls
             for rep in range(p.l2_reps):
                 server.stop()
                 server.start()  # on its data: L1 empty, every chunk in LMDB
@@ -450,6 +456,7 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
         ev_s = statistics.median(s for _, s, _ in ev)
         ev_ttft = Runs.median(sync.evicted)
         lent = "/".join(str(w.get("lent", "?")) for w in sync.evicted)
+        acquires = "/".join(str(w.get("acquires", "?")) for w in sync.evicted)
         lmdb = results["lmdb"][n]
         warm, floor = Runs.median(sync.warm), Runs.median(sync.floor)
         awarm, afloor = Runs.median(asyn.warm), Runs.median(asyn.floor)
@@ -470,8 +477,8 @@ def records(p: LoadParams, results: dict[str, Any]) -> list[Record]:
                    f"pushed out of L1 by other chunks (LMDB only, the server running): loaded "
                    f"in the background in {ev_s * 1e3:.1f} ms (median of {len(ev)}: "
                    f"{', '.join(f'{s * 1e3:.0f}' for _, s, _ in sorted(ev, key=lambda x: x[1]))}"
-                   f" ms), {lent} chunks of each load lent in place from LMDB's file; "
-                   f"TTFT {ev_ttft * 1e3:.0f} ms"),
+                   f" ms), {lent} chunks of each load lent in place from LMDB's file "
+                   f"(AcquireMany calls: {acquires}); TTFT {ev_ttft * 1e3:.0f} ms"),
             Record(f"connector.load.l2_after_restart_vs_lmdb.{label}", nbytes / l2_s / 1e9,
                    "GB/s", lmdb, None, "the same raw LMDB read", "",
                    f"server restarted on its data (L1 empty; the engine's clients find the new "
