@@ -19,7 +19,8 @@ have expired, a corrupt read, a chunk L1 cannot take) and the retries (a tenant'
 namespace not proved yet). A step that fails is thrown into the plan as the
 kvstore error of its status (``kvstore.sdk.wire.error_from_rpc``): plans see only
 kvstore errors. The writes (put, put_chunk, reserve, commit) are in
-``kvstore.sdk.client_writes``.
+``kvstore.sdk.client_writes``, the lookups (and the leases a lookup lends) in
+``kvstore.sdk.client_lookup``.
 
 A transport provides, besides the steps: ``_session_alive()`` and starting the
 Session stream once ``setup_plane`` has mapped an arena (a thread, or a task).
