@@ -162,8 +162,9 @@ def _put_many_shm(
     refused it (FULL, TOO_LARGE); the first error a commit met, returned once every answer
     is in (the other chunks are stored). The parts' ReserveMany calls go out together;
     each part's payloads are written once its reservations are in and its CommitMany sent
-    behind them (PIPE_PARTS). Any other failure is raised at once, every reservation whose
-    commit was not answered aborted, those of parts not reached included (an Abort of one
+    behind them (PIPE_PARTS). Any other failure is raised once the commits already sent
+    are answered, every reservation whose commit was not sent aborted, those of parts not
+    reached included (an Abort of one
     that was committed after all is refused, harmlessly; after a broken link the server
     lets what is left expire)."""
     n = len(headers)
@@ -174,6 +175,7 @@ def _put_many_shm(
     open_ids: dict[int, None] = {}  # reservations made whose commit was not answered
     sent: builtins.list[builtins.list[tuple[int, ReservationBase]]] = []
     unanswered = 0  # ReserveMany calls sent whose answers were not taken
+    taken = 0  # CommitMany calls sent whose answers were taken
     try:
         t0 = c._clock()
         for part in parts:
@@ -215,6 +217,7 @@ def _put_many_shm(
                 sent.append(mine)
         failed: KVStoreError | None = None
         for mine in sent:
+            taken += 1
             r = yield Receive(pipe)
             if len(r.responses) != len(mine):
                 raise ServerError(f"CommitMany answered {len(r.responses)} of {len(mine)}")
@@ -235,6 +238,15 @@ def _put_many_shm(
             except KVStoreError:
                 continue  # refused too, or the link failed (then each fails at once)
             open_ids.update((one.reservation_id, None) for one in r.responses if one.reservation_id)
+        # The commits already sent are answered first: aborted on another connection
+        # meanwhile, a part's chunks raced their own commit (some stored, some not).
+        for mine in sent[taken:]:
+            try:
+                r = yield Receive(pipe)
+            except KVStoreError:
+                continue
+            for _, res in mine:
+                open_ids.pop(res.id, None)
         for rid in open_ids:
             try:
                 yield Call("Abort", pb.AbortRequest(reservation_id=rid), timeout)
