@@ -151,8 +151,8 @@ class Client(BlockingTransport):
         Raises the first error a chunk's commit met (``CorruptRecord``: its header was
         overwritten) once every other chunk is stored. Any other error (``NotFound``:
         copies so slow they outlived a reservation; a broken link; the server refusing
-        a part) is raised at once: the parts committed by then are stored, every other
-        reservation is aborted.
+        a part) is raised once the commits already sent are answered: those parts are
+        stored, every other reservation is aborted.
         """
         return self._run(writes.put_many(self, headers, payloads, checksum_at_commit, timeout))
 
