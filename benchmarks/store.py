@@ -383,7 +383,7 @@ def add_filler(index: Index, n: int, seed: int) -> None:
         if i % 64 == 0:
             parent = ROOT
         entries[key] = Entry(parent, fp, CHUNK, subs, raw, raw + 2048, "bfloat16", 1 << 2, False, 0)
-        children.setdefault(family(parent, fp), []).append(key)
+        children.setdefault(family(parent, fp), {})[key] = None
         index.by_ns.setdefault(fp, set()).add(key)
         parent = key
 

@@ -360,13 +360,16 @@ def _best_sibling(
     if not qsub:
         return None
     best: tuple[ChunkKey, int, int, int] | None = None
-    for child in index.children.get(family(parent, fingerprint), ()):
+    candidates, most = index.siblings(family(parent, fingerprint), qsub)
+    for child in candidates:
         entry = index.entries.get(child)
         if entry is None or entry.fingerprint != fingerprint:
             continue
         units = common_units(qsub, entry.subhashes)
         if units and (best is None or units > best[1]):
             best = (child, units, entry.n_tokens, FASTEST[entry.tiers & 15])
+            if units >= most:  # none of the rest shares more: the first of the best
+                break
     if remote is not None:
         for child, token_bytes in remote.children(parent, fingerprint).items():
             if child in index.entries:
