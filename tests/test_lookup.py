@@ -61,8 +61,13 @@ class Remote:
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [k in self.held for k in keys]
 
-    def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
+    def siblings(
+        self, parent: ChunkKey, fingerprint: bytes, subhashes: bytes, granularity: int
+    ) -> dict[ChunkKey, bytes]:  # all of them: which are the best is lookup's to say
         return {ChunkKey(k): tb for k, (par, tb) in self.held.items() if par == parent}
+
+    def has_children(self, parent: ChunkKey, fingerprint: bytes) -> bool:
+        return any(par == parent for par, _ in self.held.values())
 
 
 def test_exact_chain_and_complete() -> None:

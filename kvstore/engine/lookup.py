@@ -47,9 +47,14 @@ class RemoteView(Protocol):
 
     def contains(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
 
-    def children(self, parent: ChunkKey, fingerprint: bytes | None = None) -> dict[ChunkKey, bytes]:
-        """Stored children of ``parent`` in namespace ``fingerprint``, with their token ids."""
+    def siblings(
+        self, parent: ChunkKey, fingerprint: bytes, subhashes: bytes, granularity: int
+    ) -> dict[ChunkKey, bytes]:
+        """Stored children of ``parent`` in namespace ``fingerprint``, with their token ids:
+        those sharing the most leading units with a chunk of these sub-hashes (a few)."""
         ...
+
+    def has_children(self, parent: ChunkKey, fingerprint: bytes) -> bool: ...
 
 
 _FASTEST_BY_MASK = bytes(FASTEST[m & 15] for m in range(256))  # FASTEST for bytes.translate
@@ -371,7 +376,8 @@ def _best_sibling(
             if units >= most:  # none of the rest shares more: the first of the best
                 break
     if remote is not None:
-        for child, token_bytes in remote.children(parent, fingerprint).items():
+        found = remote.siblings(parent, fingerprint, qsub, index.granularity)
+        for child, token_bytes in found.items():
             if child in index.entries:
                 continue
             units = common_units(qsub, sub_hashes(token_bytes, index.granularity))
@@ -386,4 +392,4 @@ def _has_siblings(
     """Whether some stored child of ``parent`` could share a prefix with the query's chunk."""
     if index.children.get(family(parent, fingerprint)):
         return True
-    return remote is not None and bool(remote.children(parent, fingerprint))
+    return remote is not None and remote.has_children(parent, fingerprint)

@@ -74,7 +74,7 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
             if remote is None and cfg.remote.url:
                 from kvstore.engine.tiers.remote import RemoteTier
 
-                remote = RemoteTier(cfg.remote, clock=clock)
+                remote = RemoteTier(cfg.remote, clock=clock, granularity=cfg.granularity)
         except BaseException:
             for tier in (disk, self.memory):
                 if tier is not None:

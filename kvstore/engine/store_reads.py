@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import xxhash
@@ -329,9 +329,7 @@ class ReadPath:
         ``local``: only what this host's tiers hold (no round trip to the remote).
         """
         self._check_open()
-        remote: RemoteView | None = (
-            self.remote if hasattr(self.remote, "children") and not local else None
-        )
+        remote = None if local else self._remote_view()
         result = lookup(
             self.index,
             fingerprint,
@@ -343,6 +341,11 @@ class ReadPath:
         )
         self._count_lookup(result, count)
         return result
+
+    def _remote_view(self) -> RemoteView | None:
+        """The shared tier as lookups ask it (partial matches too), if there is one."""
+        remote = self.remote
+        return cast(RemoteView, remote) if hasattr(remote, "siblings") else None
 
     def lookup_keys(
         self,
@@ -368,7 +371,7 @@ class ReadPath:
         chain = KeyChain(
             keys, n_tokens, sub_hashes, cfg.chunk_tokens, cfg.granularity, sub_hashes_of
         )
-        remote: RemoteView | None = self.remote if hasattr(self.remote, "children") else None
+        remote = self._remote_view()
         result = lookup(
             self.index,
             fingerprint,

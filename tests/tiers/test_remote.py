@@ -19,10 +19,19 @@ import pytest
 
 from kvstore.clock import FakeClock
 from kvstore.config import RemoteConfig
-from kvstore.engine.tiers.remote import RemoteTier
+from kvstore.engine.tiers.remote import SIBLINGS_ASKED, RemoteTier
+from kvstore.engine.tiers.remote_base import filing_fields
 from kvstore.engine.tiers.remote_client import parse_url, redact
 from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierUnavailable
-from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
+from kvstore.keys import (
+    ROOT,
+    ChunkKey,
+    Fingerprint,
+    Namespace,
+    chunk_key,
+    sub_hashes,
+    tokens_to_bytes,
+)
 from kvstore.records import Codec, RecordHeader, decode_payload, encode, verify
 from kvstore.testing.redis import RedisServer, ServerCluster, available, free_port
 from kvstore.types import PutStatus
@@ -78,8 +87,12 @@ def config(url: str, **kw: Any) -> RemoteConfig:
     return RemoteConfig(**base)
 
 
-def make_tier(url: str, clock: FakeClock | None = None, **kw: Any) -> RemoteTier:
-    return RemoteTier(config(url, **kw), clock=clock or FakeClock(), wall=_ticker())
+def make_tier(
+    url: str, clock: FakeClock | None = None, granularity: int = 16, **kw: Any
+) -> RemoteTier:
+    return RemoteTier(
+        config(url, **kw), clock=clock or FakeClock(), wall=_ticker(), granularity=granularity
+    )
 
 
 def _ticker() -> Any:
@@ -207,6 +220,54 @@ def test_children_per_parent_and_namespace(backend: Backend) -> None:
         assert tier.delete(b1.key) is False
         assert tier.children(a.key) == {b2.key: b2.token_bytes}, "delete keeps children in sync"
         assert tier.children(b2.key) == {}
+
+
+def chunk_of(tokens: list[int], parent: ChunkKey = ROOT) -> tuple[RecordHeader, bytes]:
+    """A small RAW chunk of these token ids, under ``parent``, in namespace FP."""
+    tb = tokens_to_bytes(tokens)
+    raw = np.arange(len(tokens) * 4, dtype=np.uint16).tobytes()
+    blob = encode(
+        key=chunk_key(parent, FP, tb), parent=parent, fingerprint=FP, token_bytes=tb,
+        dtype="float16", shape=(len(tokens), 4), payload=raw,
+    )  # fmt: skip
+    header = verify(blob)
+    return header, blob[header.header_size :]
+
+
+def test_siblings_are_the_few_sharing_the_most_not_the_family(backend: Backend) -> None:
+    """ROOT's family holds every first chunk of a namespace: a partial match reads the
+    children filed under the query's deepest shared prefix, not all of them (``children``
+    read ~1 KiB of token ids per first chunk stored, for every miss)."""
+    g = 16
+    template = list(range(1000, 1032))  # two units every first chunk below shares
+    with make_tier(backend.url, granularity=g) as tier:
+        others = [chunk_of([*template, *range(5000 + 32 * i, 5032 + 32 * i)]) for i in range(60)]
+        best = chunk_of([*template, *range(9000, 9016), *range(7000, 7016)])
+        for h, p in [*others[:30], best, *others[30:]]:
+            assert tier.put(h, p) is PutStatus.STORED
+        q = sub_hashes(tokens_to_bytes([*template, *range(9000, 9016), *range(1, 17)]), g)
+        got = tier.siblings(ROOT, FP, q, g)
+        assert best[0].key in got and got[best[0].key] == best[0].token_bytes, got.keys()
+        assert len(got) <= SIBLINGS_ASKED, f"read {len(got)} of the family's 61"
+        assert len(tier.children(ROOT, FP)) == 61
+        assert tier.siblings(ROOT, FP, sub_hashes(best[0].token_bytes, 8), 8) == {}, (
+            "filed at 16 tokens a unit: another granularity's fields name nothing"
+        )
+        assert tier.siblings(ROOT, FP2, q, g) == {}, "per namespace at ROOT"
+        assert tier.has_children(ROOT, FP) and not tier.has_children(best[0].key, FP)
+
+        raw = raw_client(backend.url)
+        victim = others[59][0]  # the latest put under the template's two units
+        raw.delete(tier._c(victim.key))  # gone behind the tier's back (maxmemory, say)
+        q2 = sub_hashes(tokens_to_bytes([*template, *range(1, 33)]), g)
+        assert tier.siblings(ROOT, FP, q2, g) == {}, "a gone record is never promised"
+        assert raw.hget(tier._k(ROOT, FP), victim.key) is None, "and its entry is pruned"
+        assert raw.hmget(tier._s(ROOT, FP), filing_fields(q2, g)) == [None] * 4
+
+        assert tier.delete(best[0].key) is True
+        assert best[0].key not in tier.siblings(ROOT, FP, q, g), "delete unfiles it"
+        assert tier.clear(FP) == 59
+        assert not raw.exists(tier._s(ROOT, FP)), "clear drops the filing"
 
 
 def test_clear_per_namespace_and_scan(backend: Backend) -> None:

@@ -25,6 +25,10 @@ raw 32-byte keys as set members and hash fields, to keep them small):
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
+    s:<parent>        hash    granularity (u16le) + a child's sub-hash of its first n units
+    s:<ROOT>.<fp>             -> that child's key, for every n (the latest put wins):
+                              partial matching reads the fields of one query, not the
+                              family (``siblings``)
     n:<fp>            set     chunk keys of one namespace (clear and scan by namespace)
     sz                hash    chunk key -> record bytes; HLEN is the chunk count
     used              string  sum of record bytes (INCRBY / DECRBY)
@@ -48,11 +52,11 @@ a crash between the steps can leave an entry behind or the counter off;
 ``recount()`` repairs the counter (eviction runs it when the numbers do not add
 up). Readers never trust bookkeeping over the record: ``get`` verifies the
 record, ``scan`` skips (and prunes) entries whose record is gone, and
-``children`` drops (and prunes) entries whose record is gone. A put costs
+``children`` and ``siblings`` drop (and prune) entries whose record is gone. A put costs
 3 round trips (4 with a capacity; a record in parts three more: the claim, its
 parts pipelined four at a time, the claim's end); get and contains cost one (a
-record in parts two), children two (the entries, then whether their records are
-still there).
+record in parts two), siblings two (the fields, then the candidates' token ids and
+whether their records are still there).
 
 Cluster mode uses no hash tags but the parts' and the claims': every other command
 touches exactly one key, pipelines are never transactional, so records spread over all nodes
@@ -84,7 +88,7 @@ library; the client libraries' own retries are off), goes through
 ``Retry`` and then the ``CircuitBreaker``. While the breaker is open nothing
 touches the network. Degrading methods (the read path and put, so the store keeps
 serving from L1/L2): ``get`` -> None (a miss), ``put`` -> UNAVAILABLE (FULL when
-the server is out of memory), ``contains`` -> all False, ``children`` -> {},
+the server is out of memory), ``contains`` -> all False, ``children`` and ``siblings`` -> {},
 ``stats`` -> last known numbers with healthy=False. Raising methods (the caller
 asked for a change or a listing it must know happened): ``delete``, ``clear``,
 ``pin`` and ``scan`` raise TierUnavailable (remote down or breaker open) or
@@ -98,8 +102,9 @@ open a write breaker of their own (kvstore.engine.tiers.remote_guard).
 Authentication. With ``auth_key_file`` every record written carries an HMAC
 trailer, and a record read without a valid one is a counted (``corrupt`` and
 ``forged``), deleted miss. Without it trailers are ignored. Bookkeeping keys
-are not authenticated: a planted ``k:`` or ``n:`` entry can make a lookup
-promise a chunk whose get then misses, never serve its bytes.
+are not authenticated: a planted ``k:``, ``s:`` or ``n:`` entry can make a lookup
+promise a chunk whose get then misses, never serve its bytes (a sibling's token ids
+are checked against its key, and its shared units counted from them).
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.engine.tiers.remote_base import filing_fields
 from kvstore.engine.tiers.remote_client import redact
 from kvstore.engine.tiers.remote_guard import Refused
 from kvstore.engine.tiers.remote_scan import RemoteListing
@@ -117,6 +123,8 @@ from kvstore.keys import KEY_BYTES, ROOT, ChunkKey, Fingerprint, chunk_key
 from kvstore.records import RecordHeader, parse_header, transcode_parts
 from kvstore.retry import BreakerState
 from kvstore.types import PutStatus, TierStats
+
+SIBLINGS_ASKED = 4  # candidates ``siblings`` checks: the deepest fields' distinct chunks
 
 
 class RemoteTier(RemoteListing):
@@ -200,6 +208,10 @@ class RemoteTier(RemoteListing):
             ("hset", self._k(header.parent, header.fingerprint), key, header.token_bytes),
             ("sadd", self._n(header.fingerprint), key),
         ]
+        filed = self._filing(header.token_bytes)
+        if filed:  # the latest chunk of a prefix is the one filed under it
+            cmds.append(("hset", self._s(header.parent, header.fingerprint), None, None,
+                         dict.fromkeys(filed, key)))  # fmt: skip
         if self.config.capacity_bytes:
             cmds.append(("zadd", self._lru, {key: self._wall()}, True))  # NX: keep a newer access
         if self._pipe("put", cmds)[0]:
@@ -269,6 +281,75 @@ class RemoteTier(RemoteListing):
             for k in gone:
                 del out[k]
         return out
+
+    def siblings(
+        self, parent: ChunkKey, fingerprint: bytes, subhashes: bytes, granularity: int
+    ) -> dict[ChunkKey, bytes]:
+        """The stored children of ``parent`` in namespace ``fingerprint`` that share the
+        most leading units with a chunk whose sub-hashes (at ``granularity``) are
+        ``subhashes``, with their token ids: at most ``SIBLINGS_ASKED``, never the whole
+        family (``children`` is; ROOT's holds every first chunk of a namespace).
+
+        Each chunk is filed under every unit's sub-hash in ``s:<parent>``, the latest
+        put of a prefix winning; the deepest fields the query's sub-hashes find name the
+        candidates. Two round trips, as ``children``: the fields, then the candidates'
+        token ids (``k:``, which checks them against their keys: a planted field names
+        nothing) and whether their records are still there (gone ones are pruned). A
+        field whose chunk was deleted or evicted is gone with it, so a sibling sharing
+        that prefix is found at a shallower one until it is stored again. Degrades to
+        {} when the remote is down.
+        """
+        self._check_open()
+        fields = filing_fields(subhashes, granularity)
+        if not fields:
+            return {}
+        family = self._s(parent, fingerprint)
+        try:
+            filed = self._cmd("siblings", "hmget", family, fields)
+        except TierError:
+            return {}
+        picks: list[bytes] = []  # deepest first
+        for child in reversed(filed):
+            if child is not None and len(child) == KEY_BYTES and bytes(child) not in picks:
+                picks.append(bytes(child))
+                if len(picks) == SIBLINGS_ASKED:
+                    break
+        if not picks:
+            return {}
+        try:
+            got = self._pipe(
+                "siblings",
+                [("hmget", self._k(parent, fingerprint), picks),
+                 *[("exists", self._c(k)) for k in picks]],
+            )  # fmt: skip
+        except TierError:
+            return {}
+        out: dict[ChunkKey, bytes] = {}
+        gone: list[bytes] = []
+        for child, tokens, there in zip(picks, got[0], got[1:], strict=True):
+            if not there:
+                gone.append(child)
+            elif (
+                tokens
+                and len(tokens) % 4 == 0
+                and chunk_key(parent, Fingerprint(fingerprint), bytes(tokens)) == child
+            ):
+                out[ChunkKey(child)] = bytes(tokens)
+        if gone:
+            stale = [f for f, c in zip(fields, filed, strict=True) if c is not None and c in gone]
+            with contextlib.suppress(TierError):
+                self._pipe("siblings", [("hdel", self._k(parent, fingerprint), *gone),
+                                        ("hdel", family, *stale)])  # fmt: skip
+        return out
+
+    def has_children(self, parent: ChunkKey, fingerprint: bytes) -> bool:
+        """Whether ``parent`` has stored children in namespace ``fingerprint`` (one
+        EXISTS; an entry whose record is gone still counts). False when down."""
+        self._check_open()
+        try:
+            return bool(self._cmd("children", "exists", self._k(parent, fingerprint)))
+        except TierError:
+            return False
 
     # -- stats and lifecycle ----------------------------------------------------------
     @property

@@ -44,7 +44,7 @@ from kvstore.engine.tiers.remote_parts import (
 from kvstore.engine.tiers.remote_resp import RespError, RespOOM, Sink
 from kvstore.engine.tiers.remote_values import LibraryPlane, ValuePlane
 from kvstore.errors import ConfigError, CorruptRecord, TierError, TierUnavailable
-from kvstore.keys import ROOT, ChunkKey
+from kvstore.keys import ROOT, SUBHASH_BYTES, ChunkKey, sub_hashes
 from kvstore.records import Codec, RecordHeader, decode_payload, parse_header
 from kvstore.retry import CircuitBreaker, Retry
 from kvstore.types import TierLevel, TierStats
@@ -54,6 +54,16 @@ T = TypeVar("T")
 TOUCH_FLUSH = 64  # buffered LRU touches that trigger a flush
 # Ends a writer's claim on a record in parts only if it is still this writer's.
 _UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end"
+
+
+def filing_fields(subhashes: bytes, granularity: int) -> list[bytes]:
+    """The fields of ``_s``: one per unit, its cumulative sub-hash after the granularity
+    (two bytes), so hosts of different granularities never read each other's."""
+    tag = granularity.to_bytes(2, "little")
+    return [
+        tag + subhashes[i : i + SUBHASH_BYTES]
+        for i in range(0, len(subhashes) - SUBHASH_BYTES + 1, SUBHASH_BYTES)
+    ]
 
 
 class RemoteBase(Tier):
@@ -67,8 +77,12 @@ class RemoteBase(Tier):
         clock: Clock = monotonic,
         sleep: Callable[[float], None] = time.sleep,
         wall: Callable[[], float] = time.time,
+        granularity: int = 16,
     ) -> None:
         super().__init__()
+        # The store's: chunks are filed for partial matching by sub-hashes of this many
+        # tokens, the units its lookups compare.
+        self.granularity = granularity
         if not config.url:
             raise ConfigError("remote.url is empty: the remote tier is off")
         self.config = config
@@ -131,6 +145,17 @@ class RemoteBase(Tier):
         if parent == ROOT:
             return f"{self._p}:k:{parent.hex()}.{fingerprint.hex()}"
         return f"{self._p}:k:{parent.hex()}"
+
+    def _s(self, parent: bytes, fingerprint: bytes) -> str:
+        """The children of ``_k``'s family filed by prefix (``RemoteTier.siblings``)."""
+        if parent == ROOT:
+            return f"{self._p}:s:{parent.hex()}.{fingerprint.hex()}"
+        return f"{self._p}:s:{parent.hex()}"
+
+    def _filing(self, token_bytes: bytes) -> list[bytes]:
+        """A chunk's fields in its family's ``_s`` hash: its sub-hash of every unit, after
+        the granularity (a host of another granularity files and asks other fields)."""
+        return filing_fields(sub_hashes(token_bytes, self.granularity), self.granularity)
 
     def _n(self, fingerprint: bytes) -> str:
         return f"{self._p}:n:{fingerprint.hex()}"
@@ -410,6 +435,11 @@ class RemoteBase(Tier):
         for key, header in items:
             if header is not None:
                 second.append(("hdel", self._k(header.parent, header.fingerprint), key))
+                # Whoever else shares a prefix with it loses those fields too, until its next
+                # put: a partial match missed, never a wrong one (``RemoteTier.siblings``).
+                filed = self._filing(header.token_bytes)
+                if filed:
+                    second.append(("hdel", self._s(header.parent, header.fingerprint), *filed))
                 second.append(("srem", self._n(header.fingerprint), key))
                 if split(header):  # one DEL each: cluster pipelines refuse multi-key DEL
                     second += [("delete", n) for n in part_names(self._p, key, part_count(header))]

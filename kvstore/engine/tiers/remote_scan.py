@@ -35,7 +35,7 @@ class RemoteListing(RemoteBase):
             # Only our own key shapes, so a deployment with prefix "kvs:x" survives ours.
             # (SCAN still returns every key present all along when keys vanish meanwhile.)
             removed, chunk_prefix = 0, f"{self._p}:c:".encode()
-            for some in _batched(self._scan_names(f"{self._p}:[ckpn]:*")):
+            for some in _batched(self._scan_names(f"{self._p}:[ckpns]:*")):
                 done = self._pipe("clear", [("delete", n) for n in some])
                 removed += sum(
                     1 for n, d in zip(some, done, strict=True) if d and n.startswith(chunk_prefix)
@@ -49,10 +49,15 @@ class RemoteListing(RemoteBase):
             headers = self._read_headers(batch)
             removed += self._remove(list(zip(batch, headers, strict=True)))[0]
             # Every child of a chunk of this namespace is in this namespace too.
-            self._pipe("clear", [("delete", self._k(k, fingerprint)) for k in batch])
+            self._pipe(
+                "clear",
+                [("delete", name(k, fingerprint)) for k in batch for name in (self._k, self._s)],
+            )
         self._pipe(
-            "clear", [("delete", self._n(fingerprint)), ("delete", self._k(ROOT, fingerprint))]
-        )
+            "clear",
+            [("delete", self._n(fingerprint)), ("delete", self._k(ROOT, fingerprint)),
+             ("delete", self._s(ROOT, fingerprint))],
+        )  # fmt: skip
         return removed
 
     def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
