@@ -459,7 +459,9 @@ def bench_lookup(
     what older clients send), each against a raw grpcio unary call carrying the same
     request bytes; and where the keys lookup spends its time (``server.lookup_keys.parts``:
     the client's hashing, the request's and the answer's protobuf work, the server's walk
-    over an index like the server's)."""
+    over an index like the server's). Also a miss (``server.lookup_keys.miss``): a
+    1,024-token prompt none of whose chunks is stored, among ``others`` stored first
+    chunks of its namespace (each a sibling its first chunk could partly match)."""
     import kvstore
     from kvstore.keys import ROOT, Namespace, chunk_keys, token_view
     from kvstore.protocol import lookup_from_pb
@@ -473,11 +475,8 @@ def bench_lookup(
     with kvstore.Client(s.unix, timeout=60) as c:
         info = c.info()
         ct, g = info.chunk_tokens, info.granularity
-        other = Namespace(model="bench", dtype="bfloat16", layout="lookup-other")
         for i in progress(range(others), desc="lookup: filling the store", total=others):
-            c.put(
-                chunk_header(other, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8)), data
-            )
+            c.put(chunk_header(ns, ROOT, np.arange(ct) + i * ct, data, "bfloat16", (ct, 8)), data)
         parent = ROOT
         for start in range(0, n_tokens, ct):
             part = prompt[start : start + ct]
@@ -510,6 +509,12 @@ def bench_lookup(
         def look(c: kvstore.Client) -> None:
             matched.append(c.lookup(ns, prompt).matched_tokens)
 
+        miss = np.random.default_rng(2).integers(150_000, 160_000, 1024).astype(np.uint32)
+        missed: list[int] = []
+
+        def look_miss(c: kvstore.Client) -> None:
+            missed.append(c.lookup(ns, miss).matched_tokens)
+
         def keep_answer() -> None:
             nonlocal answer
             answer = clients["unix"]._stub.Lookup(key_request, metadata=clients["unix"]._metadata)
@@ -532,13 +537,16 @@ def bench_lookup(
         for plane in clients:
             cases[f"keys.{plane}"] = functools.partial(look, clients[plane])
             cases[f"ids.{plane}"] = functools.partial(look, by_ids[plane])
+        cases["miss.express"] = functools.partial(look_miss, clients["express"])
         t = interleaved(cases, reps, progress, "lookup 128k", warmup=3)
     finally:
         for c in (*clients.values(), *by_ids.values()):
             c.close()
         channel.close()
-    if set(matched) != {n_tokens}:
-        raise RuntimeError(f"lookup matched {set(matched)} tokens, expected {n_tokens}")
+    if set(matched) != {n_tokens} or set(missed) != {0}:
+        raise RuntimeError(
+            f"lookup matched {set(matched)} tokens, expected {n_tokens}; the miss {set(missed)}"
+        )
     out = []
     label = f"{n_tokens // 1024}k"
     notes = f"{n_tokens // ct} chunks matched of {chunks} stored"
@@ -561,6 +569,17 @@ def bench_lookup(
                     )
                 )
         floor = percentile(t["raw.empty"], q) * 1e3
+        out.append(
+            Record(
+                f"server.lookup_keys.miss.p{q}.express",
+                percentile(t["miss.express"], q) * 1e3,
+                "ms",
+                floor,
+                limit_name="raw grpcio unary call, empty request",
+                notes=f"a 1,024-token prompt none of whose chunks is stored, among {others} "
+                "stored first chunks of its namespace",
+            )
+        )
         for step, what in (
             ("keys", "client: the prompt's chunk keys (keys.chunk_keys)"),
             ("sub_hashes", "client: the keys and every chunk's sub-hashes (not sent for 128k)"),
