@@ -71,6 +71,12 @@ def _prefix(group: bytes, subhashes: bytes, j: int) -> bytes:
     return group + subhashes[j * SUBHASH_BYTES : (j + 1) * SUBHASH_BYTES]
 
 
+def _prefixes(group: bytes, subhashes: bytes) -> Iterator[bytes]:
+    """Every name a chunk of these sub-hashes is filed under in a wide family."""
+    for j in range(_units(subhashes)):
+        yield _prefix(group, subhashes, j)
+
+
 class Index:
     """Maps keys to entries, parents to children and namespaces to keys.
 
@@ -229,8 +235,7 @@ class Index:
 
     def _file(self, group: bytes, key: ChunkKey, subhashes: bytes) -> None:
         table = self._by_prefix
-        for j in range(_units(subhashes)):
-            name = _prefix(group, subhashes, j)
+        for name in _prefixes(group, subhashes):
             there = table.get(name)
             if there is None:
                 table[name] = key
@@ -241,8 +246,7 @@ class Index:
 
     def _unfile(self, group: bytes, key: ChunkKey, subhashes: bytes) -> None:
         table = self._by_prefix
-        for j in range(_units(subhashes)):
-            name = _prefix(group, subhashes, j)
+        for name in _prefixes(group, subhashes):
             there = table.get(name)
             if there is None:
                 continue
