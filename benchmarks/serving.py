@@ -93,7 +93,8 @@ class ServeParams:
         )
 
 
-FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 6, 2)
+# The no-reuse control's pairs spread by +-10% on this host and cost ~5 s each: 10 of them.
+FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 10, 2)
 QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1, 1, 1)
 METRIC = re.compile(
     r"^(vllm:(?:external_)?prefix_cache_(?:hits|queries))_total\{[^}]*\} ([\d.e+]+)$"
@@ -259,14 +260,21 @@ Runs = dict[str, list[dict[str, Any]]]
 
 def take_turns(
     servers: dict[str, ApiServer], runs: Runs, model: Path, load: list[str], seeds: list[int],
-    work: Path, tag: str = "",
+    work: Path, tag: str = "", kvstore_pid: int | None = None,
 ) -> None:  # fmt: skip
-    """Every server runs each seed's workload; turns alternate in order seed by seed."""
+    """Every server runs each seed's workload; turns alternate in order seed by seed.
+    ``kvstore_pid``: the kvstore-server, whose CPU time each run of an engine using it
+    records (``server_cpu_s``): what kvstore took from the cores vLLM computes on."""
+    from kvstore.testing.procs import cpu_seconds
+
     for i, seed in enumerate(seeds):
         order = list(servers) if i % 2 == 0 else list(reversed(servers))
         for name in order:
             time.sleep(SETTLE_S)
+            cpu0 = cpu_seconds(kvstore_pid) if kvstore_pid else 0.0
             got = client(servers[name], model, load, seed, work / f"{name}.client.log")
+            if kvstore_pid and name.startswith("kv"):
+                got["server_cpu_s"] = cpu_seconds(kvstore_pid) - cpu0
             got["seed"] = seed
             runs.setdefault(name + tag, []).append(got)
 
@@ -305,7 +313,8 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                     off = [150 + r for r in range(p.reps_off)]
                     take_turns(s, runs, model, load["prefix"], off, work, ".nocache")
                     rand = [180 + r for r in range(p.reps_random)]
-                    take_turns(s, runs, model, load["random"], rand, work, ".random")
+                    pid = server.proc.pid if server.proc else None
+                    take_turns(s, runs, model, load["random"], rand, work, ".random", pid)
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()
@@ -380,6 +389,18 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
                 f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
                 f"{_hits(runs[case], p)}",
             ))  # fmt: skip
+    miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
+    if miss:
+        shares = [r["server_cpu_s"] / (r["duration"] * (os.cpu_count() or 1)) for r in miss]
+        out.append(Record(
+            "serving.store_on_miss.server_cpu", 100 * statistics.median(shares), "%",
+            notes=f"the kvstore-server's CPU time during each no-reuse run with kvstore, as a "
+            f"share of the host's {os.cpu_count()} cores over the run (median of "
+            f"{len(miss)}: {', '.join(f'{100 * x:.1f}' for x in sorted(shares))} %); "
+            f"{statistics.median(r['server_cpu_s'] for r in miss):.3f} s a run "
+            f"({p.prompts} prompts of {p.random_len} tokens stored, "
+            f"{p.prompts * p.random_len * p.kv_bytes_per_token >> 20} MiB)",
+        ))  # fmt: skip
     restart, cold = runs["kv2.restart"], runs["alone"]
     out.append(Record(
         "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",

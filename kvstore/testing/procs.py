@@ -16,13 +16,20 @@ import subprocess
 import time
 from pathlib import Path
 
-__all__ = ["freeze", "thaw", "thread_cpus"]
+__all__ = ["cpu_seconds", "freeze", "thaw", "thread_cpus"]
 
 
 def _state(pid: int) -> str:
     # /proc/PID/stat: "pid (comm) S ...": comm may hold spaces and parentheses.
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2]
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process has used so far, user and system, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text()
+    after = fields[fields.rindex(")") + 2 :].split()
+    return (int(after[11]) + int(after[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def freeze(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
