@@ -246,13 +246,13 @@ def test_a_miss_reads_the_best_siblings_not_the_whole_family() -> None:
     best = [*template, 5, 3, 9, 9]  # shares 3 units with prompt 5 + 3*251 only
     q = [*best, *range(8)]
     qsub = lookup_hashes(FP, token_view(q), C, g)[1][: C // g * 8]
-    got, most = idx.siblings(family(ROOT, FP), qsub)
+    got, most = idx.siblings(family(ROOT, FP), FP, qsub)
     assert list(got) == [make_chain([*template, 5, 3, 1, 2], C)[0][0].key] and most == 3, got
     r = lookup(idx, FP, q, chunk_tokens=C)
     assert r.matched_tokens == 6 and r.stop == "diverged", r
     assert r.chunks[0].key == make_chain([*template, 5, 3, 1, 2], C)[0][0].key
     other = lookup_hashes(FP, token_view([*template, 9, 9, 9, 9]), C, g)[1]
-    shallow, most = idx.siblings(family(ROOT, FP), other)
+    shallow, most = idx.siblings(family(ROOT, FP), FP, other)
     assert 0 < len(list(shallow)) <= 64 and most == 2, "two units shared by all: a bounded read"
 
 
@@ -375,6 +375,26 @@ def test_a_sibling_of_another_namespace_is_never_matched() -> None:
     idx.add(make_chain(p, C, fp=other)[0][0], 1)  # B's own chunk 0
     r = lookup(idx, FP, KeyChain(okeys, len(p), b"", C, G), chunk_tokens=C)
     assert r.matched_tokens == 0, "keys of B's chunks sent under A's fingerprint name nothing"
+
+
+def test_a_sibling_of_another_namespace_does_not_hide_the_namespaces_own() -> None:
+    """The intruder above, in a family filed by prefix: it shares more units with the
+    query than A's own sibling, and A's partial match is still found (filed under the
+    intruder's namespace, it is never a candidate)."""
+    other = Namespace(model="another-model").fingerprint
+    answers = []
+    for wide in (10**9, 0):
+        idx = index_with([], wide=wide)
+        h0, _ = make_chunk(list(range(100, 108)), fp=FP)
+        idx.add(h0, 1)
+        mine, _ = make_chunk([1, 1, 5, 5, 0, 0, 0, 0], parent=h0.key, fp=FP)
+        theirs, _ = make_chunk([1, 1, 2, 2, 3, 3, 0, 0], parent=h0.key, fp=other)
+        idx.add(mine, 1)
+        idx.add(theirs, 1)
+        r = run(idx, [*range(100, 108), 1, 1, 2, 2, 3, 3, 9, 9])
+        assert r.matched_tokens == 10 and r.chunks[-1].key == mine.key, (wide, r)
+        answers.append(r)
+    assert answers[0] == answers[1]
 
 
 def test_chunk_matches_read_as_the_rows_they_hold() -> None:

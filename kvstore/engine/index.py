@@ -53,28 +53,30 @@ FASTEST = [next((int(lvl) for lvl in TierLevel if m & (1 << lvl)), 0) for m in r
 # that missed. Scanning a family costs a lookup O(siblings), and some families are huge:
 # ROOT's holds every distinct first chunk of a namespace (a miss cost 11 ms at 10,000
 # stored prompts, 127 ms at 100,000). A family with more than WIDE children is also
-# filed by prefix: each child under (family, its sub-hash j) for every unit j, sub-hash
-# j naming the chunk's first j+1 units. The deepest entry a query's sub-hashes find
-# then holds exactly the siblings sharing the most units with it: one that shared more
-# would be filed one level deeper. Entries exist for every shallower level of a deep
-# one, so a binary search finds it. It costs one entry per unit (16 at the defaults)
-# for each child of a wide family; a chain's families (one child each) cost nothing.
+# filed by prefix: each child under (family, its namespace, its sub-hash j) for every
+# unit j, sub-hash j naming the chunk's first j+1 units. The deepest entry a query's
+# sub-hashes find then holds exactly the siblings of its namespace sharing the most
+# units with it: one that shared more would be filed one level deeper. (The namespace:
+# a chunk of another one can be stored under this namespace's parent, and must not
+# hide this one's siblings.) Entries exist for every shallower level of a deep one, so
+# a binary search finds it. It costs one entry per unit (16 at the defaults) for each
+# child of a wide family; a chain's families (one child each) cost nothing.
 WIDE = 16
-SIBLINGS_READ = 64  # of a wide family's best: only another namespace's could come first
+SIBLINGS_READ = 64  # of a wide family's best (all as good): the first one is the answer
 
 
 def _units(subhashes: bytes) -> int:
     return len(subhashes) // SUBHASH_BYTES
 
 
-def _prefix(group: bytes, subhashes: bytes, j: int) -> bytes:
-    return group + subhashes[j * SUBHASH_BYTES : (j + 1) * SUBHASH_BYTES]
+def _prefix(group: bytes, fingerprint: bytes, subhashes: bytes, j: int) -> bytes:
+    return group + fingerprint + subhashes[j * SUBHASH_BYTES : (j + 1) * SUBHASH_BYTES]
 
 
-def _prefixes(group: bytes, subhashes: bytes) -> Iterator[bytes]:
-    """Every name a chunk of these sub-hashes is filed under in a wide family."""
-    for j in range(_units(subhashes)):
-        yield _prefix(group, subhashes, j)
+def _prefixes(group: bytes, fingerprint: bytes, subhashes: bytes) -> list[bytes]:
+    """Every name a chunk is filed under in a wide family, deepest first: a lookup
+    reading meanwhile never finds a deep level without the shallower ones."""
+    return [_prefix(group, fingerprint, subhashes, j) for j in reversed(range(_units(subhashes)))]
 
 
 class Index:
@@ -139,11 +141,11 @@ class Index:
         siblings = self.children.setdefault(group, {})
         siblings[key] = None
         if group in self._wide:
-            self._file(group, key, entry.subhashes)
+            self._file(group, key, entry)
         elif len(siblings) > self.wide:
+            for child in siblings:  # filed before a lookup may search the family by prefix
+                self._file(group, child, self.entries[child])
             self._wide.add(group)
-            for child in siblings:
-                self._file(group, child, self.entries[child].subhashes)
         self.by_ns.setdefault(header.fingerprint, set()).add(key)
         self.gone.pop(key, None)
         return entry
@@ -193,7 +195,7 @@ class Index:
         if siblings is not None:
             siblings.pop(key, None)
             if group in self._wide:
-                self._unfile(group, key, entry.subhashes)
+                self._unfile(group, key, entry)
             if not siblings:
                 del self.children[group]
                 self._wide.discard(group)
@@ -208,11 +210,14 @@ class Index:
             self.gone.popitem(last=False)
         return entry
 
-    def siblings(self, group: bytes, qsub: bytes) -> tuple[Iterable[ChunkKey], int]:
+    def siblings(
+        self, group: bytes, fingerprint: bytes, qsub: bytes
+    ) -> tuple[Iterable[ChunkKey], int]:
         """The children of family ``group`` that may share the most leading units with a
-        chunk whose sub-hashes are ``qsub``, in the order they came, and the most units
-        any of them can share: all of them, or in a wide family those that share the
-        most, each as many (none: no child shares its first unit)."""
+        chunk of namespace ``fingerprint`` whose sub-hashes are ``qsub``, in the order
+        they came, and the most units any of them can share: all of them, or in a wide
+        family that namespace's that share the most, each as many (none: no child
+        shares its first unit)."""
         # Snapshots: a lookup reads without the store's lock, and iterating a dict that a
         # writer changes raises. tuple() and list(islice()) run in C, under the GIL.
         if group not in self._wide:
@@ -221,7 +226,7 @@ class Index:
         lo, hi, found = 0, _units(qsub), None  # levels below lo are filled, hi and up not
         while lo < hi:
             mid = (lo + hi) // 2
-            got = table.get(_prefix(group, qsub, mid))
+            got = table.get(_prefix(group, fingerprint, qsub, mid))
             if got is None:
                 hi = mid
             else:
@@ -230,12 +235,12 @@ class Index:
             return (), 0
         if not isinstance(found, dict):
             return (found,), lo
-        # Each shares ``lo`` units: the first of the namespace asked about is the answer.
+        # Each shares ``lo`` units: the first is the answer (the rest, in case it goes).
         return list(itertools.islice(found, SIBLINGS_READ)), lo
 
-    def _file(self, group: bytes, key: ChunkKey, subhashes: bytes) -> None:
+    def _file(self, group: bytes, key: ChunkKey, entry: Entry) -> None:
         table = self._by_prefix
-        for name in _prefixes(group, subhashes):
+        for name in reversed(_prefixes(group, entry.fingerprint, entry.subhashes)):
             there = table.get(name)
             if there is None:
                 table[name] = key
@@ -244,9 +249,9 @@ class Index:
             else:
                 table[name] = {there: None, key: None}
 
-    def _unfile(self, group: bytes, key: ChunkKey, subhashes: bytes) -> None:
+    def _unfile(self, group: bytes, key: ChunkKey, entry: Entry) -> None:
         table = self._by_prefix
-        for name in _prefixes(group, subhashes):
+        for name in _prefixes(group, entry.fingerprint, entry.subhashes):
             there = table.get(name)
             if there is None:
                 continue

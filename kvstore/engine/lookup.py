@@ -365,7 +365,7 @@ def _best_sibling(
     if not qsub:
         return None
     best: tuple[ChunkKey, int, int, int] | None = None
-    candidates, most = index.siblings(family(parent, fingerprint), qsub)
+    candidates, most = index.siblings(family(parent, fingerprint), fingerprint, qsub)
     for child in candidates:
         entry = index.entries.get(child)
         if entry is None or entry.fingerprint != fingerprint:
