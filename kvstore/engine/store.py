@@ -36,7 +36,7 @@ from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lent, Loans
 from kvstore.engine.tiers.memory import MemoryTier
 from kvstore.engine.tiers.pages import ReadLease, Reservation
 from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
-from kvstore.errors import InvalidArgument, StoreClosed, TierError
+from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.records import RecordHeader, check_put, make_header
 from kvstore.types import ChunkView, PutStatus, StoreStats
@@ -75,6 +75,13 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
                 from kvstore.engine.tiers.remote import RemoteTier
 
                 remote = RemoteTier(cfg.remote, clock=clock, granularity=cfg.granularity)
+            filed_at = getattr(remote, "granularity", cfg.granularity)
+            if filed_at != cfg.granularity:  # its partial matches would never be found
+                raise ConfigError(
+                    f"the remote tier files chunks for partial matching at granularity "
+                    f"{filed_at}; this store's is {cfg.granularity}: build it with the "
+                    "store's (RemoteTier(..., granularity=config.granularity))"
+                )
         except BaseException:
             for tier in (disk, self.memory):
                 if tier is not None:

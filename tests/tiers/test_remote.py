@@ -270,6 +270,37 @@ def test_siblings_are_the_few_sharing_the_most_not_the_family(backend: Backend) 
         assert not raw.exists(tier._s(ROOT, FP)), "clear drops the filing"
 
 
+def test_siblings_survive_what_happens_to_others(backend: Backend) -> None:
+    """A delete takes only the fields that still name the deleted chunk: a later sibling
+    of the same prefix stays filed. Another namespace's chunk under the same parent (a
+    writer who knows the parent's key can store one) never takes over this one's."""
+    g = 16
+    with make_tier(backend.url, granularity=g) as tier:
+        parent, pp = chunk_of(list(range(100, 132)))
+        older, po = chunk_of([*range(1000, 1032), *range(1, 33)], parent=parent.key)
+        later, pl = chunk_of([*range(1000, 1032), *range(40, 72)], parent=parent.key)
+        for h, p in ((parent, pp), (older, po), (later, pl)):
+            assert tier.put(h, p) is PutStatus.STORED
+        q = sub_hashes(tokens_to_bytes([*range(1000, 1032), *range(80, 112)]), g)
+        assert set(tier.siblings(parent.key, FP, q, g)) == {later.key}, "the latest is filed"
+        assert tier.delete(older.key) is True
+        assert set(tier.siblings(parent.key, FP, q, g)) == {later.key}, (
+            "deleting the older sibling must leave the fields the later one took over"
+        )
+        tb = tokens_to_bytes([*range(1000, 1032), *range(80, 112)])
+        blob = encode(
+            key=chunk_key(parent.key, FP2, tb), parent=parent.key, fingerprint=FP2,
+            token_bytes=tb, dtype="float16", shape=(64, 4),
+            payload=np.zeros(256, dtype=np.uint16).tobytes(),
+        )  # fmt: skip
+        intruder = verify(blob)
+        assert tier.put(intruder, blob[intruder.header_size :]) is PutStatus.STORED
+        assert set(tier.siblings(parent.key, FP, q, g)) == {later.key}, (
+            "another namespace's chunk under this parent took over this namespace's fields"
+        )
+        assert set(tier.siblings(parent.key, FP2, q, g)) == {intruder.key}
+
+
 def test_clear_per_namespace_and_scan(backend: Backend) -> None:
     with make_tier(backend.url) as tier:
         ours = [record(seed=30 + i) for i in range(3)]

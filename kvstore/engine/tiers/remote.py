@@ -25,10 +25,10 @@ raw 32-byte keys as set members and hash fields, to keep them small):
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
-    s:<parent>        hash    granularity (u16le) + a child's sub-hash of its first n units
-    s:<ROOT>.<fp>             -> that child's key, for every n (the latest put wins):
-                              partial matching reads the fields of one query, not the
-                              family (``siblings``)
+    s:<parent>.<fp>   hash    granularity (u16le) + a child's sub-hash of its first n units
+                              -> that child's key, for every n (the latest put wins), per
+                              namespace: partial matching reads the fields of one query,
+                              not the family (``siblings``)
     n:<fp>            set     chunk keys of one namespace (clear and scan by namespace)
     sz                hash    chunk key -> record bytes; HLEN is the chunk count
     used              string  sum of record bytes (INCRBY / DECRBY)
@@ -290,14 +290,16 @@ class RemoteTier(RemoteListing):
         ``subhashes``, with their token ids: at most ``SIBLINGS_ASKED``, never the whole
         family (``children`` is; ROOT's holds every first chunk of a namespace).
 
-        Each chunk is filed under every unit's sub-hash in ``s:<parent>``, the latest
-        put of a prefix winning; the deepest fields the query's sub-hashes find name the
-        candidates. Two round trips, as ``children``: the fields, then the candidates'
-        token ids (``k:``, which checks them against their keys: a planted field names
-        nothing) and whether their records are still there (gone ones are pruned). A
-        field whose chunk was deleted or evicted is gone with it, so a sibling sharing
-        that prefix is found at a shallower one until it is stored again. Degrades to
-        {} when the remote is down.
+        Each chunk is filed under every unit's sub-hash in ``s:<parent>.<fp>``, the
+        latest put of a prefix winning; the deepest fields the query's sub-hashes find
+        name the candidates. Two round trips, as ``children``: the fields, then the
+        candidates' token ids (``k:``, which checks them against their keys: a planted
+        field names nothing) and whether their records are still there (gone ones are
+        pruned, with the fields that still name them). One field names one chunk: when
+        the chunk named under a prefix goes (deleted, evicted), an older sibling that
+        shares that prefix is not found through it until a chunk of that prefix is
+        stored again, a partial match missed, never a wrong one. Degrades to {} when
+        the remote is down.
         """
         self._check_open()
         fields = filing_fields(subhashes, granularity)

@@ -147,10 +147,11 @@ class RemoteBase(Tier):
         return f"{self._p}:k:{parent.hex()}"
 
     def _s(self, parent: bytes, fingerprint: bytes) -> str:
-        """The children of ``_k``'s family filed by prefix (``RemoteTier.siblings``)."""
-        if parent == ROOT:
-            return f"{self._p}:s:{parent.hex()}.{fingerprint.hex()}"
-        return f"{self._p}:s:{parent.hex()}"
+        """The children of ``parent`` in namespace ``fingerprint`` filed by prefix
+        (``RemoteTier.siblings``). Per namespace under every parent, not only ROOT: a
+        chunk of another namespace stored under this one's parent must not take over
+        this namespace's fields."""
+        return f"{self._p}:s:{parent.hex()}.{fingerprint.hex()}"
 
     def _filing(self, token_bytes: bytes) -> list[bytes]:
         """A chunk's fields in its family's ``_s`` hash: its sub-hash of every unit, after
@@ -422,6 +423,13 @@ class RemoteBase(Tier):
         first: list[tuple[Any, ...]] = []
         for key, _ in items:
             first += [("hget", self._sz, key), ("delete", self._c(key)), ("hdel", self._sz, key)]
+        # Its partial-match fields, read now and removed below only where they still name
+        # it: where a later chunk sharing the prefix took one over, that one stays filed.
+        filings = [
+            (self._s(h.parent, h.fingerprint), self._filing(h.token_bytes)) if h else ("", [])
+            for _, h in items
+        ]
+        first += [("hmget", name, fields) for name, fields in filings if fields]
         res = self._pipe("delete", first, retry=False)
         deleted = freed = 0
         for i in range(len(items)):
@@ -429,17 +437,17 @@ class RemoteBase(Tier):
             deleted += int(gone)
             if unbooked and size is not None:  # only whoever removed the entry decrements
                 freed += int(size)
+        named = iter(res[3 * len(items) :])
 
         keys = [k for k, _ in items]
         second: list[tuple[Any, ...]] = [("zrem", self._lru, *keys), ("srem", self._pin, *keys)]
-        for key, header in items:
+        for (key, header), (name, fields) in zip(items, filings, strict=True):
             if header is not None:
                 second.append(("hdel", self._k(header.parent, header.fingerprint), key))
-                # Whoever else shares a prefix with it loses those fields too, until its next
-                # put: a partial match missed, never a wrong one (``RemoteTier.siblings``).
-                filed = self._filing(header.token_bytes)
-                if filed:
-                    second.append(("hdel", self._s(header.parent, header.fingerprint), *filed))
+                if fields:
+                    mine = [f for f, v in zip(fields, next(named), strict=True) if v == key]
+                    if mine:
+                        second.append(("hdel", name, *mine))
                 second.append(("srem", self._n(header.fingerprint), key))
                 if split(header):  # one DEL each: cluster pipelines refuse multi-key DEL
                     second += [("delete", n) for n in part_names(self._p, key, part_count(header))]
