@@ -25,7 +25,7 @@ raw 32-byte keys as set members and hash fields, to keep them small):
     k:<parent>        hash    child key -> child's token ids (u32le); for partial matching
     k:<ROOT>.<fp>     hash    the same for first chunks: ROOT is shared by every
                               namespace, so its children are kept per namespace
-    s:<parent>.<fp>   hash    granularity (u16le) + a child's sub-hash of its first n units
+    s:<parent>.<fp>   hash    granularity (u32le) + a child's sub-hash of its first n units
                               -> that child's key, for every n (the latest put wins), per
                               namespace: partial matching reads the fields of one query,
                               not the family (``siblings``)

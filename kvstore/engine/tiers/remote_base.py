@@ -58,8 +58,8 @@ _UNCLAIM = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 def filing_fields(subhashes: bytes, granularity: int) -> list[bytes]:
     """The fields of ``_s``: one per unit, its cumulative sub-hash after the granularity
-    (two bytes), so hosts of different granularities never read each other's."""
-    tag = granularity.to_bytes(2, "little")
+    (four bytes), so hosts of different granularities never read each other's."""
+    tag = granularity.to_bytes(4, "little")
     return [
         tag + subhashes[i : i + SUBHASH_BYTES]
         for i in range(0, len(subhashes) - SUBHASH_BYTES + 1, SUBHASH_BYTES)
