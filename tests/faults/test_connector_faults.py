@@ -196,7 +196,15 @@ def test_unreachable_stalled_and_killed_server(
         f"{background}"
     )
     assert preempted and preempted[-1] > 0, f"vLLM never preempted a request: {preempted}"
-    assert failed[5] > failed[4] and loader_gave_up, (
+    # Phase 6: a load the stalled server holds ends at its deadline as failed blocks,
+    # recomputed. Since the scheduler's lookup lends what it finds (L2 chunks where the
+    # client reads LMDB's file), a load whose chunks were lent before the SIGSTOP needs no
+    # call to the server and is not held at all: which one happens races the signal (CI
+    # saw both). Either way every output matches (above) and the run ends; the deadline
+    # path alone: test_connector_loads.py, test_a_late_background_load_is_reported_at_
+    # its_deadline_and_writes_nothing_after.
+    held = failed[5] > failed[4]
+    assert not held or loader_gave_up, (
         "the background load the stalled server held in phase 6 must end by its deadline "
         f"(its call's or load_deadline_ms) as failed blocks, recomputed: failed blocks by "
         f"phase {failed}, loader deadline lines {loader_gave_up}, late loads {late}"
