@@ -19,16 +19,20 @@ from pathlib import Path
 __all__ = ["cpu_seconds", "freeze", "thaw", "thread_cpus"]
 
 
-def _state(pid: int) -> str:
-    # /proc/PID/stat: "pid (comm) S ...": comm may hold spaces and parentheses.
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name, from the state on: the name is
+    "(comm)" and may hold spaces and parentheses, so it is cut at the last ")"."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2]
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _state(pid: int) -> str:
+    return _stat_fields(pid)[0]
 
 
 def cpu_seconds(pid: int) -> float:
     """CPU time a process has used so far, user and system, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text()
-    after = fields[fields.rindex(")") + 2 :].split()
+    after = _stat_fields(pid)
     return (int(after[11]) + int(after[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -258,16 +258,11 @@ class RemoteTier(RemoteListing):
             raw = self._cmd("children", "hgetall", self._k(parent, fingerprint or b""))
         except TierError:
             return {}
-        out: dict[ChunkKey, bytes] = {}
-        for child, tokens in raw.items():
-            if len(child) != KEY_BYTES or not tokens or len(tokens) % 4:
-                continue
-            if (
-                fingerprint is not None
-                and chunk_key(parent, Fingerprint(fingerprint), tokens) != child
-            ):
-                continue
-            out[ChunkKey(bytes(child))] = bytes(tokens)
+        out = {
+            ChunkKey(bytes(child)): bytes(tokens)
+            for child, tokens in raw.items()
+            if _names(parent, fingerprint, child, tokens)
+        }
         if not out:
             return out
         try:
@@ -276,8 +271,7 @@ class RemoteTier(RemoteListing):
             return {}
         gone = [k for k, e in zip(out, there, strict=True) if not e]
         if gone:
-            with contextlib.suppress(TierError):
-                self._pipe("children", [("hdel", self._k(parent, fingerprint or b""), *gone)])
+            self._unfile_gone("children", parent, fingerprint or b"", gone)
             for k in gone:
                 del out[k]
         return out
@@ -331,18 +325,28 @@ class RemoteTier(RemoteListing):
         for child, tokens, there in zip(picks, got[0], got[1:], strict=True):
             if not there:
                 gone.append(child)
-            elif (
-                tokens
-                and len(tokens) % 4 == 0
-                and chunk_key(parent, Fingerprint(fingerprint), bytes(tokens)) == child
-            ):
+            elif _names(parent, fingerprint, child, tokens):
                 out[ChunkKey(child)] = bytes(tokens)
         if gone:
             stale = [f for f, c in zip(fields, filed, strict=True) if c is not None and c in gone]
-            with contextlib.suppress(TierError):
-                self._pipe("siblings", [("hdel", self._k(parent, fingerprint), *gone),
-                                        ("hdel", family, *stale)])  # fmt: skip
+            self._unfile_gone("siblings", parent, fingerprint, gone, stale)
         return out
+
+    def _unfile_gone(
+        self,
+        op: str,
+        parent: ChunkKey,
+        fp: bytes,
+        gone: Sequence[bytes],
+        fields: Sequence[bytes] = (),
+    ) -> None:
+        """Forget children whose records are gone: their ``k:`` entries and the ``s:``
+        fields that still name them. Best effort: the next read prunes what this missed."""
+        cmds: list[tuple[Any, ...]] = [("hdel", self._k(parent, fp), *gone)]
+        if fields:
+            cmds.append(("hdel", self._s(parent, fp), *fields))
+        with contextlib.suppress(TierError):
+            self._pipe(op, cmds)
 
     def has_children(self, parent: ChunkKey, fingerprint: bytes) -> bool:
         """Whether ``parent`` has stored children in namespace ``fingerprint`` (one
@@ -418,3 +422,14 @@ class RemoteTier(RemoteListing):
                 with contextlib.suppress(Exception):  # a dead connection may fail to close
                     client.close()
             self._values.close()
+
+
+def _names(parent: ChunkKey, fingerprint: bytes | None, child: bytes, tokens: bytes | None) -> bool:
+    """Whether a ``k:`` entry is a chunk of ``parent``: a key's length, whole u32 token
+    ids, and (with the namespace known) the key hashing from them, so an entry planted or
+    left by another namespace names nothing."""
+    if len(child) != KEY_BYTES or not tokens or len(tokens) % 4:
+        return False
+    if fingerprint is None:
+        return True
+    return chunk_key(parent, Fingerprint(fingerprint), bytes(tokens)) == child
