@@ -213,6 +213,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self.worker.handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.bind(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
 

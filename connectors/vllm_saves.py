@@ -17,6 +17,11 @@ to another writer. A payload split over several extents, a CUDA
 arena that cannot be registered, a chunk L1 cannot take now (FULL: the server
 puts it below), or a server on another host take the staged path: the blocks
 go to a host buffer and the chunk is stored with ``put``.
+
+Sync saves send the step's ReserveMany ahead (``reserve_ahead``), when the worker is
+handed the step's metadata, before the forward pass: its round trip runs beside the
+forward pass, and the step waits for the gather and the CommitMany only. Not when the
+step loads in place: a failed call closes the client, whose arena those loads read.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,7 @@ import torch
 import xxhash
 from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient
+from kvstore.connectors.vllm_cpus import move_here
 from kvstore.connectors.vllm_meta import SaveSpec, record_blocks
 from kvstore.connectors.vllm_namespace import EngineNamespace
 from vllm.logger import init_logger
@@ -115,6 +122,10 @@ class Saves:
                 cpus=cpus,
             )
         self._pins = PinnedArenas()
+        # A step's ReserveMany sent ahead: (its specs, its chunks, the answer to come)
+        self._ahead: tuple[list[SaveSpec], list[_Chunk], Future[list[Any] | None]] | None = None
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._cpus = cpus  # where the thread sending it runs (vllm_cpus)
         self._lock = threading.Lock()
         self._copying: dict[int, SaveJob] = {}  # copies into reservations that may still run
         self._closing: weakref.WeakSet[Any] = weakref.WeakSet()  # arenas of closing clients
@@ -127,35 +138,24 @@ class Saves:
         step. Returns the chunks skipped for want of room."""
         layout = self.layout
         saver = self.saver
-        todo: list[_Chunk] = []
-        seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
-        for spec in specs:
-            try:
-                todo += self._chunks(spec, seen)
-            except Exception as e:  # a failed save only costs a future hit
-                self.backend.failed("save", e)
+        if self._ahead is not None and not _same(self._ahead[0], specs):
+            self.drop_ahead()  # sent for other specs (a step that never saved)
+        ahead, self._ahead = self._ahead, None
         skipped = 0
-        if saver is not None:  # what the budget cannot take is not reserved either
-            room, fits = saver.room(), 0
-            for c in todo:
-                room -= layout.nbytes(c.blocks)
-                if room < 0 and (fits or saver.pending):
-                    break
-                fits += 1
-            todo, skipped = todo[:fits], len(todo) - fits
-        dtype = str(layout.dtype).removeprefix("torch.")
-        got = (
-            self.writer.reserve(
-                [
-                    unsealed_header(
-                        c.key, c.parent, c.fp, c.token_bytes, dtype, layout.payload_shape(c.blocks)
-                    )
-                    for c in todo
-                ]
-            )
-            if todo
-            else []
-        )
+        got: list[Any] | None
+        if ahead is not None:
+            todo, got = ahead[1], ahead[2].result()
+        else:
+            todo = self._todo(specs)
+            if saver is not None:  # what the budget cannot take is not reserved either
+                room, fits = saver.room(), 0
+                for c in todo:
+                    room -= layout.nbytes(c.blocks)
+                    if room < 0 and (fits or saver.pending):
+                        break
+                    fits += 1
+                todo, skipped = todo[:fits], len(todo) - fits
+            got = self._reserve(todo) if todo else []
         if got is None:  # no shared memory, or the server is down: ask, then put
             got = [
                 PutStatus.EXISTS if here else None
@@ -184,12 +184,53 @@ class Saves:
                     continue
                 if held is not None:
                     handed.add(held.id)
-        finally:
-            for res in got:  # whatever no job took is given back, whatever happened
-                if isinstance(res, Reservation) and res.id not in handed:
-                    with contextlib.suppress(Exception):
-                        res.abort()
+        finally:  # whatever no job took is given back, whatever happened
+            _give_back([r for r in got if not (isinstance(r, Reservation) and r.id in handed)])
         return skipped
+
+    def reserve_ahead(self, specs: list[SaveSpec]) -> None:
+        """Send the ReserveMany for ``specs`` now, on a thread of its own, for the ``start``
+        of the same specs to take (sync saves: the step's forward pass runs meanwhile).
+        What is not taken is given back by the next ``start`` or ``close``."""
+        assert self.saver is None, "async saves reserve on the saver's thread"
+        self.drop_ahead()
+        todo = self._todo(specs)
+        if not todo:
+            return
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(
+                1, "kvstore-reserve", initializer=move_here, initargs=(self._cpus,)
+            )
+        self._ahead = (list(specs), todo, self._ahead_pool.submit(self._reserve, todo))
+
+    def drop_ahead(self) -> None:
+        """Give back a ReserveMany sent ahead that no ``start`` took."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                _give_back(ahead[2].result())
+
+    def _todo(self, specs: list[SaveSpec]) -> list[_Chunk]:
+        todo: list[_Chunk] = []
+        seen: set[ChunkKey] = set()  # requests sharing a prefix complete its chunks together
+        for spec in specs:
+            try:
+                todo += self._chunks(spec, seen)
+            except Exception as e:  # a failed save only costs a future hit
+                self.backend.failed("save", e)
+        return todo
+
+    def _reserve(self, todo: list[_Chunk]) -> list[Any] | None:
+        layout = self.layout
+        dtype = str(layout.dtype).removeprefix("torch.")
+        return self.writer.reserve(
+            [
+                unsealed_header(
+                    c.key, c.parent, c.fp, c.token_bytes, dtype, layout.payload_shape(c.blocks)
+                )
+                for c in todo
+            ]
+        )
 
     def _chunks(self, spec: SaveSpec, seen: set[ChunkKey]) -> list[_Chunk]:
         """The chunks of one spec to save: from its start, none seen in this step or queued."""
@@ -338,9 +379,25 @@ class Saves:
                 job.ready()
 
     def close(self, timeout: float) -> None:
+        self.drop_ahead()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown(wait=False)
         saver = self.saver
         if saver is not None and not saver.close(timeout=timeout):
             log.warning("kvstore: %d queued save(s) dropped at shutdown", saver.pending)
         if self.writer is not self.backend:
             self.writer.close()  # closed: a save still running stores nothing more
         self._pins.close()
+
+
+def _same(a: list[SaveSpec], b: list[SaveSpec]) -> bool:
+    """Whether ``b`` are the very specs ``a`` holds: the step's metadata's own objects (held,
+    so no other spec can have their identities)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _give_back(got: list[Any] | None) -> None:
+    for res in got or ():
+        if isinstance(res, Reservation):
+            with contextlib.suppress(Exception):
+                res.abort()

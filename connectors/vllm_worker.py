@@ -266,6 +266,24 @@ class KVStoreWorker:
         return out
 
     # -- saves -------------------------------------------------------------------------
+    def bind(self, meta: object) -> None:
+        """The step's metadata, before its forward pass: sync saves send their ReserveMany
+        now, so that its round trip runs beside the forward pass (``Saves.reserve_ahead``).
+        Not when the step loads in place (a failed call would close the client whose
+        arena those loads read) nor for async saves (their thread reserves)."""
+        if not isinstance(meta, KVStoreMeta) or not meta.saves or self.saves is None:
+            return
+        if any(not spec.background and not spec.groups for spec in meta.loads):
+            return
+        for g, saves in enumerate(self.group_saves):
+            if saves.saver is None:
+                specs = [spec for spec in meta.saves if spec.group == g]
+                if specs:
+                    try:
+                        saves.reserve_ahead(specs)
+                    except Exception as e:  # a failed save only costs a future hit
+                        self.client.failed("save", e)
+
     def wait_for_save(self, meta: object) -> None:
         self._end_load()  # the forward pass has run: the layers it used have all landed
         if self.loads is not None:  # the step's forward pass has run: end its leases

@@ -203,6 +203,7 @@ class Engine:
         meta = self.scheduler.build_connector_meta(output)
         assert isinstance(meta, KVStoreMeta)
         self.worker.handle_preemptions(meta)
+        self.worker.bind(meta)
         self.worker.start_load_kv(meta)
         if output.num_scheduled_tokens and self.forward_waits:
             # The forward pass: each attention layer, in order, waits for its layer.

@@ -431,3 +431,56 @@ def test_a_chunk_damaged_in_the_arena_is_caught_by_the_load_that_reads_it(
     finally:
         e.close()
         server.stop()
+
+
+@pytest.mark.parametrize("respecified", [False, True])
+def test_a_sync_save_reserves_while_the_forward_pass_runs(
+    server: KVServer, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, respecified: bool
+) -> None:
+    """Sync saves send the step's ReserveMany when the worker is handed the step's
+    metadata, before the forward pass, so the step waits for the gather and the
+    CommitMany only: the reservations are on the server before the forward pass starts.
+    ``respecified``: the step that saves is handed other specs than the ones reserved
+    for (a step that bound metadata and never saved): those reservations are given back,
+    and the step's own chunks are reserved and stored as before."""
+    from dataclasses import replace
+
+    from kvstore.connectors.vllm_meta import KVStoreMeta
+
+    from tests.server.helpers import memory_detail
+
+    e = HalvesEngine(server.unix_url, clock)
+    seen: list[tuple[bool, int | None]] = []  # per saving step: it loads, reservations
+    start_load_kv = e.worker.start_load_kv
+
+    def forward_starts(meta: object) -> None:
+        saves = e.worker.saves
+        assert saves is not None and isinstance(meta, KVStoreMeta)
+        if meta.saves:
+            ahead = saves._ahead
+            held = None
+            if ahead is not None:
+                ahead[2].result(timeout=30)
+                with Client(server.unix_url) as c:
+                    held = memory_detail(c)["reservations"]
+            seen.append((bool(meta.loads), held))
+            if respecified and ahead is not None:  # vLLM never would: copies of the specs
+                e.worker.bind(replace(meta, saves=[replace(s) for s in meta.saves]))
+        start_load_kv(meta)
+
+    monkeypatch.setattr(e.worker, "start_load_kv", forward_starts)
+    try:
+        assert e.request(SRC) == 0
+        chunks = -(-STORED // e.worker.saves.chunk_tokens)  # type: ignore[union-attr]
+        assert seen == [(False, chunks)], f"the step's {chunks} chunks reserved ahead: {seen}"
+        with Client(server.unix_url) as c:
+            detail = memory_detail(c)
+        assert detail["reservations"] == 0, f"every reservation committed or given back: {detail}"
+        assert e.request(DST) == STORED and not e.failed and e.loaded_right(), (
+            "the chunks written into the reservations made ahead load byte for byte"
+        )
+        assert seen[1:] == [(True, None)], (
+            f"a step that loads in place reserves after its forward pass: {seen}"
+        )
+    finally:
+        e.close()
