@@ -405,9 +405,10 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
             f"({p.prompts} prompts of {p.random_len} tokens stored, "
             f"{p.prompts * p.random_len * p.kv_bytes_per_token >> 20} MiB)",
         ))  # fmt: skip
-        # What kvstore took from a run it could not help, without the host's noise: the
-        # engine stood still while its thread saved, and the server's CPU time came off
-        # the cores vLLM's threads compute on.
+        # What kvstore is seen to take from a run it could not help, without the host's
+        # noise: the engine stood still while its thread saved, and the server's CPU time
+        # came off the cores vLLM's threads compute on (a process burning as much beside
+        # them cost nothing measurable: docs/performance.md, session 9).
         saving = [r.get("kvstore_save_seconds", 0.0) / r["duration"] for r in miss]
         cost = [a + b for a, b in zip(saving, shares, strict=True)]
         out.append(Record(
@@ -419,8 +420,9 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
             f"{', '.join(f'{100 * x:.1f}' for x in sorted(cost))} %; the saves alone: "
             f"{100 * statistics.median(saving):.1f} %, "
             f"{statistics.median(r.get('kvstore_save_seconds', 0.0) for r in miss):.3f} s a "
-            f"run). An estimate of the throughput it costs that the host's noise does not "
-            f"move as it moves the paired ratios",
+            f"run). What kvstore is seen to take, not the host's noise; it leaves out the "
+            f"scheduler's lookups and the connector's work in the engine core's loop, and "
+            f"CPU taken beside vLLM's threads costs them less than its time",
         ))  # fmt: skip
     restart, cold = runs["kv2.restart"], runs["alone"]
     out.append(Record(
