@@ -155,6 +155,13 @@ class LoadSpec:
     # group's blocks, ``chunks`` is empty); () for one group.
     groups: tuple[GroupLoad, ...] = ()
 
+    @property
+    def in_step(self) -> bool:
+        """Loaded in the step, in place, before or beside its forward pass. A hybrid
+        model's loads are all asynchronous: vLLM takes their failures only per request
+        (failed_recving), and those only of requests waiting for their load."""
+        return not self.background and not self.groups
+
 
 @dataclass
 class SaveSpec:

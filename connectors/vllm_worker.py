@@ -127,12 +127,10 @@ class KVStoreWorker:
             self.background.loads.busy = meta.computing > 0
         if not isinstance(meta, KVStoreMeta) or not meta.loads:
             return
-        # A hybrid model's loads are all asynchronous: vLLM takes their failures only per
-        # request (failed_recving), and those only of requests waiting for their load.
-        now = [spec for spec in meta.loads if not spec.background and not spec.groups]
+        now = [spec for spec in meta.loads if spec.in_step]
         if now:
             self.load(now)
-        later = [spec for spec in meta.loads if spec.background or spec.groups]
+        later = [spec for spec in meta.loads if not spec.in_step]
         if later and self.background is not None:
             self.background.submit(later)
             self.stats.add(load_async_requests=len(later))
@@ -273,7 +271,7 @@ class KVStoreWorker:
         arena those loads read) nor for async saves (their thread reserves)."""
         if not isinstance(meta, KVStoreMeta) or not meta.saves or self.saves is None:
             return
-        if any(not spec.background and not spec.groups for spec in meta.loads):
+        if any(spec.in_step for spec in meta.loads):
             return
         for g, saves in enumerate(self.group_saves):
             if saves.saver is None:
