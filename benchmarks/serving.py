@@ -413,7 +413,6 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
         cost = [a + b for a, b in zip(saving, shares, strict=True)]
         out.append(Record(
             "serving.store_on_miss.kvstore_share", 100 * statistics.median(cost), "%",
-            target="within 5%",
             notes=f"kvstore's share of each no-reuse run: the engine thread's seconds in saves "
             f"(vllm:kvstore_save_seconds) over the run's duration, plus the server's CPU share "
             f"above (median of {len(cost)}: "
