@@ -17,18 +17,18 @@ Data plane for other processes (the server relays these calls):
   raises ``CorruptRecord``.
 - ``acquire`` returns a verified ``ReadLease``; the pages stay put (never
   evicted or freed, even if the chunk is deleted) until ``release``.
-- Reservations and leases expire ``config.lease_ms`` after they were handed
-  out or last renewed, on the injected clock; expired ones are reclaimed by
-  ``sweep()`` and before every allocation, so a dead client cannot leak pages.
-  ``release_owner`` drops everything one client holds when it disconnects.
+- Reservations and leases (one table, ``tiers.holds``: ids, expiry, owners) expire
+  ``config.lease_ms`` after they were handed out or last renewed, on the injected
+  clock; expired ones are reclaimed by ``sweep()`` and before every allocation, so a
+  dead client cannot leak pages. ``release_owner`` drops everything one client holds
+  when it disconnects.
 - A *lasting* hold (``reserve(..., lasting=True)``, ``acquire(..., lasting=True)``)
   never expires: it is for the server's own Put and Get streams, which relay bytes
   into or out of the pages for as long as the stream lives, however slowly it
   moves, and give the hold back when the stream ends (the server bounds how long
   a stream may live). A hold that expired under a live stream would hand its pages
   to another chunk while the stream still writes or reads them.
-- Hold ids are random 62-bit numbers, not a sequence: an id is a capability, and a
-  client cannot name (commit, abort or release) a hold it was not handed.
+- Hold ids are random: an id is a capability (``tiers.holds``).
 
 Verification policy: every payload is hashed at least once on its way out of the
 arena, never on its way in when a reader will. Reads (``get``, ``get_into``,
@@ -56,9 +56,7 @@ size rounded down to whole pages. ``last_access_ms`` is wall-clock time (like
 from __future__ import annotations
 
 import functools
-import heapq
 import logging
-import math
 import os
 import random
 import threading
@@ -80,6 +78,7 @@ from kvstore.arena import (
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
 from kvstore.engine.tiers.base import ChunkInfo, Tier
+from kvstore.engine.tiers.holds import Hold, HoldTable
 from kvstore.engine.tiers.pages import LeaseError, PageAllocator, ReadLease, Reservation
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
@@ -113,14 +112,6 @@ class _Entry:
         return sum(n for _, n in self.pages)
 
 
-@dataclass(eq=False)
-class _Hold:
-    entry: _Entry
-    owner: str
-    expires_at: float
-    checksum_at_commit: bool = False  # a reservation whose header's checksum is a placeholder
-
-
 class MemoryTier(Tier):
     """The shared-memory arena tier. Thread-safe: one lock guards the index."""
 
@@ -149,20 +140,18 @@ class MemoryTier(Tier):
         self._arena = ArenaView.own(self.path, self.capacity_bytes, create=create)
         self._finalizer = weakref.finalize(self, self._arena.close)  # no leak in /dev/shm
         self._clock = clock
-        self._lease_s = config.lease_ms / 1000.0
         self._verify = config.verify_reads
         self._alloc = PageAllocator(n_pages)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # pages came back (an eviction ended)
         self._chunks: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
-        self._reservations: dict[int, _Hold] = {}
-        self._leases: dict[int, _Hold] = {}
-        self._expiry: list[tuple[float, int]] = []  # (expires_at, id); stale after renew
+        # hold ids: unguessable unless rng is injected
+        self._holds = HoldTable[_Entry](
+            config.lease_ms / 1000.0, clock, rng or random.SystemRandom()
+        )
         self._due: dict[ChunkKey, _Entry] = {}  # dropped chunks whose last hold ended
-        self._rng = rng or random.SystemRandom()  # hold ids: unguessable unless injected
         self._evicting_pages = 0
         self._used_bytes = 0
-        self._expired = 0
         self._internal_reads = 0
         self._internal_bytes = 0
         self._stats = TierStats(self.name, self.level, self.capacity_bytes)
@@ -308,55 +297,25 @@ class MemoryTier(Tier):
             self._stats.bytes_in += entry.size
             return PutStatus.STORED
 
-    # -- expiry ------------------------------------------------------------------
-    def _hold(
-        self, table: dict[int, _Hold], entry: _Entry, owner: str, lasting: bool = False
-    ) -> tuple[int, float]:
-        hid = self._rng.getrandbits(62)
-        while not hid or hid in self._leases or hid in self._reservations:
-            hid = self._rng.getrandbits(62)  # one id space: a lease id is never a reservation id
-        expires = math.inf if lasting else self._clock() + self._lease_s
-        table[hid] = _Hold(entry, owner, expires)
-        if not lasting:
-            self._push_expiry(expires, hid)
-        return hid, expires
-
-    def _push_expiry(self, expires: float, hid: int) -> None:
-        heapq.heappush(self._expiry, (expires, hid))
-        live = len(self._leases) + len(self._reservations)
-        if len(self._expiry) > 64 + 4 * live:  # mostly released or renewed: rebuild
-            self._expiry = [
-                (h.expires_at, i)
-                for t in (self._leases, self._reservations)
-                for i, h in t.items()
-                if h.expires_at != math.inf
-            ]
-            heapq.heapify(self._expiry)
-
-    def _drop_hold_locked(self, hid: int) -> bool:
-        """Give back what a lease or reservation held; False if the id is not held."""
-        if (hold := self._leases.pop(hid, None)) is not None:
+    # -- holds (kvstore.engine.tiers.holds) ----------------------------------------
+    def _give_back_locked(self, hold: Hold[_Entry]) -> None:
+        """What a hold kept: a lease's reference, a reservation's pages."""
+        if hold.kind == "lease":
             self._unref_locked(hold.entry)
-        elif (hold := self._reservations.pop(hid, None)) is not None:
-            self._free_locked(hold.entry)
         else:
-            return False
-        return True
+            self._free_locked(hold.entry)
 
     def _expired_locked(self, hid: int) -> bool:
-        hold = self._leases.get(hid) or self._reservations.get(hid)
-        if hold is None or hold.expires_at > self._clock():
-            return False
-        self._drop_hold_locked(hid)
-        self._expired += 1
-        return True
+        hold = self._holds.pop_expired(hid)
+        if hold is not None:
+            self._give_back_locked(hold)
+        return hold is not None
 
     def _sweep_locked(self) -> int:
-        now, n = self._clock(), 0
-        while self._expiry and self._expiry[0][0] <= now:
-            _, hid = heapq.heappop(self._expiry)
-            n += self._expired_locked(hid)  # stale entries (renewed or released) do nothing
-        return n
+        due = self._holds.pop_due()
+        for hold in due:
+            self._give_back_locked(hold)
+        return len(due)
 
     def sweep(self) -> int:
         """Reclaim expired reservations and leases; how many. The server calls this periodically."""
@@ -394,8 +353,9 @@ class MemoryTier(Tier):
             return entry
         self._arena.write(entry.extents, 0, entry.packed)
         with self._lock:
-            rid, expires = self._hold(self._reservations, entry, owner, lasting)
-            self._reservations[rid].checksum_at_commit = checksum_at_commit
+            rid, expires = self._holds.add(
+                "reservation", entry, owner, lasting=lasting, at_commit=checksum_at_commit
+            )
         return Reservation(rid, header.key, entry.extents, entry.hs, expires)
 
     def commit(self, reservation_id: int, checksum: int | None = None) -> PutStatus:
@@ -413,7 +373,7 @@ class MemoryTier(Tier):
             self._check_open()
             if self._expired_locked(reservation_id):
                 raise LeaseError(f"reservation {reservation_id} expired before commit")
-            hold = self._reservations.pop(reservation_id, None)
+            hold = self._holds.pop(reservation_id, "reservation")
             if hold is None:
                 raise LeaseError(f"unknown reservation {reservation_id}")
             bad = ""
@@ -457,7 +417,10 @@ class MemoryTier(Tier):
         """Give back a reservation's pages; False if it was not held (or already expired)."""
         with self._lock:
             self._check_open()
-            return reservation_id in self._reservations and self._drop_hold_locked(reservation_id)
+            hold = self._holds.pop(reservation_id, "reservation")
+            if hold is not None:
+                self._give_back_locked(hold)
+            return hold is not None
 
     def acquire(
         self,
@@ -485,7 +448,7 @@ class MemoryTier(Tier):
             return None
         with self._lock:
             self._counted_locked(entry, internal)
-            lid, expires = self._hold(self._leases, entry, owner, lasting)  # keeps the ref
+            lid, expires = self._holds.add("lease", entry, owner, lasting=lasting)  # keeps the ref
         return ReadLease(lid, key, entry.header, entry.extents, expires, entry.packed)
 
     def release(self, lease_id: int) -> bool:
@@ -493,51 +456,35 @@ class MemoryTier(Tier):
         have been reused while the holder read them, so it must discard what it read."""
         with self._lock:
             self._check_open()
-            if self._expired_locked(lease_id) or lease_id not in self._leases:
+            if self._expired_locked(lease_id):
                 return False
-            return self._drop_hold_locked(lease_id)
+            hold = self._holds.pop(lease_id, "lease")
+            if hold is not None:
+                self._give_back_locked(hold)
+            return hold is not None
 
     def renew(self, hold_id: int) -> bool:
         """Extend a lease or reservation by ``lease_ms`` from now; False if not held."""
         with self._lock:
             self._check_open()
-            if self._expired_locked(hold_id):
-                return False
-            hold = self._leases.get(hold_id) or self._reservations.get(hold_id)
-            if hold is None:
-                return False
-            if hold.expires_at != math.inf:
-                hold.expires_at = self._clock() + self._lease_s
-                self._push_expiry(hold.expires_at, hold_id)
-            return True
+            return not self._expired_locked(hold_id) and self._holds.renew(hold_id)
 
     def renew_owner(self, owner: str) -> int:
         """Renew every live lease and reservation tagged ``owner`` (a session ping); how many."""
         with self._lock:
             self._check_open()
             self._sweep_locked()  # what already expired stays expired
-            expires = self._clock() + self._lease_s
-            n = 0
-            for table in (self._leases, self._reservations):
-                for hid, hold in table.items():
-                    if hold.owner == owner and hold.expires_at != math.inf:
-                        hold.expires_at = expires
-                        self._push_expiry(expires, hid)
-                        n += 1
-            return n
+            return self._holds.renew_owner(owner)
 
     def hold_info(self, hold_id: int) -> tuple[str, str, int] | None:
         """(owner, "lease" or "reservation", payload bytes) of a hold not yet given back
         or reclaimed (one that expired a moment ago answers until the next sweep, so its
         holder learns from ``release`` that it expired); None if there is none."""
         with self._lock:
-            if (hold := self._leases.get(hold_id)) is not None:
-                kind = "lease"
-            elif (hold := self._reservations.get(hold_id)) is not None:
-                kind = "reservation"
-            else:
+            hold = self._holds.get(hold_id)
+            if hold is None:
                 return None
-            return hold.owner, kind, hold.entry.header.stored_size
+            return hold.owner, hold.kind, hold.entry.header.stored_size
 
     def release_owner(self, owner: str) -> int:
         """Drop every lease and reservation tagged ``owner`` (a client went away); how many.
@@ -545,15 +492,10 @@ class MemoryTier(Tier):
         Lasting holds stay: only the stream that holds one gives it back."""
         with self._lock:
             self._check_open()
-            ids = [
-                hid
-                for table in (self._leases, self._reservations)
-                for hid, hold in table.items()
-                if hold.owner == owner and hold.expires_at != math.inf
-            ]
-            for hid in ids:
-                self._drop_hold_locked(hid)
-            return len(ids)
+            holds = self._holds.pop_owner(owner)
+            for hold in holds:
+                self._give_back_locked(hold)
+            return len(holds)
 
     # -- reads -------------------------------------------------------------------
     def _ref(self, key: ChunkKey, internal: bool = False) -> _Entry | None:
@@ -824,7 +766,7 @@ class MemoryTier(Tier):
     def stats(self) -> TierStats:
         with self._lock:
             a = self._alloc
-            pending = {id(h.entry) for h in self._leases.values() if h.entry.deleted}
+            pending = {id(e) for e in self._holds.entries("lease") if e.deleted}
             return replace(
                 self._stats,
                 used_bytes=self._used_bytes,
@@ -838,12 +780,12 @@ class MemoryTier(Tier):
                     "pages_free": a.free_pages,
                     "free_extents": a.fragments,
                     "largest_free_pages": a.largest_free,
-                    "active_leases": len(self._leases),
-                    "reservations": len(self._reservations),
+                    "active_leases": self._holds.leases,
+                    "reservations": self._holds.reservations,
                     "deleted_while_leased": len(pending),
                     "drops_waiting": sum(1 for e in self._chunks.values() if e.drop),
                     "evicting_pages": self._evicting_pages,
-                    "expired": self._expired,
+                    "expired": self._holds.expired,
                     "internal_reads": self._internal_reads,
                     "internal_bytes_out": self._internal_bytes,
                     "verify_reads": self._verify,
@@ -858,7 +800,6 @@ class MemoryTier(Tier):
                 return
             super().close()
             self._chunks.clear()
-            self._leases.clear()
-            self._reservations.clear()
+            self._holds.clear()
             self._freed.notify_all()
         self._finalizer()
