@@ -60,14 +60,14 @@ from kvstore.engine.tiers.disk_format import (
     DATA_FILE,
     META_FIXED,
     Entry,
-    check_data_file,
     copy_out,
-    damaged,
     in_place,
     is_disk_full,
     lock_directory,
+    open_env,
     pack_meta,
     parse_meta,
+    read_index,
 )
 from kvstore.engine.tiers.disk_loans import Lent, Loans, address, map_base
 from kvstore.errors import CorruptRecord, InvalidArgument, TierError
@@ -151,66 +151,14 @@ class DiskTier(Tier):
 
     # -- opening --------------------------------------------------------------
     def _open_env(self) -> lmdb.Environment:
-        sync = self.config.durability == "fsync"
-        try:
-            env = lmdb.open(
-                self.path,
-                map_size=self._map_size,
-                max_dbs=2,
-                subdir=True,
-                sync=sync,
-                metasync=sync,
-                writemap=False,
-                max_readers=512,
-                mode=0o600,  # data.mdb and lock.mdb, when made: the server's user only
-            )
-        except lmdb.Error as e:  # a damaged meta page (zeroed, or not LMDB's)
-            raise damaged(self.path, e) from e
-        try:
-            check_data_file(env, self.path)  # before the first page is read
-            self._records = env.open_db(b"records")
-            self._meta = env.open_db(b"meta")
-            env.reader_check()  # reader slots left by a killed process pin old pages
-        except BaseException as e:
-            env.close()
-            if isinstance(e, lmdb.Error):
-                raise damaged(self.path, e) from e
-            raise
+        env, self._records, self._meta = open_env(
+            self.path, self._map_size, self.config.durability == "fsync"
+        )
         return env
 
     def _load_index(self) -> None:
         """Rebuild the LRU index from ``meta`` only; drop entries that do not verify."""
-        entries: list[tuple[bytes, Entry]] = []
-        broken: list[bytes] = []
-        try:
-            with self._env.begin(db=self._meta, buffers=True) as txn:
-                for k, v in txn.cursor():
-                    key = bytes(k)
-                    try:
-                        entry, _ = parse_meta(key, v)
-                    except CorruptRecord as e:
-                        log.warning(
-                            "disk tier %s: dropping damaged meta of %s: %s", self.path, key.hex(), e
-                        )
-                        broken.append(key)
-                        continue
-                    entries.append((key, entry))
-                # Both tables change in one transaction, so their counts agree unless a
-                # meta entry was dropped above or the files were edited by hand.
-                orphans = txn.stat(self._records)["entries"] != len(entries)
-                if orphans:
-                    known = {k for k, _ in entries}.union(broken)
-                    broken += [
-                        bytes(k)
-                        for k in txn.cursor(self._records).iternext(values=False)
-                        if bytes(k) not in known
-                    ]
-        except lmdb.Error as e:
-            raise TierError(
-                f"cannot read the disk tier index at {self.path}: {e}; move the "
-                "directory aside and restart to begin with an empty disk tier"
-            ) from e
-        entries.sort(key=lambda kv: kv[1].seq)
+        entries, broken = read_index(self._env, self._records, self._meta, self.path)
         self._index = OrderedDict(entries)
         self._used = sum(e.size for _, e in entries)
         self._seq = entries[-1][1].seq if entries else 0

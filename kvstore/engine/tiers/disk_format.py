@@ -1,5 +1,5 @@
-"""L2's on-disk formats: the directory's lock, the checks of its files at open, the
-per-chunk meta entry, and reading a record in place.
+"""L2's on-disk formats: the directory's lock, opening LMDB and the checks of its files,
+the per-chunk meta entry and the index read from them, and reading a record in place.
 
 A meta value (sub-database ``meta``) is the chunk's version, flags, hits, record
 size, last access (wall ms) and access sequence, then an xxh3_64 of all of it, then
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ _PINNED = 1
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 LOCK_FILE = "kvstore.lock"
 DATA_FILE = "data.mdb"
+
+log = logging.getLogger(__name__)
 
 
 # -- the directory ------------------------------------------------------------------
@@ -292,3 +295,72 @@ def copy_out(key: bytes, view: memoryview, out: memoryview | None) -> bytes | Re
     if accel.copy_xxh3(dst[:n], stored) != header.payload_checksum:
         raise CorruptRecord("payload checksum mismatch")
     return header
+
+
+# -- opening ------------------------------------------------------------------
+def open_env(
+    path: str, map_size: int, sync: bool
+) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database]:
+    """LMDB's environment in ``path`` and its two sub-databases, ``records`` and ``meta``;
+    ``sync``: every commit is synced to disk (durability "fsync")."""
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size,
+            max_dbs=2,
+            subdir=True,
+            sync=sync,
+            metasync=sync,
+            writemap=False,
+            max_readers=512,
+            mode=0o600,  # data.mdb and lock.mdb, when made: the server's user only
+        )
+    except lmdb.Error as e:  # a damaged meta page (zeroed, or not LMDB's)
+        raise damaged(path, e) from e
+    try:
+        check_data_file(env, path)  # before the first page is read
+        records = env.open_db(b"records")
+        meta = env.open_db(b"meta")
+        env.reader_check()  # reader slots left by a killed process pin old pages
+    except BaseException as e:
+        env.close()
+        if isinstance(e, lmdb.Error):
+            raise damaged(path, e) from e
+        raise
+    return env, records, meta
+
+
+def read_index(
+    env: lmdb.Environment, records: lmdb._Database, meta: lmdb._Database, path: str
+) -> tuple[list[tuple[bytes, Entry]], list[bytes]]:
+    """The index from ``meta`` alone, least recently used first, and the keys to delete:
+    meta entries that do not verify, and records that have none."""
+    entries: list[tuple[bytes, Entry]] = []
+    broken: list[bytes] = []
+    try:
+        with env.begin(db=meta, buffers=True) as txn:
+            for k, v in txn.cursor():
+                key = bytes(k)
+                try:
+                    entry, _ = parse_meta(key, v)
+                except CorruptRecord as e:
+                    log.warning("disk tier %s: dropping damaged meta of %s: %s", path, key.hex(), e)
+                    broken.append(key)
+                    continue
+                entries.append((key, entry))
+            # Both tables change in one transaction, so their counts agree unless a
+            # meta entry was dropped above or the files were edited by hand.
+            if txn.stat(records)["entries"] != len(entries):
+                known = {k for k, _ in entries}.union(broken)
+                broken += [
+                    bytes(k)
+                    for k in txn.cursor(records).iternext(values=False)
+                    if bytes(k) not in known
+                ]
+    except lmdb.Error as e:
+        raise TierError(
+            f"cannot read the disk tier index at {path}: {e}; move the "
+            "directory aside and restart to begin with an empty disk tier"
+        ) from e
+    entries.sort(key=lambda kv: kv[1].seq)
+    return entries, broken
