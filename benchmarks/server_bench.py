@@ -465,7 +465,7 @@ def bench_lookup(
     import kvstore
     from kvstore.keys import ROOT, Namespace, chunk_keys, token_view
     from kvstore.protocol import lookup_from_pb
-    from kvstore.sdk.base import lookup_hashes
+    from kvstore.sdk.chunks import lookup_hashes
     from kvstore.sdk.client import chunk_header
     from kvstore.v1 import kvstore_pb2 as pb
 

@@ -5,7 +5,7 @@ its KV. A socket in a directory that another local user owns, or can write to, i
 theirs to swap: the default ``$TMPDIR/kvstore-$UID`` is a predictable name, so
 another user can make that directory before the server first starts. The server
 refuses to listen in such a directory (``server/main.py``), and the SDK refuses to
-dial its default socket in one (``kvstore.sdk.base``); both ask ``untrusted_reason``.
+dial its default socket in one (``kvstore.sdk.endpoint``); both ask ``untrusted_reason``.
 """
 
 from __future__ import annotations

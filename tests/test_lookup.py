@@ -14,7 +14,7 @@ from kvstore.engine.lookup import KeyChain, lookup
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, family, token_view
 from kvstore.protocol import lookup_from_pb, lookup_to_pb
-from kvstore.sdk.base import lookup_hashes
+from kvstore.sdk.chunks import lookup_hashes
 from kvstore.types import ChunkMatch, ChunkMatches, LookupResult
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.helpers import FP, make_chain, make_chunk

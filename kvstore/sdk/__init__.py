@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.sdk.base import chunk_header, unsealed_header
+from kvstore.sdk.chunks import chunk_header, unsealed_header
 from kvstore.sdk.scatter import ScatterBatch
 from kvstore.sdk.shm import (
     USE_GET,

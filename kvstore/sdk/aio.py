@@ -38,7 +38,8 @@ from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_lookup as lookups
 from kvstore.sdk import client_writes as writes
-from kvstore.sdk.base import ClientBase, NamespaceLike, Tokens
+from kvstore.sdk.base import ClientBase
+from kvstore.sdk.chunks import NamespaceLike, Tokens
 from kvstore.sdk.shm import USE_GET, AsyncLease, AsyncReservation, LentLease, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats

@@ -1,23 +1,21 @@
-"""What the blocking and the asyncio clients share: URLs, frames, requests, arena checks.
+"""What the blocking and the asyncio clients share: their state and settings, the channel,
+the arena checks and how requests are built.
 
 ``kvstore.sdk.client.Client`` and ``kvstore.sdk.aio.AsyncClient`` differ only in how they
-wait. Their state and settings (``ClientBase``), which URL means what, when shared
-memory can be used, how a Get stream is put back together and how requests are
-built live here; the operations themselves are written once in
-``kvstore.sdk.client_core`` and ``kvstore.sdk.client_writes``; leases and reservations in
-the arena are ``kvstore.sdk.shm``.
+wait. Their state and settings (``ClientBase``), when shared memory can be used and how
+requests are built live here; which URL means what is ``kvstore.sdk.endpoint``, a chunk's
+header and a Get stream put back together ``kvstore.sdk.chunks``; the operations
+themselves are written once in ``kvstore.sdk.client_core`` and
+``kvstore.sdk.client_writes``; leases and reservations in the arena are ``kvstore.sdk.shm``.
 """
 
 from __future__ import annotations
 
-import builtins
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import grpc
@@ -27,46 +25,35 @@ import xxhash
 from kvstore import accel
 from kvstore.arena import ArenaView, as_u8
 from kvstore.clock import Clock, monotonic
-from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument, KVStoreError, ServerError
+from kvstore.errors import InvalidArgument, KVStoreError, ServerError
 from kvstore.keys import (
-    FINGERPRINT_BYTES,
     ROOT,
-    ChunkKey,
     Fingerprint,
-    Namespace,
-    chunk_key,
     chunk_prefix,
     sub_hashes,
 )
-from kvstore.keys import tokens_to_bytes as _tokens_to_bytes
 from kvstore.protocol import (
     AUTH_HEADER,
-    DEFAULT_PORT,
     SERVICE_NAME,
     SESSION_HEADER,
     boot_id,
     frame,
     namespace_from_pb,
     namespace_to_pb,
-    unframe,
 )
 from kvstore.records import (
     RecordHeader,
     check_put,
-    dtype_itemsize,
-    make_header,
-    parse_header,
 )
+from kvstore.sdk.chunks import NamespaceLike, namespace_fingerprint
+from kvstore.sdk.endpoint import check_default_socket, parse_url, read_tls_ca
 from kvstore.sdk.shm import prefault, retire
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, error_from_rpc
-from kvstore.sockets import untrusted_reason
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstore.sdk.client")
 
-NamespaceLike = Namespace | Fingerprint | bytes
-Tokens = Sequence[int] | np.ndarray
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -86,198 +73,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    url: str
-    target: str  # what grpc dials
-    tls: bool
-
-
-def parse_url(url: str | None = None) -> Endpoint:
-    """grpc://host[:port], grpcs://host[:port], unix:///path, or a bare host:port."""
-    from kvstore.protocol import default_socket_path
-
-    url = url or os.environ.get("KVSTORE_URL") or f"unix://{default_socket_path()}"
-    if url.startswith("unix://") or url.startswith("unix:"):
-        path = url[len("unix://") :] if url.startswith("unix://") else url[len("unix:") :]
-        if not path:
-            raise InvalidArgument(f"{url!r}: a unix URL needs a path, e.g. unix:///tmp/kv.sock")
-        return Endpoint(url, f"unix:{path}", False)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "grpc", url
-    if scheme not in ("grpc", "grpcs") or not rest or "/" in rest.rstrip("/"):
-        raise InvalidArgument(
-            f"{url!r}: expected grpc://host:port, grpcs://host:port or unix:///path"
-        )
-    rest = rest.rstrip("/")
-    if not rest.rsplit("]", 1)[-1].count(":"):
-        rest = f"{rest}:{DEFAULT_PORT}"
-    return Endpoint(url, rest, scheme == "grpcs")
-
-
-def check_default_socket(ep: Endpoint) -> None:
-    """Refuse to dial the default socket in a directory this user cannot trust.
-
-    ``$TMPDIR/kvstore-$UID`` is a predictable name: whoever made it first, or can
-    write to it, can listen there and receive this client's token and KV. An explicit
-    socket path is the operator's choice (the server checks its own side of it).
-    """
-    from kvstore.protocol import default_socket_path
-
-    if not ep.target.startswith("unix:"):
-        return
-    path = os.path.abspath(ep.target[len("unix:") :])
-    if path != os.path.abspath(default_socket_path()):
-        return
-    directory = os.path.dirname(path)
-    if not os.path.lexists(directory):
-        return  # no server has started yet: the connection fails, and nothing is sent
-    why = untrusted_reason(directory)
-    if why is not None:
-        raise ConfigError(
-            f"{ep.url}: not dialing the default socket: {why}. Another user could be "
-            "listening there for this client's token; remove the directory if it is not "
-            "yours (the server makes it, mode 0700), or give the server's URL explicitly"
-        )
-
-
-def namespace_fingerprint(ns: NamespaceLike) -> tuple[Fingerprint, Namespace | None]:
-    if isinstance(ns, Namespace):
-        return ns.fingerprint, ns
-    if isinstance(ns, (bytes, bytearray)) and len(ns) == FINGERPRINT_BYTES:
-        return Fingerprint(bytes(ns)), None
-    raise InvalidArgument(
-        f"expected a kvstore.keys.Namespace or a {FINGERPRINT_BYTES}-byte "
-        f"fingerprint, got {type(ns).__name__}"
-    )
-
-
-def chunk_header(
-    ns: NamespaceLike,
-    parent: ChunkKey,
-    tokens: Tokens,
-    payload: Any,
-    dtype: str,
-    shape: Sequence[int],
-) -> RecordHeader:
-    """The record header of one chunk (keys.chunk_key over parent, namespace and tokens).
-
-    ``payload=None``: the checksum is left a placeholder (0), for ``Client.reserve`` with
-    ``checksum_at_commit``, where the writer gives the checksum with the commit.
-    """
-    fp, _ = namespace_fingerprint(ns)
-    tb = _tokens_to_bytes(tokens)
-    if payload is None:
-        return unsealed_header(chunk_key(parent, fp, tb), parent, fp, tb, dtype, shape)
-    return make_header(
-        key=chunk_key(parent, fp, tb),
-        parent=parent,
-        fingerprint=fp,
-        token_bytes=tb,
-        dtype=dtype,
-        shape=shape,
-        payload=as_u8(payload).data,
-    )
-
-
-def unsealed_header(
-    key: ChunkKey,
-    parent: ChunkKey,
-    fingerprint: Fingerprint,
-    token_bytes: bytes,
-    dtype: str,
-    shape: Sequence[int],
-) -> RecordHeader:
-    """A RAW record header whose payload checksum the writer gives at Commit (where the
-    server seals it into the header)."""
-    size = prod(int(d) for d in shape) * dtype_itemsize(dtype)
-    return make_header(
-        key=key,
-        parent=parent,
-        fingerprint=fingerprint,
-        token_bytes=token_bytes,
-        dtype=dtype,
-        shape=shape,
-        stored_size=size,
-        payload_checksum=0,
-    )
-
-
-def read_tls_ca(tls_ca: str | bytes | None) -> bytes | None:
-    if tls_ca is None or isinstance(tls_ca, bytes):
-        return tls_ca
-    try:
-        with open(os.path.expanduser(tls_ca), "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise InvalidArgument(f"tls_ca={tls_ca!r}: cannot read it: {e}") from e
-
-
-def lookup_hashes(
-    fingerprint: Fingerprint, token_bytes: memoryview, chunk_tokens: int, granularity: int
-) -> tuple[bytes, bytes]:
-    """What a Lookup by keys carries for a prompt (u32le token ids) with every chunk's
-    sub-hashes: its chunk keys, 32 bytes each, as puts key the chunks
-    (``keys.chunk_keys``), and each chunk's ``keys.sub_hashes`` at the server's
-    granularity, concatenated (the proto's LookupRequest.chunk_keys and sub_hashes)."""
-    step = chunk_tokens * 4
-    keys = accel.chain_keys(chunk_prefix(fingerprint), ROOT, token_bytes, step)
-    subs = [
-        sub_hashes(token_bytes[s : s + step], granularity) for s in range(0, len(token_bytes), step)
-    ]
-    return b"".join(keys), b"".join(subs)
-
-
 LEASE_MARGIN = 0.5  # a lease is trusted for this share of its length, client-side
 PUT_METHOD = f"/{SERVICE_NAME}/Put"
 GET_METHOD = f"/{SERVICE_NAME}/Get"
-
-
-class GetAssembler:
-    """Takes apart the frames of a Get stream: the header, then the payload pieces."""
-
-    def __init__(self, key: bytes, out: np.ndarray | None) -> None:
-        self.key, self.out = key, out
-        self.header: RecordHeader | None = None
-        self.pieces: builtins.list[memoryview] = []
-        self.pos = 0
-        self.hash = xxhash.xxh3_64()
-
-    def add(self, raw: bytes) -> None:
-        field, data = unframe(raw, pb.GetResponse)
-        if self.header is None:
-            if field != 1:
-                raise ServerError("the Get stream did not start with a record header")
-            self.header = parse_header(data, expect_key=self.key)
-            if self.out is not None and self.out.size < self.header.raw_size:
-                raise InvalidArgument(
-                    f"output buffer holds {self.out.size} bytes, the payload "
-                    f"is {self.header.raw_size}"
-                )
-            return
-        n = data.nbytes
-        if field != 2 or self.pos + n > self.header.raw_size:
-            raise CorruptRecord(f"the Get stream of {self.key.hex()[:16]} runs past its payload")
-        self.hash.update(data)
-        if self.out is not None:
-            self.out[self.pos : self.pos + n] = np.frombuffer(data, np.uint8)
-        else:
-            self.pieces.append(data)
-        self.pos += n
-
-    def finish(self) -> tuple[RecordHeader, bytes] | None:
-        """The header and payload (b"" when it went into ``out``), or None on a miss."""
-        h = self.header
-        if h is None:
-            return None
-        if self.pos != h.raw_size:
-            raise CorruptRecord(
-                f"the Get stream ended after {self.pos} payload bytes, expected {h.raw_size}"
-            )
-        if self.hash.intdigest() != h.payload_checksum:
-            raise CorruptRecord("payload from the Get stream fails its checksum")
-        return h, (b"".join(self.pieces) if self.out is None else b"")
 
 
 class ClientBase:

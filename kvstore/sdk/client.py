@@ -43,15 +43,9 @@ from kvstore.records import RecordHeader
 from kvstore.sdk import client_core as core
 from kvstore.sdk import client_lookup as lookups
 from kvstore.sdk import client_writes as writes
-from kvstore.sdk.base import (
-    Endpoint,
-    NamespaceLike,
-    Tokens,
-    chunk_header,
-    namespace_fingerprint,
-    parse_url,
-)
 from kvstore.sdk.blocking import BlockingTransport
+from kvstore.sdk.chunks import NamespaceLike, Tokens, chunk_header, namespace_fingerprint
+from kvstore.sdk.endpoint import Endpoint, parse_url
 from kvstore.sdk.shm import USE_GET, Lease, LentLease, Reservation, UseGet, prefault
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo
 from kvstore.types import ChunkView, LookupResult, PutStatus, StoreStats

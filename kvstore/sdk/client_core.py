@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -43,7 +43,8 @@ from kvstore.protocol import (
     stats_from_pb,
 )
 from kvstore.records import RecordHeader, parse_header
-from kvstore.sdk.base import LEASE_MARGIN, ClientBase, GetAssembler, NamespaceLike
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase
+from kvstore.sdk.chunks import GetAssembler, NamespaceLike
 from kvstore.sdk.shm import USE_GET, LeaseBase, UseGet
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, info_from_pb
 from kvstore.types import ChunkView, StoreStats
@@ -376,11 +377,18 @@ def _drop_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
 def _ending(leases: Sequence[LeaseBase]) -> dict[str, builtins.list[int]]:
     """The ids of the leases not released yet by the session holding them ("": this
     client's), each marked released (once)."""
-    ids: dict[str, dict[int, None]] = {}
+    pairs = [(lease.holder, lease.id) for lease in leases if not lease.released]
     for lease in leases:
-        if not lease.released:
-            lease.released = True
-            ids.setdefault(lease.holder, {})[lease.id] = None
+        lease.released = True
+    return by_holder(pairs)
+
+
+def by_holder(pairs: Iterable[tuple[str, int]]) -> dict[str, builtins.list[int]]:
+    """Lease ids grouped by the session that holds them, each once, in order: a Release
+    names one holder, so ending leases of several sessions takes one Release each."""
+    ids: dict[str, dict[int, None]] = {}
+    for holder, lid in pairs:
+        ids.setdefault(holder, {})[lid] = None
     return {h: builtins.list(held) for h, held in ids.items()}
 
 

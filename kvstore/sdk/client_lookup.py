@@ -24,8 +24,9 @@ from kvstore.errors import KVStoreError, ServerError
 from kvstore.keys import token_view
 from kvstore.protocol import lookup_from_pb
 from kvstore.records import parse_header
-from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens
-from kvstore.sdk.client_core import NEED_ARENA, Call, Plan, ReleaseLater, info
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase
+from kvstore.sdk.chunks import NamespaceLike, Tokens
+from kvstore.sdk.client_core import NEED_ARENA, Call, Plan, ReleaseLater, by_holder, info
 from kvstore.sdk.shm import LeaseBase, LentLease
 from kvstore.types import LookupResult
 from kvstore.v1 import kvstore_pb2 as pb
@@ -167,8 +168,5 @@ def adopt(
 def release_lent(lent: Sequence[LentLease]) -> Plan[None]:
     """End leases a lookup lent that no load will take, without taking them (no arena
     needed): one Release per holder, not waited for."""
-    held: dict[str, builtins.list[int]] = {}
-    for x in lent:
-        held.setdefault(x.holder, []).append(x.lease_id)
-    for holder, ids in held.items():
-        yield ReleaseLater(tuple(dict.fromkeys(ids)), (), holder)
+    for holder, ids in by_holder((x.holder, x.lease_id) for x in lent).items():
+        yield ReleaseLater(tuple(ids), (), holder)

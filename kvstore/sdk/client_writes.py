@@ -31,7 +31,8 @@ from kvstore.errors import (
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.protocol import MAX_RESERVE_BATCH, status_from_pb
 from kvstore.records import RecordHeader
-from kvstore.sdk.base import LEASE_MARGIN, ClientBase, NamespaceLike, Tokens, chunk_header
+from kvstore.sdk.base import LEASE_MARGIN, ClientBase
+from kvstore.sdk.chunks import NamespaceLike, Tokens, chunk_header
 from kvstore.sdk.client_core import (
     NEED_ARENA,
     PUT,

@@ -137,7 +137,7 @@ def test_blocks_gathered_straight_into_a_reservation(device: str, client: Client
     import xxhash
     from kvstore.connectors.vllm_blocks import PinnedArenas
 
-    from kvstore.sdk.base import unsealed_header
+    from kvstore.sdk.chunks import unsealed_header
     from kvstore.sdk.client import Reservation
 
     layout = BlockLayout(make_cache(device, "LBNHC"))
