@@ -56,6 +56,10 @@ PROM_COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:kvstore_lookup_misses",
         "Requests of a loading engine that kvstore-server had nothing to load for",
     ),
+    "lookup_s": (
+        "vllm:kvstore_lookup_seconds",
+        "Seconds the scheduler waited for kvstore-server's answers to its lookups",
+    ),
     "hit_tokens": ("vllm:kvstore_hit_tokens", "Tokens scheduled to be loaded from kvstore-server"),
     "loaded_tokens": (
         "vllm:kvstore_loaded_tokens",

@@ -183,6 +183,9 @@ class KVStoreScheduler:
                 hit = self._asked[request.request_id] = self._hit(
                     request, tokens, now, limit, num_computed_tokens
                 )
+            # The scheduling loop waits for the answer: on a miss this is most of what
+            # kvstore costs the engine besides the saves (docs/performance.md, Serving).
+            self.stats.add(lookup_s=self._clock() - now)
         if hit.matched <= num_computed_tokens:
             if hit.lent:  # nothing to load: the leases go now, the answer stays
                 self._let_go(hit)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -484,3 +485,30 @@ def test_a_sync_save_reserves_while_the_forward_pass_runs(
         )
     finally:
         e.close()
+
+
+def test_the_scheduler_counts_the_time_it_waits_for_each_lookup(
+    engine: HalvesEngine, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lookup_s`` is the scheduling loop's wait for the server's answers (on a miss, with
+    ``save_s``, what kvstore costs the engine): every Lookup's, hit or miss, on the
+    scheduler's clock; a request asked again while its answer is fresh waits for nothing."""
+    client = type(engine.scheduler.client)
+    for name in ("lookup", "lookup_lend"):
+        real: Callable[..., Any] = getattr(client, name)
+
+        def slow(*args: Any, _real: Callable[..., Any] = real, **kwargs: Any) -> Any:
+            clock.advance(0.25)  # the server takes a quarter second to answer
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(client, name, slow)
+    assert engine.request(DST) == STORED and engine.loaded_right()
+    assert engine.request(DST) == STORED
+    miss = SimpleNamespace(request_id="miss", prompt_token_ids=[7] * 600, num_tokens=600)
+    assert engine.scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)
+    assert engine.scheduler.get_num_new_matched_tokens(miss, 0) == (0, False)  # fresh: reused
+    sched, _ = engine.stats()
+    assert sched.get("lookup_s") == pytest.approx(0.75), (
+        f"three lookups went to the server, each 0.25 s on the clock: {sched}"
+    )
+    assert sched.get("lookup_hits") == 2, sched

@@ -189,6 +189,7 @@ def test_events_metrics_and_reset_read_back_from_vllm(tmp_path: Path, server: KV
     assert m.get("kvstore_saved_tokens") == 1024, m
     assert m.get("kvstore_lookup_hits") == 2 and m.get("kvstore_lookup_misses") == 2, m
     assert m.get("kvstore_load_seconds", 0) > 0 and m.get("kvstore_save_seconds", 0) > 0, m
+    assert m.get("kvstore_lookup_seconds", 0) > 0, f"the lookups are timed: {m}"
     assert m.get("external_prefix_cache_hits", 0) >= 1024, m
     assert not m.get("kvstore_errors") and not m.get("kvstore_load_failed_blocks"), m
     assert seconds < 900
