@@ -30,6 +30,9 @@ Data plane for other processes (the server relays these calls):
   to another chunk while the stream still writes or reads them.
 - Hold ids are random: an id is a capability (``tiers.holds``).
 
+The read path (``get``, ``get_into``, ``acquire``, ``contains``, ``scan`` and what a
+read does with a record that fails its check) is ``memory_reads.L1Reads``, a mixin.
+
 Verification policy: every payload is hashed at least once on its way out of the
 arena, never on its way in when a reader will. Reads (``get``, ``get_into``,
 ``acquire``, the write-down's reads) and evictions verify when ``config.verify_reads``;
@@ -62,23 +65,22 @@ import random
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import xxhash
 
 from kvstore.arena import (
     ArenaView,
     Extent,
-    as_u8,
     default_arena_path,
     flat_view,
     remove_stale_arenas,
 )
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
-from kvstore.engine.tiers.base import ChunkInfo, Tier
+from kvstore.engine.tiers.base import Tier
 from kvstore.engine.tiers.holds import Hold, HoldTable
+from kvstore.engine.tiers.memory_reads import Entry, L1Reads
 from kvstore.engine.tiers.pages import LeaseError, PageAllocator, ReadLease, Reservation
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
@@ -90,29 +92,7 @@ __all__ = ["LeaseError", "MemoryTier", "ReadLease", "Reservation"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False, slots=True)
-class _Entry:
-    header: RecordHeader
-    packed: bytes  # the header as written to the arena
-    pages: list[Extent]  # allocator runs; [] once freed
-    extents: tuple[Extent, ...]
-    hs: int  # header bytes (the payload starts here); cached: hot paths read it often
-    size: int  # record bytes
-    pinned: bool = False
-    refs: int = 0  # read leases + in-process reads: the pages must not move
-    deleted: bool = False  # out of the index; pages go back when refs reaches 0
-    drop: bool = False  # a consumer dropped it while others held it: due when refs reaches 0
-    # found damaged: counted and reported once, however many readers find it at once
-    damaged: bool = False
-    hits: int = 0
-    last_access_ms: int = 0
-
-    @property
-    def n_pages(self) -> int:
-        return sum(n for _, n in self.pages)
-
-
-class MemoryTier(Tier):
+class MemoryTier(L1Reads, Tier):
     """The shared-memory arena tier. Thread-safe: one lock guards the index."""
 
     name = TierLevel.MEMORY.label
@@ -144,12 +124,12 @@ class MemoryTier(Tier):
         self._alloc = PageAllocator(n_pages)
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # pages came back (an eviction ended)
-        self._chunks: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
+        self._chunks: OrderedDict[ChunkKey, Entry] = OrderedDict()  # LRU first
         # hold ids: unguessable unless rng is injected
-        self._holds = HoldTable[_Entry](
+        self._holds = HoldTable[Entry](
             config.lease_ms / 1000.0, clock, rng or random.SystemRandom()
         )
-        self._due: dict[ChunkKey, _Entry] = {}  # dropped chunks whose last hold ended
+        self._due: dict[ChunkKey, Entry] = {}  # dropped chunks whose last hold ended
         self._evicting_pages = 0
         self._used_bytes = 0
         self._internal_reads = 0
@@ -157,7 +137,7 @@ class MemoryTier(Tier):
         self._stats = TierStats(self.name, self.level, self.capacity_bytes)
 
     # -- allocation and eviction -----------------------------------------------
-    def _allocate(self, header: RecordHeader, *, new_key: bool = False) -> _Entry | PutStatus:
+    def _allocate(self, header: RecordHeader, *, new_key: bool = False) -> Entry | PutStatus:
         """Pages for ``header.record_size`` bytes, evicting LRU chunks as needed.
 
         ``new_key``: EXISTS if the key is already stored, checked under the lock
@@ -191,7 +171,7 @@ class MemoryTier(Tier):
                     return PutStatus.FULL
             self._evict(victims)
 
-    def _new_entry(self, header: RecordHeader, runs: list[Extent], packed: bytes) -> _Entry:
+    def _new_entry(self, header: RecordHeader, runs: list[Extent], packed: bytes) -> Entry:
         page, size = self.page_bytes, header.record_size
         if len(runs) == 1:
             extents: tuple[Extent, ...] = ((runs[0][0] * page, size),)
@@ -201,9 +181,9 @@ class MemoryTier(Tier):
                 out.append((first * page, min(n * page, left)))
                 left -= out[-1][1]
             extents = tuple(out)
-        return _Entry(header, packed, runs, extents, len(packed), size)
+        return Entry(header, packed, runs, extents, len(packed), size)
 
-    def _pick_victims(self, deficit: int) -> list[_Entry]:
+    def _pick_victims(self, deficit: int) -> list[Entry]:
         """LRU chunks that free ``deficit`` pages, taken out of the index; [] if impossible."""
         victims, got = [], 0
         for entry in self._chunks.values():
@@ -222,7 +202,7 @@ class MemoryTier(Tier):
         self._stats.evictions += len(victims)
         return victims
 
-    def _evict(self, victims: list[_Entry]) -> None:
+    def _evict(self, victims: list[Entry]) -> None:
         """Hand each victim to on_evict (outside the lock), then give its pages back."""
         errors = 0
         try:
@@ -246,7 +226,7 @@ class MemoryTier(Tier):
                     self._free_locked(entry)
                 self._stats.errors += errors
 
-    def _evicted_record(self, entry: _Entry) -> bytes | None:
+    def _evicted_record(self, entry: Entry) -> bytes | None:
         """An evicted chunk's whole record, verified (``on_evict``'s reader): a copy read
         only when the store moves it down (one already written through is not read)."""
         blob = self._arena.read(entry.extents, 0, entry.size)
@@ -259,30 +239,30 @@ class MemoryTier(Tier):
             return None
         return blob
 
-    def _unindex(self, entry: _Entry) -> None:
+    def _unindex(self, entry: Entry) -> None:
         del self._chunks[entry.header.key]
         self._used_bytes -= entry.size
         entry.deleted = True
 
-    def _remove_locked(self, entry: _Entry) -> None:
+    def _remove_locked(self, entry: Entry) -> None:
         self._unindex(entry)
         if entry.refs == 0:
             self._free_locked(entry)
 
-    def _free_locked(self, entry: _Entry) -> None:
+    def _free_locked(self, entry: Entry) -> None:
         if entry.pages:
             self._alloc.free(entry.pages)
             entry.pages = []
             self._freed.notify_all()
 
-    def _unref_locked(self, entry: _Entry) -> None:
+    def _unref_locked(self, entry: Entry) -> None:
         entry.refs -= 1
         if entry.refs == 0 and entry.deleted:
             self._free_locked(entry)
         elif entry.refs == 0 and entry.drop:
             self._due[entry.header.key] = entry
 
-    def _publish(self, entry: _Entry) -> PutStatus:
+    def _publish(self, entry: Entry) -> PutStatus:
         """Make a fully written record visible, unless the key won the race elsewhere."""
         with self._lock:
             key = entry.header.key
@@ -298,7 +278,7 @@ class MemoryTier(Tier):
             return PutStatus.STORED
 
     # -- holds (kvstore.engine.tiers.holds) ----------------------------------------
-    def _give_back_locked(self, hold: Hold[_Entry]) -> None:
+    def _give_back_locked(self, hold: Hold[Entry]) -> None:
         """What a hold kept: a lease's reference, a reservation's pages."""
         if hold.kind == "lease":
             self._unref_locked(hold.entry)
@@ -400,7 +380,7 @@ class MemoryTier(Tier):
             raise CorruptRecord(f"reservation {reservation_id}: {what}")
         return self._publish(entry)
 
-    def _seal(self, entry: _Entry, checksum: int) -> None:
+    def _seal(self, entry: Entry, checksum: int) -> None:
         """Rewrite the header with the payload checksum the writer gave at commit (same
         size: only the checksum fields change)."""
         entry.header = entry.header.with_checksum(checksum)
@@ -421,35 +401,6 @@ class MemoryTier(Tier):
             if hold is not None:
                 self._give_back_locked(hold)
             return hold is not None
-
-    def acquire(
-        self,
-        key: ChunkKey,
-        *,
-        owner: str = "",
-        payload: bool = True,
-        lasting: bool = False,
-        internal: bool = False,
-    ) -> ReadLease | None:
-        """A read lease on a (verified) chunk, or None on a miss.
-
-        ``lasting``: the lease never expires; only ``release`` ends it (the server's Get
-        streams). ``internal``: not a client's read for this tier's counters (the store
-        leasing a chunk it just promoted: the tier below counted the hit).
-
-        ``payload=False``: the holder verifies the payload it reads, so only the header
-        is checked in place here (a payload pass less on the hot read path).
-        """
-        entry = self._ref(key, internal)
-        if entry is None:
-            return None
-        if self._verify and not (self._in_place_ok(entry) if payload else self._header_ok(entry)):
-            self._drop_corrupt(entry)
-            return None
-        with self._lock:
-            self._counted_locked(entry, internal)
-            lid, expires = self._holds.add("lease", entry, owner, lasting=lasting)  # keeps the ref
-        return ReadLease(lid, key, entry.header, entry.extents, expires, entry.packed)
 
     def release(self, lease_id: int) -> bool:
         """End a read lease. False if it was unknown or had expired: then the pages may
@@ -496,164 +447,6 @@ class MemoryTier(Tier):
             for hold in holds:
                 self._give_back_locked(hold)
             return len(holds)
-
-    # -- reads -------------------------------------------------------------------
-    def _ref(self, key: ChunkKey, internal: bool = False) -> _Entry | None:
-        with self._lock:
-            self._check_open()
-            entry = self._chunks.get(key)
-            if entry is None:
-                if not internal:
-                    self._stats.misses += 1
-                return None
-            entry.refs += 1
-            if not internal:
-                self._chunks.move_to_end(key)
-            return entry
-
-    def _hit_locked(self, entry: _Entry) -> None:
-        entry.hits += 1
-        entry.last_access_ms = wall_ms()
-        self._stats.hits += 1
-        self._stats.bytes_out += entry.size
-
-    def _mark_damaged(self, entry: _Entry) -> bool:
-        """Whether this is the first finding of the entry's damage (the one to count)."""
-        with self._lock:
-            first, entry.damaged = not entry.damaged, True
-            return first
-
-    def _drop_corrupt(self, entry: _Entry) -> None:
-        first = self._mark_damaged(entry)
-        with self._lock:
-            self._stats.corrupt += first
-            self._stats.misses += 1
-            if self._chunks.get(entry.header.key) is entry:
-                self._unindex(entry)
-            self._unref_locked(entry)
-        if first:
-            log.warning("L1 chunk %s failed verification; deleted", entry.header.key.hex())
-            self._report_corrupt(entry.header.key)
-
-    def _header_ok(self, entry: _Entry) -> bool:
-        """The header bytes in the arena are the ones we wrote."""
-        return self._arena.equals(entry.extents, 0, entry.packed)
-
-    def _in_place_ok(self, entry: _Entry) -> bool:
-        """The header bytes are the ones we wrote and the payload hashes right, read in place."""
-        return self._header_ok(entry) and self._payload_ok(entry)
-
-    def _payload_ok(self, entry: _Entry) -> bool:
-        want = entry.header.payload_checksum
-        return self._arena.checksum(entry.extents, entry.hs, entry.header.stored_size) == want
-
-    def _blob_ok(self, entry: _Entry, blob: bytes) -> bool:
-        hs, want = entry.hs, entry.header.payload_checksum
-        view = memoryview(blob)  # slicing bytes would copy the payload
-        return view[:hs] == entry.packed and xxhash.xxh3_64_intdigest(view[hs:]) == want
-
-    def _counted_locked(self, entry: _Entry, internal: bool) -> None:
-        if internal:  # the store's own read (a write-down, a promotion): apart from clients'
-            self._internal_reads += 1
-            self._internal_bytes += entry.size
-        else:
-            self._hit_locked(entry)
-
-    def _read(
-        self, key: ChunkKey, copy: Callable[[_Entry], bool], internal: bool = False
-    ) -> _Entry | None:
-        """Run ``copy`` (False: the bytes did not verify) while a ref keeps the pages put."""
-        entry = self._ref(key, internal)
-        if entry is None:
-            return None
-        try:
-            ok = copy(entry)
-        except BaseException:
-            with self._lock:
-                self._unref_locked(entry)
-            raise
-        if not ok:
-            self._drop_corrupt(entry)
-            return None
-        with self._lock:
-            self._counted_locked(entry, internal)
-            self._unref_locked(entry)
-        return entry
-
-    def get(self, key: ChunkKey, *, internal: bool = False) -> bytes | None:
-        """``internal``: the store's own read (a write-down's copy), counted apart from
-        client reads (``detail.internal_reads``), no hit, miss or LRU touch."""
-        blobs: list[bytes] = []
-
-        def copy(e: _Entry) -> bool:
-            blobs.append(self._arena.read(e.extents, 0, e.size))
-            return not self._verify or self._blob_ok(e, blobs[0])
-
-        return blobs[0] if self._read(key, copy, internal) else None
-
-    def get_into(self, key: ChunkKey, out: memoryview) -> RecordHeader | None:
-        """Copy the payload straight from the extents into ``out``.
-
-        Verification hashes the bytes as they are copied (one pass with the native
-        module): that checks exactly the bytes delivered (if they do not verify,
-        ``out`` holds garbage and this is a miss).
-        ``_ref``/``_read`` inlined, no closure: at 1 MiB the copy and hash take ~40 us
-        and each microsecond of bookkeeping around them is ~1.5% of the call.
-        """
-        dst = as_u8(out, writable=True)
-        with self._lock:  # _ref, inlined
-            self._check_open()
-            entry = self._chunks.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            entry.refs += 1  # the pages stay put while we copy
-            self._chunks.move_to_end(key)
-        header = entry.header
-        try:
-            n = header.stored_size
-            if dst.size != n:
-                if dst.size < n:
-                    raise InvalidArgument(
-                        f"output buffer holds {dst.size} bytes, the payload is {n}"
-                    )
-                dst = dst[:n]
-            arena = self._arena
-            if not self._verify:
-                arena.read_into(entry.extents, entry.hs, dst)
-                ok = True
-            elif arena.equals(entry.extents, 0, entry.packed):
-                ok = arena.read_into_hashed(entry.extents, entry.hs, dst) == header.payload_checksum
-            else:
-                ok = False
-        except BaseException:
-            with self._lock:
-                self._unref_locked(entry)
-            raise
-        if not ok:
-            self._drop_corrupt(entry)
-            return None
-        with self._lock:
-            self._hit_locked(entry)
-            self._unref_locked(entry)
-        return header
-
-    def contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        with self._lock:
-            self._check_open()
-            return [k in self._chunks for k in keys]
-
-    def scan(self, fingerprint: bytes | None = None) -> Iterator[ChunkInfo]:
-        """Chunks in LRU order (least recently used first), as of the call."""
-        with self._lock:  # not a generator: a closed tier raises at the call
-            self._check_open()
-            return iter(
-                [
-                    ChunkInfo(e.header.key, e.header, e.size, e.pinned, e.last_access_ms, e.hits)
-                    for e in self._chunks.values()
-                    if fingerprint is None or e.header.fingerprint == fingerprint
-                ]
-            )
 
     # -- writes ------------------------------------------------------------------
     def _check_raw(self, header: RecordHeader) -> None:
