@@ -8,8 +8,7 @@ setting is when nothing sets it.
 from __future__ import annotations
 
 import argparse
-import typing
-from typing import Any
+from typing import Any, get_args
 
 from kvstore import __version__
 from kvstore.config import CODECS, WRITE_POLICIES, StoreConfig
@@ -156,12 +155,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-host", metavar="HOST", help=f"{default('metrics_host')[1:]}")
     g.add_argument(
         "--log-level",
-        choices=typing.get_args(LogLevel),
+        choices=get_args(LogLevel),
         help=f"{default('log_level')[1:]}",
     )
     g.add_argument(
         "--log-format",
-        choices=typing.get_args(LogFormat),
+        choices=get_args(LogFormat),
         help=f"json: one object per line{default('log_format')}",
     )
     g.add_argument(

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.protocol import DEFAULT_PORT
+from kvstore.protocol import DEFAULT_PORT, default_socket_path
 from kvstore.sockets import untrusted_reason
 
 
@@ -24,8 +24,6 @@ class Endpoint:
 
 def parse_url(url: str | None = None) -> Endpoint:
     """grpc://host[:port], grpcs://host[:port], unix:///path, or a bare host:port."""
-    from kvstore.protocol import default_socket_path
-
     url = url or os.environ.get("KVSTORE_URL") or f"unix://{default_socket_path()}"
     if url.startswith("unix://") or url.startswith("unix:"):
         path = url[len("unix://") :] if url.startswith("unix://") else url[len("unix:") :]
@@ -52,8 +50,6 @@ def check_default_socket(ep: Endpoint) -> None:
     write to it, can listen there and receive this client's token and KV. An explicit
     socket path is the operator's choice (the server checks its own side of it).
     """
-    from kvstore.protocol import default_socket_path
-
     if not ep.target.startswith("unix:"):
         return
     path = os.path.abspath(ep.target[len("unix:") :])

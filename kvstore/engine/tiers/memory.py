@@ -79,7 +79,7 @@ from kvstore.arena import (
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import MemoryConfig
 from kvstore.engine.tiers.base import Tier
-from kvstore.engine.tiers.holds import Hold, HoldTable
+from kvstore.engine.tiers.holds import Hold, HoldTable, Kind
 from kvstore.engine.tiers.memory_reads import Entry, L1Reads
 from kvstore.engine.tiers.pages import LeaseError, PageAllocator, ReadLease, Reservation
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
@@ -285,6 +285,13 @@ class MemoryTier(L1Reads, Tier):
         else:
             self._free_locked(hold.entry)
 
+    def _end_locked(self, hid: int, kind: Kind) -> bool:
+        """End the hold ``hid`` of ``kind`` and give back what it kept; False if not held."""
+        hold = self._holds.pop(hid, kind)
+        if hold is not None:
+            self._give_back_locked(hold)
+        return hold is not None
+
     def _expired_locked(self, hid: int) -> bool:
         hold = self._holds.pop_expired(hid)
         if hold is not None:
@@ -397,22 +404,14 @@ class MemoryTier(L1Reads, Tier):
         """Give back a reservation's pages; False if it was not held (or already expired)."""
         with self._lock:
             self._check_open()
-            hold = self._holds.pop(reservation_id, "reservation")
-            if hold is not None:
-                self._give_back_locked(hold)
-            return hold is not None
+            return self._end_locked(reservation_id, "reservation")
 
     def release(self, lease_id: int) -> bool:
         """End a read lease. False if it was unknown or had expired: then the pages may
         have been reused while the holder read them, so it must discard what it read."""
         with self._lock:
             self._check_open()
-            if self._expired_locked(lease_id):
-                return False
-            hold = self._holds.pop(lease_id, "lease")
-            if hold is not None:
-                self._give_back_locked(hold)
-            return hold is not None
+            return not self._expired_locked(lease_id) and self._end_locked(lease_id, "lease")
 
     def renew(self, hold_id: int) -> bool:
         """Extend a lease or reservation by ``lease_ms`` from now; False if not held."""
