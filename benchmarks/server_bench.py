@@ -461,7 +461,9 @@ def bench_lookup(
     the client's hashing, the request's and the answer's protobuf work, the server's walk
     over an index like the server's). Also a miss (``server.lookup_keys.miss``): a
     1,024-token prompt none of whose chunks is stored, among ``others`` stored first
-    chunks of its namespace (each a sibling its first chunk could partly match)."""
+    chunks of its namespace (each a sibling its first chunk could partly match), asked of
+    the server; and the same miss as the SDK answers it by default, from the server's
+    presence filter with no call (``server.lookup_keys.miss_filtered``)."""
     import kvstore
     from kvstore.keys import ROOT, Namespace, chunk_keys, token_view
     from kvstore.protocol import lookup_from_pb
@@ -502,6 +504,8 @@ def bench_lookup(
         by_ids[plane].lookup_by_keys = False
         for client in (clients[plane], by_ids[plane]):
             client.use_express = plane == "express"
+    asks = kvstore.Client(s.unix)  # the server's own answer to a miss: the filter unread
+    asks.use_presence = False
     matched: list[int] = []
     answer = None
     try:
@@ -514,6 +518,8 @@ def bench_lookup(
 
         def look_miss(c: kvstore.Client) -> None:
             missed.append(c.lookup(ns, miss).matched_tokens)
+
+        filtered = clients["express"]._presence  # the client's answers from the filter
 
         def keep_answer() -> None:
             nonlocal answer
@@ -537,10 +543,13 @@ def bench_lookup(
         for plane in clients:
             cases[f"keys.{plane}"] = functools.partial(look, clients[plane])
             cases[f"ids.{plane}"] = functools.partial(look, by_ids[plane])
-        cases["miss.express"] = functools.partial(look_miss, clients["express"])
+        cases["miss.express"] = functools.partial(look_miss, asks)
+        cases["miss.filtered"] = functools.partial(look_miss, clients["express"])
         t = interleaved(cases, reps, progress, "lookup 128k", warmup=3)
+        if not filtered.answered:
+            raise RuntimeError("the miss was never answered by the presence filter")
     finally:
-        for c in (*clients.values(), *by_ids.values()):
+        for c in (*clients.values(), *by_ids.values(), asks):
             c.close()
         channel.close()
     if set(matched) != {n_tokens} or set(missed) != {0}:
@@ -577,7 +586,18 @@ def bench_lookup(
                 floor,
                 limit_name="raw grpcio unary call, empty request",
                 notes=f"a 1,024-token prompt none of whose chunks is stored, among {others} "
-                "stored first chunks of its namespace",
+                "stored first chunks of its namespace (asked of the server)",
+            )
+        )
+        out.append(
+            Record(
+                f"server.lookup_keys.miss_filtered.p{q}",
+                percentile(t["miss.filtered"], q) * 1e3,
+                "ms",
+                floor,
+                limit_name="raw grpcio unary call, empty request",
+                notes="the same miss answered by the client from the server's presence filter "
+                "(kvstore.presence), no call",
             )
         )
         for step, what in (

@@ -197,6 +197,7 @@ class ArenaView:
         populate: bool,
         owner: bool = False,
         growing: bool = False,
+        offset: int = 0,
     ) -> None:
         flags = mmap.MAP_SHARED
         if populate and hasattr(mmap, "MAP_POPULATE"):
@@ -207,7 +208,7 @@ class ArenaView:
             if growing:
                 array = _map_past_end(fd, size, prot, flags)
             else:
-                self._mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+                self._mm = mmap.mmap(fd, size, flags=flags, prot=prot, offset=offset)
                 array = np.frombuffer(self._mm, dtype=np.uint8)
         except OSError as e:
             raise TierError(f"cannot map arena {path} ({size} bytes): {e}") from e
@@ -228,6 +229,7 @@ class ArenaView:
         writable: bool = True,
         populate: bool = False,
         growing: bool = False,
+        offset: int = 0,
     ) -> ArenaView:
         """Map an existing arena file (``size`` defaults to the file's size).
 
@@ -236,6 +238,8 @@ class ArenaView:
         ``growing``: a file that grows in place up to ``size`` (L2's LMDB file, whose
         loans are read here): mapped whole now, though only what the file holds may be
         read (a page past its end raises SIGBUS).
+        ``offset``: map only ``size`` bytes from there (a multiple of the page size; the
+        presence filter's region, ``kvstore.presence``).
         """
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -243,10 +247,17 @@ class ArenaView:
             raise TierError(f"cannot open arena {path}: {e}") from e
         try:
             actual = os.fstat(fd).st_size
-            size = actual if size is None else size
-            if size <= 0 or (size > actual and not growing):
-                raise InvalidArgument(f"arena {path} is {actual} bytes; cannot map {size}")
-            return cls(path, fd, size, writable=writable, populate=populate, growing=growing)
+            size = actual - offset if size is None else size
+            if growing and offset:
+                raise InvalidArgument("a growing file is mapped from its start")
+            if size <= 0 or offset < 0 or (offset + size > actual and not growing):
+                raise InvalidArgument(
+                    f"arena {path} is {actual} bytes; cannot map {size} from {offset}"
+                )
+            return cls(
+                path, fd, size, writable=writable, populate=populate, growing=growing,
+                offset=offset,
+            )  # fmt: skip
         finally:
             os.close(fd)  # the mapping keeps its own reference to the file
 

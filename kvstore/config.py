@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from kvstore.errors import ConfigError
+from kvstore.presence import check_bits_bytes
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {
@@ -98,6 +99,10 @@ class MemoryConfig:
     verify_reads: bool = (
         True  # checksum every read (catches arena corruption); off: commits are hashed instead
     )
+    # Bits of the presence filter (kvstore.presence) after the pages, in the same file: how
+    # same-host clients answer a lookup of a prompt nothing was stored for without a call.
+    # A power of two >= 4096; 0: no filter. Off by itself with a remote tier.
+    presence_bytes: int = 8 * MiB
 
     def __post_init__(self) -> None:
         _require(
@@ -110,6 +115,8 @@ class MemoryConfig:
             f"({self.page_bytes} bytes)",
         )
         _require(self.lease_ms > 0, f"memory.lease_ms={self.lease_ms}: must be > 0")
+        why = check_bits_bytes(self.presence_bytes)
+        _require(why is None, f"memory.presence_bytes={self.presence_bytes}: {why}")
 
 
 @dataclass(frozen=True)

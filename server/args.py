@@ -204,6 +204,13 @@ def parser() -> argparse.ArgumentParser:
         "--shm-path", metavar="PATH", help="arena file (default: a fresh file under /dev/shm)"
     )
     g.add_argument(
+        "--presence-size",
+        metavar="SIZE",
+        help="bits of the presence filter, by which same-host clients answer lookups of "
+        "prompts nothing was stored for without a call: a power of two, 0 for none "
+        "(default: 8MiB; none with --remote)",
+    )
+    g.add_argument(
         "--lease-ms",
         type=int,
         metavar="MS",
@@ -236,6 +243,7 @@ def overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
             "capacity_bytes": args.memory_capacity,
             "path": args.shm_path,
             "lease_ms": args.lease_ms,
+            "presence_bytes": args.presence_size,
         },
         "disk": {
             "capacity_bytes": args.disk_capacity,

@@ -119,6 +119,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         for name in (
             "shm_path", "shm_size", "boot_id", "shm_inode", "lookup_by_keys",
             "disk_path", "disk_inode", "disk_map_size",
+            "presence_offset", "presence_bytes", "presence_nonce",
         ):  # fmt: skip
             self._tenant_info.ClearField(name)
 
@@ -135,7 +136,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             piece_bytes=self.config.piece_bytes,
             max_message_bytes=self.config.max_message_bytes,
             shm_path=arena.path if shm else "",
-            shm_size=arena.size if shm else 0,
+            shm_size=self.store.memory.capacity_bytes if shm else 0,  # the pages: not the filter
             boot_id=boot_id() if shm else "",
             shm_inode=os.stat(arena.path).st_ino if shm else 0,
             lease_ms=cfg.memory.lease_ms,
@@ -144,7 +145,16 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
             native=accel.IMPL,
             lookup_by_keys=True,
             **self._disk_plane() if shm else {},
+            **self._presence() if shm else {},
         )
+
+    def _presence(self) -> dict[str, Any]:
+        """The presence filter, for same-host clients to answer misses themselves."""
+        where = self.store.presence()
+        if where is None:
+            return {}
+        offset, size, nonce = where
+        return {"presence_offset": offset, "presence_bytes": size, "presence_nonce": nonce}
 
     def _disk_plane(self) -> dict[str, Any]:
         """L2's data file, for same-host clients to read loans from (AcquireMany's
@@ -328,6 +338,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self.tenants.prove(tenant, ns)
         if ns is not None:
             self.names.remember(fp, ns, request.namespace.ByteSize())
+        self.store.count_lookups(request.filtered_lookups, request.filtered_tokens)
         if request.chunk_keys or request.n_tokens:
             if tenant is not None:
                 raise Denied(

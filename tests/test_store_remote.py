@@ -251,3 +251,10 @@ def _plain(srv: RedisServer) -> Any:
     import redis
 
     return redis.Redis(port=srv.port)
+
+
+def test_no_presence_filter_with_a_shared_tier(tmp_path: Path, server: RedisServer) -> None:
+    """Another host's chunks in L3 match here without ever being in this index, so a
+    clear bit would not mean "nothing stored": the store offers no filter."""
+    with make_store(tmp_path, server.url) as s:
+        assert s.presence() is None

@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvstore.keys import SUBHASH_BYTES, ChunkKey, Fingerprint, family, sub_hashes
+from kvstore.keys import ROOT, SUBHASH_BYTES, ChunkKey, Fingerprint, family, sub_hashes
+from kvstore.presence import Presence
 from kvstore.records import RecordHeader, header_size
 from kvstore.types import TierLevel
 
@@ -100,6 +101,9 @@ class Index:
         # a lookup can say why a prompt missed. Bounded: old reasons fall off.
         self.gone: OrderedDict[ChunkKey, str] = OrderedDict()
         self._tombstones = tombstones
+        # Where first chunks are announced before they become visible (kvstore.presence),
+        # for same-host clients to answer misses without a call; None: nowhere.
+        self.presence: Presence | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -136,6 +140,10 @@ class Index:
         entry = prepared or self.prepare(
             header, level, pinned=pinned, last_access_ms=last_access_ms, hits=hits
         )
+        if self.presence is not None and header.parent == ROOT and entry.subhashes:
+            # Set before the entry is visible: a reader never finds the chunk in the index
+            # (by a Lookup) while the filter still says nothing was stored.
+            self.presence.add(header.fingerprint, entry.subhashes[:SUBHASH_BYTES])
         self.entries[key] = entry
         group = family(header.parent, header.fingerprint)
         siblings = self.children.setdefault(group, {})

@@ -38,6 +38,7 @@ from kvstore.engine.tiers.pages import ReadLease, Reservation
 from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
 from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
+from kvstore.presence import Presence
 from kvstore.records import RecordHeader, check_put, make_header
 from kvstore.types import ChunkView, PutStatus, StoreStats
 
@@ -91,6 +92,10 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
         self.tiers: list[Tier] = [t for t in (self.memory, disk, remote) if t is not None]
         self._by_level = {t.level: t for t in self.tiers}
         self.index = Index(cfg.granularity)
+        offset, size = self.memory.presence_region()
+        if size and remote is None:  # another host's chunks match here unfiled: no filter
+            self.index.presence = Presence(self.memory.arena.array[offset : offset + size])
+            self.index.presence.init()
         self._fallbacks = Fallbacks(clock)  # what L1 just refused, decided once per chunk
         self._layouts: dict[Fingerprint, tuple[str, int, int]] = {}  # fp -> dtype, raw, tokens
         self._reservations: dict[int, RecordHeader] = {}
@@ -411,6 +416,8 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
             tiers[-1].detail.update(backlog=len(backlog), backlog_dropped=backlog.dropped)
         tiers[0].detail.update(self._fallbacks.detail())  # L1's refusals, decided once
         tiers[0].detail.update(self._prefetcher.detail())  # promotions ahead of the reads
+        if (presence := self.index.presence) is not None:
+            tiers[0].detail["presence_fill"] = round(presence.fill(), 6)
         return StoreStats(
             chunks=chunks,
             namespaces=spaces,
@@ -474,6 +481,24 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
         """L1's mapping of the arena: a server relays reservations and leases through it
         (``Reservation``/``ReadLease`` extents are offsets into it)."""
         return self.memory.arena
+
+    def presence(self) -> tuple[int, int, int] | None:
+        """(offset, bytes, nonce) of the presence filter in the arena file
+        (``kvstore.presence``), for same-host clients to map; None: no filter (none
+        configured, or a remote tier whose chunks match here without being filed)."""
+        p = self.index.presence
+        if p is None:
+            return None
+        offset, size = self.memory.presence_region()
+        return offset, size, p.nonce()
+
+    def count_lookups(self, lookups: int, tokens: int) -> None:
+        """Count lookups a client answered itself by the presence filter (misses, each of
+        ``tokens`` prompt tokens in all) as if they had been asked here."""
+        if lookups > 0:
+            with self._lock:
+                self._counters["lookups"] += lookups
+                self._counters["lookup_tokens"] += tokens
 
     def __contains__(self, key: object) -> bool:
         """Whether the index knows the chunk (in some tier, by this store's account)."""

@@ -47,6 +47,7 @@ from kvstore.records import (
 )
 from kvstore.sdk.chunks import NamespaceLike, namespace_fingerprint
 from kvstore.sdk.endpoint import check_default_socket, parse_url, read_tls_ca
+from kvstore.sdk.presence import PresenceView
 from kvstore.sdk.shm import prefault, retire
 from kvstore.sdk.wire import NamespaceInfo, ServerInfo, error_from_rpc
 from kvstore.v1 import kvstore_pb2 as pb
@@ -122,6 +123,12 @@ class ClientBase:
         self._disk: ArenaView | None = None
         self._disk_id: tuple[str, int, int] | None = None
         self._disk_lock = threading.Lock()
+        # The server's presence filter, where this client maps it: lookups of prompts
+        # nothing was stored for are answered here (``kvstore.sdk.presence``).
+        self._presence = PresenceView()
+        # False: every lookup is asked of the server, the presence filter left unread (a
+        # benchmark of the server's own answer to a miss). Not with ``shm=False`` either.
+        self.use_presence = True
         self._session_refused = False  # the server has no room for our Session stream
         # The Session stream keeping this client's holds alive: a thread or a task.
         self._session: Any = None

@@ -22,10 +22,10 @@ from typing import TypeVar
 
 from kvstore.errors import KVStoreError, ServerError
 from kvstore.keys import token_view
-from kvstore.protocol import lookup_from_pb
+from kvstore.protocol import lookup_from_pb, lookup_to_pb
 from kvstore.records import parse_header
 from kvstore.sdk.base import LEASE_MARGIN, ClientBase
-from kvstore.sdk.chunks import NamespaceLike, Tokens
+from kvstore.sdk.chunks import NamespaceLike, Tokens, namespace_fingerprint
 from kvstore.sdk.client_core import NEED_ARENA, Call, Plan, ReleaseLater, by_holder, info
 from kvstore.sdk.shm import LeaseBase, LentLease
 from kvstore.types import LookupResult
@@ -74,6 +74,17 @@ def lookup_pb(
         yield from info(c, timeout)  # its chunking, to key the prompt as the server does
     tb = token_view(tokens)
     args = (namespace, tb, min_tokens, granularity, explain, repeat, prefetch, reads_disk)
+    presence, known = c._presence, c._info
+    fp, named = namespace_fingerprint(namespace)
+    use_filter = known is not None and not explain and c.use_presence and c._shm_pref is not False
+    if known is not None and use_filter:
+        presence.follow(known)
+        got = presence.answer(fp, tb, named is not None)
+        if got == "stale":  # the server restarted, or stopped: what does it offer now?
+            presence.follow((yield from info(c, timeout)))
+            got = presence.answer(fp, tb, named is not None)
+        if got == "absent":  # what the server would answer: nothing matched at chunk 0
+            return lookup_to_pb(LookupResult(0, len(tb) // 4, stop="not_stored", stop_chunk=0))
 
     def ask(by_keys: bool = True) -> pb.LookupRequest:
         req = c._lookup_request(*args, by_keys=by_keys)
@@ -82,6 +93,8 @@ def lookup_pb(
         return req
 
     req = ask()
+    if use_filter:
+        req.filtered_lookups, req.filtered_tokens = presence.asked(fp, named is not None)
     r = yield Call("Lookup", req, timeout)
     if r.HasField("needs_sub_hashes") and req.chunk_keys:
         again = pb.LookupRequest()

@@ -42,6 +42,9 @@ class ServerInfo:
     disk_path: str = ""  # L2's data file, which loans are in ("": L2 lends nothing)
     disk_inode: int = 0  # its inode: the client maps it only where it is this file
     disk_map_size: int = 0  # LMDB's map: the most the file can grow to
+    presence_offset: int = 0  # the presence filter in the arena file (kvstore.presence)
+    presence_bytes: int = 0  # its header and bits; 0: the server offers none
+    presence_nonce: int = 0  # what its header says while this server writes it
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ def info_from_pb(m: pb.InfoResponse) -> ServerInfo:
         disk_path=m.disk_path,
         disk_inode=m.disk_inode,
         disk_map_size=m.disk_map_size,
+        presence_offset=m.presence_offset,
+        presence_bytes=m.presence_bytes,
+        presence_nonce=m.presence_nonce,
     )
 
 

@@ -73,7 +73,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys", "express_socket", "disk_path", "disk_inode", "disk_map_size")
+    __slots__ = ("server_version", "record_format", "key_scheme", "chunk_tokens", "granularity", "max_chunk_bytes", "piece_bytes", "max_message_bytes", "shm_path", "shm_size", "boot_id", "shm_inode", "lease_ms", "tiers", "auth_required", "native", "lookup_by_keys", "express_socket", "disk_path", "disk_inode", "disk_map_size", "presence_offset", "presence_bytes", "presence_nonce")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECORD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEY_SCHEME_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,9 @@ class InfoResponse(_message.Message):
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     DISK_INODE_FIELD_NUMBER: _ClassVar[int]
     DISK_MAP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_NONCE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     record_format: int
     key_scheme: str
@@ -116,10 +119,13 @@ class InfoResponse(_message.Message):
     disk_path: str
     disk_inode: int
     disk_map_size: int
-    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_inode: _Optional[int] = ..., disk_map_size: _Optional[int] = ...) -> None: ...
+    presence_offset: int
+    presence_bytes: int
+    presence_nonce: int
+    def __init__(self, server_version: _Optional[str] = ..., record_format: _Optional[int] = ..., key_scheme: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., piece_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shm_path: _Optional[str] = ..., shm_size: _Optional[int] = ..., boot_id: _Optional[str] = ..., shm_inode: _Optional[int] = ..., lease_ms: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., auth_required: _Optional[bool] = ..., native: _Optional[str] = ..., lookup_by_keys: _Optional[bool] = ..., express_socket: _Optional[str] = ..., disk_path: _Optional[str] = ..., disk_inode: _Optional[int] = ..., disk_map_size: _Optional[int] = ..., presence_offset: _Optional[int] = ..., presence_bytes: _Optional[int] = ..., presence_nonce: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of", "client_reads_disk", "lend_from", "lend_to")
+    __slots__ = ("fingerprint", "token_ids", "min_tokens", "granularity", "namespace", "explain", "repeat", "chunk_keys", "n_tokens", "sub_hashes", "prefetch", "sub_hashes_of", "client_reads_disk", "lend_from", "lend_to", "filtered_lookups", "filtered_tokens")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +141,8 @@ class LookupRequest(_message.Message):
     CLIENT_READS_DISK_FIELD_NUMBER: _ClassVar[int]
     LEND_FROM_FIELD_NUMBER: _ClassVar[int]
     LEND_TO_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     token_ids: bytes
     min_tokens: int
@@ -150,7 +158,9 @@ class LookupRequest(_message.Message):
     client_reads_disk: bool
     lend_from: int
     lend_to: str
-    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ..., client_reads_disk: _Optional[bool] = ..., lend_from: _Optional[int] = ..., lend_to: _Optional[str] = ...) -> None: ...
+    filtered_lookups: int
+    filtered_tokens: int
+    def __init__(self, fingerprint: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., granularity: _Optional[int] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., explain: _Optional[bool] = ..., repeat: _Optional[bool] = ..., chunk_keys: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., sub_hashes: _Optional[bytes] = ..., prefetch: _Optional[bool] = ..., sub_hashes_of: _Optional[int] = ..., client_reads_disk: _Optional[bool] = ..., lend_from: _Optional[int] = ..., lend_to: _Optional[str] = ..., filtered_lookups: _Optional[int] = ..., filtered_tokens: _Optional[int] = ...) -> None: ...
 
 class NamespaceMatch(_message.Message):
     __slots__ = ("fingerprint", "matched_tokens", "namespace")

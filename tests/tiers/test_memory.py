@@ -27,6 +27,7 @@ from kvstore.engine.tiers.memory import LeaseError, MemoryTier, ReadLease, Reser
 from kvstore.engine.tiers.pages import PageAllocator
 from kvstore.errors import CorruptRecord, InvalidArgument, KVStoreError, StoreClosed, TierError
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, Namespace, chunk_key, tokens_to_bytes
+from kvstore.presence import region_bytes
 from kvstore.records import Codec, RecordHeader, encode_payload, make_header, verify
 from kvstore.types import PutStatus
 
@@ -159,7 +160,9 @@ def test_arena_is_a_shared_memory_file_that_close_unlinks(
     tier = make_tier(pages=8)
     assert tier.path.startswith("/dev/shm/kvstore-"), tier.path
     assert (tier.capacity_bytes, tier.page_bytes) == (8 * PAGE, PAGE)
-    assert os.path.getsize(tier.path) == 8 * PAGE
+    # the pages, then the presence filter's header and bits (kvstore.presence)
+    assert tier.presence_bytes == region_bytes(MemoryConfig().presence_bytes)
+    assert os.path.getsize(tier.path) == 8 * PAGE + tier.presence_bytes
     tier.close()
     assert not os.path.exists(tier.path), "close() must unlink the arena it created"
     with pytest.raises(StoreClosed):
@@ -190,7 +193,7 @@ def test_explicit_path_is_locked_and_create_false_leaves_the_file() -> None:
         owner.close()
     assert not os.path.exists(path)
     with open(path, "wb") as f:
-        f.truncate(4 * PAGE)
+        f.truncate(4 * PAGE + region_bytes(cfg.presence_bytes))  # pages, presence filter
     try:
         with MemoryTier(cfg, create=False) as adopted:
             assert adopted.put(*record(1, 100)) is PutStatus.STORED

@@ -84,6 +84,7 @@ from kvstore.engine.tiers.memory_reads import Entry, L1Reads
 from kvstore.engine.tiers.pages import LeaseError, PageAllocator, ReadLease, Reservation
 from kvstore.errors import ConfigError, CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
+from kvstore.presence import region_bytes
 from kvstore.records import Codec, RecordHeader, check_put, parse_header, transcode_parts
 from kvstore.types import PutStatus, TierLevel, TierStats
 
@@ -117,7 +118,11 @@ class MemoryTier(L1Reads, Tier):
         if not config.path and create:
             for stale in remove_stale_arenas(os.path.dirname(self.path)):
                 log.info("removed the arena %s of a kvstore process that is gone", stale)
-        self._arena = ArenaView.own(self.path, self.capacity_bytes, create=create)
+        # The presence filter's region follows the pages (kvstore.presence): one file to
+        # map, make and clean up after a crash.
+        self.presence_bytes = region_bytes(config.presence_bytes)
+        size = self.capacity_bytes + self.presence_bytes
+        self._arena = ArenaView.own(self.path, size, create=create)
         self._finalizer = weakref.finalize(self, self._arena.close)  # no leak in /dev/shm
         self._clock = clock
         self._verify = config.verify_reads
@@ -554,6 +559,10 @@ class MemoryTier(L1Reads, Tier):
     def arena(self) -> ArenaView:
         """The tier's own mapping: a server relays reservations and leases through it."""
         return self._arena
+
+    def presence_region(self) -> tuple[int, int]:
+        """(offset, bytes) of the presence filter in the arena file; (0, 0): none."""
+        return (self.capacity_bytes, self.presence_bytes) if self.presence_bytes else (0, 0)
 
     def stats(self) -> TierStats:
         with self._lock:
