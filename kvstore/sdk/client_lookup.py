@@ -79,10 +79,10 @@ def lookup_pb(
     use_filter = known is not None and not explain and c.use_presence and c._shm_pref is not False
     if known is not None and use_filter:
         presence.follow(known)
-        got = presence.answer(fp, tb, named is not None)
+        got = presence.answer(fp, tb, named is not None, not repeat)
         if got == "stale":  # the server restarted, or stopped: what does it offer now?
             presence.follow((yield from info(c, timeout)))
-            got = presence.answer(fp, tb, named is not None)
+            got = presence.answer(fp, tb, named is not None, not repeat)
         if got == "absent":  # what the server would answer: nothing matched at chunk 0
             return lookup_to_pb(LookupResult(0, len(tb) // 4, stop="not_stored", stop_chunk=0))
 

@@ -85,9 +85,12 @@ class PresenceView:
             self._view, self._filter = (view, flt) if flt is not None else (None, None)
             self._granularity = info.granularity
 
-    def answer(self, fingerprint: bytes, token_bytes: memoryview, described: bool) -> Answer:
-        """ "absent": no chunk this prompt could match was ever filed (counted here, for
-        the server's Stats); "ask": look it up; "stale": the filter is not the live
+    def answer(
+        self, fingerprint: bytes, token_bytes: memoryview, described: bool, count: bool = True
+    ) -> Answer:
+        """What to do with a lookup of this prompt. ``absent``: no chunk it could match
+        was ever filed (counted here for the server's Stats, unless ``count`` is off: a
+        repeated lookup); ``ask``: look it up; ``stale``: the filter is not the live
         server's any more (ask Info again, ``follow`` it). ``described``: the lookup
         names its namespace, which the server learns from its first Lookup."""
         flt, ident, g = self._filter, self._id, self._granularity
@@ -104,8 +107,9 @@ class PresenceView:
         if flt.may_hold(fingerprint, sub_hashes(token_bytes[: g * 4], g)):
             return "ask"
         with self._lock:
-            self._pending[0] += 1
-            self._pending[1] += len(token_bytes) // 4
+            if count:
+                self._pending[0] += 1
+                self._pending[1] += len(token_bytes) // 4
             self.answered += 1
         return "absent"
 
