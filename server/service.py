@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -26,7 +25,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore import __version__, accel
 from kvstore.engine.store import TieredStore
 from kvstore.errors import (
     CorruptRecord,
@@ -35,14 +33,12 @@ from kvstore.errors import (
 from kvstore.keys import (
     FINGERPRINT_BYTES,
     KEY_BYTES,
-    KEY_SCHEME,
     ChunkKey,
     Fingerprint,
     Namespace,
 )
 from kvstore.protocol import (
     SESSION_HEADER,
-    boot_id,
     chunk_to_pb,
     error_trailers,
     lookup_to_pb,
@@ -53,7 +49,7 @@ from kvstore.protocol import (
     status_to_pb,
     unframe,
 )
-from kvstore.records import FORMAT_VERSION, RecordHeader, check_put, parse_header
+from kvstore.records import RecordHeader, check_put, parse_header
 from kvstore.types import ChunkView, LookupResult, NamespaceMatch, PutStatus, TierLevel
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -61,6 +57,7 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from .calls import FINISHING, Status, rpc
 from .config import ServerConfig
 from .holds import Holds
+from .info import make_info
 from .metrics import Metrics
 from .names import NameBook
 from .plane import SharedMemoryPlane
@@ -111,59 +108,7 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self.names = NameBook()  # namespaces clients described, bounded by bytes
         self.counts: Counter[tuple[str, str]] = Counter()  # (method, code) -> calls
         self.tenants = tenants or Tenants()
-        self._info = self._make_info(auth_required)
-        self._tenant_info = pb.InfoResponse()  # what tenants see: no shared memory
-        self._tenant_info.CopyFrom(self._info)
-        # Tenants look up by token ids: keys a client sends could name another tenant's
-        # chunks (in L3 above all, which the server cannot check by namespace).
-        for name in (
-            "shm_path", "shm_size", "boot_id", "shm_inode", "lookup_by_keys",
-            "disk_path", "disk_inode", "disk_map_size",
-            "presence_offset", "presence_bytes", "presence_nonce",
-        ):  # fmt: skip
-            self._tenant_info.ClearField(name)
-
-    def _make_info(self, auth_required: bool) -> pb.InfoResponse:
-        arena, cfg = self.store.arena, self.store.config
-        shm = self.config.shm
-        return pb.InfoResponse(
-            server_version=__version__,
-            record_format=FORMAT_VERSION,
-            key_scheme=KEY_SCHEME,
-            chunk_tokens=cfg.chunk_tokens,
-            granularity=cfg.granularity,
-            max_chunk_bytes=cfg.max_chunk_bytes,
-            piece_bytes=self.config.piece_bytes,
-            max_message_bytes=self.config.max_message_bytes,
-            shm_path=arena.path if shm else "",
-            shm_size=self.store.memory.capacity_bytes if shm else 0,  # the pages: not the filter
-            boot_id=boot_id() if shm else "",
-            shm_inode=os.stat(arena.path).st_ino if shm else 0,
-            lease_ms=cfg.memory.lease_ms,
-            tiers=self.store.tier_names,
-            auth_required=auth_required,
-            native=accel.IMPL,
-            lookup_by_keys=True,
-            **self._disk_plane() if shm else {},
-            **self._presence() if shm else {},
-        )
-
-    def _presence(self) -> dict[str, Any]:
-        """The presence filter, for same-host clients to answer misses themselves."""
-        where = self.store.presence()
-        if where is None:
-            return {}
-        offset, size, nonce = where
-        return {"presence_offset": offset, "presence_bytes": size, "presence_nonce": nonce}
-
-    def _disk_plane(self) -> dict[str, Any]:
-        """L2's data file, for same-host clients to read loans from (AcquireMany's
-        client_reads_disk): offered with the arena, when L2 is LMDB."""
-        where = self.store.lending_file()
-        if where is None:
-            return {}
-        path, map_size = where
-        return {"disk_path": path, "disk_inode": os.stat(path).st_ino, "disk_map_size": map_size}
+        self._info, self._tenant_info = make_info(store, config, auth_required)
 
     def offer_express(self, path: str) -> None:
         """Tell clients (Info) where the express plane listens (``server.express``)."""
