@@ -8,7 +8,8 @@
   down (``kvstore.engine.store_writedown``).
 - lookup is partial prefix matching over all tiers (kvstore.engine.lookup).
 - drop deletes what a consumer loaded once no one else holds it
-  (``kvstore.engine.store_drops``).
+  (``kvstore.engine.store_drops``); delete, clear, pin and scan are an operator's
+  (``kvstore.engine.store_admin``).
 - the store is the only writer of the index. Its lock guards the index only:
   tiers are never called while holding it (tier locks may be held when it is
   taken, by eviction callbacks), which keeps the lock order acyclic.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,8 @@ from kvstore.arena import ArenaView
 from kvstore.clock import Clock, monotonic, wall_ms
 from kvstore.config import StoreConfig
 from kvstore.engine.fallback import Fallbacks
-from kvstore.engine.index import Entry, Index, layout_of, tier_levels
+from kvstore.engine.index import Entry, Index, layout_of
+from kvstore.engine.store_admin import AdminPath
 from kvstore.engine.store_drops import DropPath
 from kvstore.engine.store_reads import ReadPath
 from kvstore.engine.store_writedown import REMOTE_BACKLOG_KEYS, WriteDownPath
@@ -36,11 +38,11 @@ from kvstore.engine.tiers.disk_loans import LOAN_BIT, Lent, Loans
 from kvstore.engine.tiers.memory import MemoryTier
 from kvstore.engine.tiers.pages import ReadLease, Reservation
 from kvstore.engine.writer import Backlog, Prefetcher, WriteDown
-from kvstore.errors import ConfigError, InvalidArgument, StoreClosed, TierError
+from kvstore.errors import ConfigError, InvalidArgument, StoreClosed
 from kvstore.keys import ChunkKey, Fingerprint, chunk_key, tokens_to_bytes
 from kvstore.presence import Presence
 from kvstore.records import RecordHeader, check_put, make_header
-from kvstore.types import ChunkView, PutStatus, StoreStats
+from kvstore.types import PutStatus, StoreStats
 
 # the holds the store's methods hand out
 __all__ = ["Lent", "ReadLease", "Reservation", "TieredStore"]
@@ -50,7 +52,7 @@ log = logging.getLogger("kvstore.engine.store")
 PREFETCH_THREADS = 2  # LMDB reads and L3 round trips overlap; more would fight the RPC threads
 
 
-class TieredStore(ReadPath, WriteDownPath, DropPath):
+class TieredStore(ReadPath, WriteDownPath, DropPath, AdminPath):
     def __init__(
         self,
         config: StoreConfig | None = None,
@@ -329,81 +331,6 @@ class TieredStore(ReadPath, WriteDownPath, DropPath):
         if entry is not None:
             entry.hits += 1
             entry.last_access_ms = wall_ms()
-
-    # -- management -----------------------------------------------------------
-    def delete(self, key: ChunkKey) -> bool:
-        self._check_open()
-        with self._lock:
-            entry = self.index.remove(key, "deleted")
-        self._writer.forget(key)
-        self._fallbacks.forget(key)
-        found = entry is not None
-        for tier in self.tiers:
-            try:
-                found = tier.delete(key) or found
-            except TierError as e:
-                log.warning("delete of %s from %s failed: %s", key.hex()[:16], tier.name, e)
-        return found
-
-    def clear(self, fingerprint: Fingerprint | None = None) -> int:
-        """Remove every chunk of a namespace (or everything); returns chunks removed."""
-        self._check_open()
-        with self._lock:
-            keys = self.index.keys(fingerprint)
-            for key in keys:
-                self.index.remove(key, "deleted")
-            if fingerprint is None:
-                self._layouts.clear()
-            else:
-                self._layouts.pop(fingerprint, None)
-        self._fallbacks.clear()  # a moment's memory: dropping all of it costs nothing
-        for key in keys:
-            self._writer.forget(key)
-        removed = len(keys)
-        for tier in self.tiers:
-            try:
-                n = tier.clear(fingerprint)
-            except TierError as e:
-                log.warning("clear of %s failed: %s", tier.name, e)
-                continue
-            if tier is self.remote:
-                removed = max(removed, n)
-        return removed
-
-    def pin(self, key: ChunkKey, pinned: bool = True) -> bool:
-        """Keep a chunk from eviction in every tier that holds it."""
-        self._check_open()
-        entry = self.index.get(key)
-        found = False
-        for tier in self.tiers:
-            if tier is self.remote or self._may_hold(tier, entry):
-                try:
-                    found = tier.pin(key, pinned) or found
-                except TierError as e:  # the local tiers are pinned; the remote is best effort
-                    log.warning("pin of %s in %s failed: %s", key.hex()[:16], tier.name, e)
-        if entry is not None:
-            entry.pinned = pinned
-        return found
-
-    def scan(self, fingerprint: Fingerprint | None = None) -> Iterator[ChunkView]:
-        for key, e in self.index.items(fingerprint):
-            yield ChunkView(
-                key,
-                e.fingerprint,
-                e.parent,
-                e.n_tokens,
-                e.raw_size,
-                e.dtype,
-                tuple(tier_levels(e.tiers)),
-                e.pinned,
-                e.created_ms,
-                e.last_access_ms,
-                e.hits,
-            )
-
-    def namespaces(self) -> dict[Fingerprint, int]:
-        with self._lock:
-            return self.index.namespaces()
 
     def stats(self) -> StoreStats:
         jobs, nbytes = self._writer.pending
