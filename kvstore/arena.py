@@ -302,6 +302,23 @@ class ArenaView:
                         "itself and deletes it at shutdown: name a path that does not exist"
                     )
                 ours = True
+                if not made:
+                    # A dead server's arena: its clients may still map it (its pages, the
+                    # presence filter in it), so it is replaced by a new file, never cut
+                    # short (a read past its end is SIGBUS) or rewritten under them.
+                    os.unlink(path)
+                    try:
+                        new = os.open(
+                            path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
+                        )
+                    except FileExistsError as e:
+                        ours = False
+                        raise TierError(
+                            f"arena {path} was made by another process meanwhile"
+                        ) from e
+                    os.close(fd)
+                    fd = new
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # just made: nobody holds it
                 try:
                     vfs = os.fstatvfs(fd)  # refuse early rather than fill tmpfs, then fail
                     if size > vfs.f_bavail * vfs.f_frsize + os.fstat(fd).st_blocks * 512:

@@ -92,7 +92,7 @@ def default_data_dir() -> str:
 class MemoryConfig:
     """L1: the shared-memory arena."""
 
-    capacity_bytes: int = 1 * GiB  # size of the arena file; fixed for the process lifetime
+    capacity_bytes: int = 1 * GiB  # bytes of L1's pages in the arena file; fixed for its lifetime
     page_bytes: int = 64 * KiB  # allocation unit; a power of two >= 4 KiB
     path: str = ""  # the arena file; "" = a fresh file under /dev/shm named after the process
     lease_ms: int = 30_000  # a reservation or read lease not released by then is reclaimed

@@ -19,10 +19,14 @@ sets them (``Index.add``, the one place chunks become visible); a restart builds
 filter anew from L2. It is off where an L3 is shared with other hosts: their chunks are
 matched by this server without ever being in its index.
 
-Layout: a header page (magic, the nonce of the server that wrote it, hash count), then
-a power of two of bytes of bits. A client checks the nonce (and that the file is still
-the server's, ``kvstore.sdk``) before trusting a clear bit: a restarted server that took
-the same file over has written another nonce.
+Layout: a header page (magic, the nonce of the server that wrote it, hash count, and the
+time it is vouched for until), then a power of two of bytes of bits. A clear bit is
+trusted only while the server that writes the filter is alive: it pushes ``live_until``
+(CLOCK_MONOTONIC, which every process of the host reads alike) ahead at each of its
+sweeps, and a client past it asks the server instead (``kvstore.sdk.presence``). A
+server killed with its file left behind, or restarted elsewhere, stops vouching within
+that time; one that takes a dead server's file over makes a new file (``ArenaView.own``),
+so a client's old mapping never sees another server's writes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ HEADER_BYTES = 4096  # one page: the bits start page-aligned, so a client can ma
 MAGIC = b"KVSPRES1"
 HASHES = 4  # bits per entry: ~1e-5 false "ask" at 1M first chunks in 8 MiB, 2% at 8M
 _HEAD = struct.Struct("<8sQI")  # magic, nonce, hashes
+_LIVE = struct.Struct("<q")  # live_until, ns of CLOCK_MONOTONIC, at offset _LIVE_AT
+_LIVE_AT = 64  # a cache line of its own: the sweeps write it, readers read it each answer
 
 
 def region_bytes(bits_bytes: int) -> int:
@@ -76,6 +82,11 @@ class Presence:
         self.set_bits = 0
         return nonce
 
+    def vouch(self, until_ns: int) -> None:
+        """Trust this filter's clear bits until ``until_ns`` (CLOCK_MONOTONIC): the writer
+        is alive and keeps it (renewed at each sweep; 0: not at all)."""
+        _LIVE.pack_into(self._head, _LIVE_AT, until_ns)
+
     def add(self, fingerprint: bytes, unit: bytes) -> None:
         """A first chunk of namespace ``fingerprint`` whose first sub-hash is ``unit``
         is about to become visible: set its bits first."""
@@ -96,6 +107,10 @@ class Presence:
         """The nonce of the server that wrote this filter (0: not a filter)."""
         magic, nonce, hashes = _HEAD.unpack_from(self._head, 0)
         return nonce if magic == MAGIC and hashes == HASHES else 0
+
+    def live_until(self) -> int:
+        """Until when (ns of CLOCK_MONOTONIC) the writer vouches for this filter."""
+        return int(_LIVE.unpack_from(self._head, _LIVE_AT)[0])
 
     def may_hold(self, fingerprint: bytes, unit: bytes) -> bool:
         """False: no chunk of this namespace with this first unit was ever filed here."""

@@ -46,7 +46,7 @@ def make_info(
         piece_bytes=config.piece_bytes,
         max_message_bytes=config.max_message_bytes,
         shm_path=arena.path if shm else "",
-        shm_size=store.memory.capacity_bytes if shm else 0,  # the pages, not the filter
+        shm_size=store.arena_pages_bytes if shm else 0,  # the filter follows them
         boot_id=boot_id() if shm else "",
         shm_inode=os.stat(arena.path).st_ino if shm else 0,
         lease_ms=cfg.memory.lease_ms,

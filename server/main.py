@@ -218,10 +218,16 @@ def _housekeeping(service: Any, store: Any, cfg: ServerConfig, stop: threading.E
     """The servicer's sweep and the store's upkeep (expired leases reclaimed, refused remote
     copies retried) every sweep_interval_s; request counts logged every log_interval_s."""
     last_log, last_counts = time.monotonic(), service.request_counts()
+    # Same-host clients trust the presence filter's "nothing stored" only while the server
+    # vouches for it: renewed at each sweep, for long enough that a late sweep or two
+    # does not void it, short enough that a server killed stops being believed soon.
+    live_for = 3 * cfg.sweep_interval_s + 1.0
+    store.vouch_presence(live_for)
     while not stop.wait(cfg.sweep_interval_s):
         try:
             service.sweep()
             store.upkeep()
+            store.vouch_presence(live_for)
         except StoreClosed:
             return
         except Exception:  # the sweeper must outlive any one failure

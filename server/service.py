@@ -283,7 +283,8 @@ class KVStoreService(SharedMemoryPlane, pb_grpc.KVStoreServicer):
         self.tenants.prove(tenant, ns)
         if ns is not None:
             self.names.remember(fp, ns, request.namespace.ByteSize())
-        self.store.count_lookups(request.filtered_lookups, request.filtered_tokens)
+        if tenant is None:  # a tenant has no filter: its counts would be made up
+            self.store.count_lookups(request.filtered_lookups, request.filtered_tokens)
         if request.chunk_keys or request.n_tokens:
             if tenant is not None:
                 raise Denied(

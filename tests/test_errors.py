@@ -35,7 +35,13 @@ from tests.server.helpers import payload, tokens
 
 def _all_error_classes() -> list[type[errors.KVStoreError]]:
     # Import every module that defines one, so __subclasses__ sees them all.
-    for module in ("kvstore.cli.format", "kvstore.server.main", "kvstore.server.tenants"):
+    # (Whatever the order tests are collected in: a class is in or out alike.)
+    for module in (
+        "kvstore.cli.format",
+        "kvstore.server.main",
+        "kvstore.server.tenants",
+        "kvstore.engine.tiers.remote_guard",
+    ):
         importlib.import_module(module)
     out: list[type[errors.KVStoreError]] = []
     todo: list[type[errors.KVStoreError]] = [errors.KVStoreError]
@@ -79,6 +85,8 @@ SENT_AS = {
     "Denied": "PERMISSION_DENIED",
     "CLIError": "INTERNAL",
     "StartError": "INTERNAL",
+    "Refused": "INTERNAL",  # L3 refused a command: a TierError of the remote tier
+    "ForgedRecord": "DATA_LOSS",  # L3's record without a valid MAC: a CorruptRecord
 }
 
 

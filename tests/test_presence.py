@@ -11,9 +11,10 @@ import pytest
 
 from kvstore.arena import ArenaView
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
+from kvstore.engine.index import Index
 from kvstore.engine.store import TieredStore
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.keys import SUBHASH_BYTES, sub_hashes, tokens_to_bytes
+from kvstore.keys import ROOT, SUBHASH_BYTES, sub_hashes, tokens_to_bytes
 from kvstore.presence import HASHES, HEADER_BYTES, Presence, region_bytes
 from tests.helpers import FP, make_chain
 
@@ -74,6 +75,9 @@ def test_a_reader_in_another_mapping_sees_the_writers_bits_and_nonce(tmp_path: P
     assert not reader.may_hold(FP, u)
     writer.add(FP, u)
     assert reader.may_hold(FP, u), "bits set in one mapping are read in the other"
+    assert reader.live_until() == 0, "not vouched for until the server says so"
+    writer.vouch(123_456_789)
+    assert reader.live_until() == 123_456_789
     writer.init()
     assert reader.nonce() != nonce, "a server that takes the file over signs it anew"
     assert not reader.may_hold(FP, u)
@@ -139,3 +143,23 @@ def test_no_filter_when_configured_off(tmp_path: Path) -> None:
     with TieredStore(_config(tmp_path, presence=0)) as s:
         assert s.presence() is None
         assert os.path.getsize(s.arena.path) == s.memory.capacity_bytes
+
+
+def test_a_first_chunk_is_filed_before_a_lookup_can_find_it() -> None:
+    """The index sets the bits before the entry is visible: a client that checks the
+    filter while a chunk is being added never reads "nothing stored" for a chunk the
+    server's Lookup would already find."""
+    index = Index(G)
+    seen: list[bool] = []
+
+    class Watching(Presence):
+        def add(self, fingerprint: bytes, unit: bytes) -> None:
+            seen.append(any(e.parent == ROOT for e in index.entries.values()))
+            super().add(fingerprint, unit)
+
+    index.presence = Watching(np.zeros(region_bytes(4096), np.uint8))
+    chain = make_chain(list(range(7, 7 + 2 * C)), C)
+    for h, _ in chain:
+        index.add(h, 1)
+    assert seen == [False], f"filed once, for the first chunk, before it was visible: {seen}"
+    assert index.presence.may_hold(FP, _first_unit(list(range(7, 7 + C))))

@@ -367,6 +367,8 @@ class TieredStore(ReadPath, WriteDownPath, DropPath, AdminPath):
         """Finish write-downs, then close every tier. Idempotent."""
         if self._closed:
             return
+        if self.index.presence is not None:  # its clients stop trusting it now
+            self.index.presence.vouch(0)
         if self.config.write_policy == "write-back":
             # Write-back only moves chunks down on eviction: persist what L1 alone holds.
             below = tuple(t.level for t in self._lower(1) if t is not self.remote)
@@ -409,6 +411,12 @@ class TieredStore(ReadPath, WriteDownPath, DropPath, AdminPath):
         (``Reservation``/``ReadLease`` extents are offsets into it)."""
         return self.memory.arena
 
+    @property
+    def arena_pages_bytes(self) -> int:
+        """The bytes of the arena that hold L1's pages: what a same-host client maps to
+        read and write chunks (the file goes on with the presence filter)."""
+        return self.memory.capacity_bytes
+
     def presence(self) -> tuple[int, int, int] | None:
         """(offset, bytes, nonce) of the presence filter in the arena file
         (``kvstore.presence``), for same-host clients to map; None: no filter (none
@@ -419,13 +427,18 @@ class TieredStore(ReadPath, WriteDownPath, DropPath, AdminPath):
         offset, size = self.memory.presence_region()
         return offset, size, p.nonce()
 
+    def vouch_presence(self, live_for_s: float) -> None:
+        """Vouch for the presence filter for ``live_for_s`` more seconds: clients trust its
+        clear bits only while the process keeping it vouches (a server, at each sweep)."""
+        p = self.index.presence
+        if p is not None and not self._closed:
+            p.vouch(int((self._clock() + live_for_s) * 1e9))
+
     def count_lookups(self, lookups: int, tokens: int) -> None:
         """Count lookups a client answered itself by the presence filter (misses, each of
         ``tokens`` prompt tokens in all) as if they had been asked here."""
         if lookups > 0:
-            with self._lock:
-                self._counters["lookups"] += lookups
-                self._counters["lookup_tokens"] += tokens
+            self._add_lookups(lookups, tokens, 0)
 
     def __contains__(self, key: object) -> bool:
         """Whether the index knows the chunk (in some tier, by this store's account)."""

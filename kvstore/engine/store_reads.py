@@ -386,10 +386,15 @@ class ReadPath:
 
     def _count_lookup(self, result: LookupResult, count: bool) -> None:
         if count:
-            with self._lock:
-                self._counters["lookups"] += 1
-                self._counters["lookup_tokens"] += result.total_tokens
-                self._counters["matched_tokens"] += result.matched_tokens
+            self._add_lookups(1, result.total_tokens, result.matched_tokens)
+
+    def _add_lookups(self, lookups: int, tokens: int, matched: int) -> None:
+        """The one count of lookups in Stats: those asked here, and those a client answered
+        by the presence filter (``count_lookups``)."""
+        with self._lock:
+            self._counters["lookups"] += lookups
+            self._counters["lookup_tokens"] += tokens
+            self._counters["matched_tokens"] += matched
 
     # -- prefetch: promotion ahead of the reads --------------------------------
     def prefetch(

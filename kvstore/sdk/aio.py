@@ -112,8 +112,9 @@ class AsyncClient(ClientBase):
             except grpc.RpcError as e:
                 raise self._error(e, "Get") from e
             return None
-        if type(step) is core.ReleaseLater:
-            task = asyncio.get_running_loop().create_task(self._release_quietly(step.request()))
+        if type(step) is core.ReleaseLater or type(step) is core.Tell:
+            send = self._send_quietly(step.method, step.request())
+            task = asyncio.get_running_loop().create_task(send)
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
             return None
@@ -128,9 +129,12 @@ class AsyncClient(ClientBase):
                 return None
         raise TypeError(f"not a step of the client core: {step!r}")
 
-    async def _release_quietly(self, request: pb.ReleaseRequest) -> None:
-        with contextlib.suppress(grpc.RpcError):  # it expires, or goes with the Session
-            await self._stub.Release(request, timeout=self.timeout, metadata=self._metadata)
+    async def _send_quietly(self, method: str, request: Any) -> None:
+        # A Release's leases expire, or go with the Session; a Tell is told in passing.
+        with contextlib.suppress(grpc.RpcError):
+            await getattr(self._stub, method)(
+                request, timeout=self.timeout, metadata=self._metadata
+            )
 
     async def _shm(self) -> ArenaView | None:
         if self._plane_ready():

@@ -92,12 +92,12 @@ class BlockingTransport(ClientBase):
             except grpc.RpcError as e:
                 raise self._error(e, "Get") from e
             return None
-        if type(step) is core.ReleaseLater:
+        if type(step) is core.ReleaseLater or type(step) is core.Tell:
             link = self.express
-            if link is not None and link.send("Release", step.request()):
+            if link is not None and link.send(step.method, step.request()):
                 return None
             try:
-                fut = self._stub.Release.future(
+                fut = getattr(self._stub, step.method).future(
                     step.request(),
                     timeout=self.timeout,
                     metadata=self._metadata,

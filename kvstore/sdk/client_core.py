@@ -7,6 +7,7 @@ their results, then returns the operation's result. A step is one of
     GetStream(request, timeout, sink)     -> None; each message of the Get stream went to sink
     NEED_ARENA                            -> the mapped arena, or None: the data plane to use
     ReleaseLater(lease_ids, drop_keys)    -> None; a Release sent without waiting for it
+    Tell(method, message)                 -> None; any call sent so, its failure unheard of
     HealthCheck(request, timeout)         -> the health reply, None if the check failed
     Send(pipe, call)                      -> None; the call is on its way, not waited for
     Receive(pipe)                         -> the reply of the pipe's oldest call not received
@@ -32,7 +33,7 @@ import builtins
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, NamedTuple, TypeVar
 
 from kvstore.arena import ArenaView, as_u8
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, ServerError
@@ -100,11 +101,25 @@ class ReleaseLater:
     lease_ids: tuple[int, ...]
     drop_keys: tuple[bytes, ...] = ()  # chunks to drop once released (``drop``)
     holder: str = ""  # the session holding the leases, when not this client's (lent)
+    method: ClassVar[str] = "Release"
 
     def request(self) -> pb.ReleaseRequest:
         return pb.ReleaseRequest(
             lease_ids=self.lease_ids, drop_keys=self.drop_keys, holder=self.holder
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """A unary call sent as ``ReleaseLater`` is: not waited for, its failure unheard of.
+    What a server is told in passing (the lookups a client answered by the presence
+    filter, ``kvstore.sdk.presence``)."""
+
+    method: str
+    message: Any
+
+    def request(self) -> Any:
+        return self.message
 
 
 class Dropped(NamedTuple):
@@ -166,7 +181,7 @@ class _NeedArena:
 
 
 NEED_ARENA: Final = _NeedArena()
-Step = Call | GetStream | ReleaseLater | HealthCheck | _NeedArena | Send | Receive
+Step = Call | GetStream | ReleaseLater | Tell | HealthCheck | _NeedArena | Send | Receive
 Plan = Generator[Step, Any, T]
 STREAM: Final = USE_GET  # what read_lease says when the bytes must come by Get
 

@@ -26,7 +26,15 @@ from kvstore.protocol import lookup_from_pb, lookup_to_pb
 from kvstore.records import parse_header
 from kvstore.sdk.base import LEASE_MARGIN, ClientBase
 from kvstore.sdk.chunks import NamespaceLike, Tokens, namespace_fingerprint
-from kvstore.sdk.client_core import NEED_ARENA, Call, Plan, ReleaseLater, by_holder, info
+from kvstore.sdk.client_core import (
+    NEED_ARENA,
+    Call,
+    Plan,
+    ReleaseLater,
+    Tell,
+    by_holder,
+    info,
+)
 from kvstore.sdk.shm import LeaseBase, LentLease
 from kvstore.types import LookupResult
 from kvstore.v1 import kvstore_pb2 as pb
@@ -84,6 +92,10 @@ def lookup_pb(
             presence.follow((yield from info(c, timeout)))
             got = presence.answer(fp, tb, named is not None, not repeat)
         if got == "absent":  # what the server would answer: nothing matched at chunk 0
+            if (counts := presence.due()) is not None:
+                told = pb.LookupRequest(fingerprint=fp, repeat=True)  # matches nothing
+                told.filtered_lookups, told.filtered_tokens = counts
+                yield Tell("Lookup", told)
             return lookup_to_pb(LookupResult(0, len(tb) // 4, stop="not_stored", stop_chunk=0))
 
     def ask(by_keys: bool = True) -> pb.LookupRequest:
@@ -93,9 +105,13 @@ def lookup_pb(
         return req
 
     req = ask()
-    if use_filter:
-        req.filtered_lookups, req.filtered_tokens = presence.asked(fp, named is not None)
-    r = yield Call("Lookup", req, timeout)
+    counts = presence.asked(fp, named is not None) if use_filter else (0, 0)
+    req.filtered_lookups, req.filtered_tokens = counts
+    try:
+        r = yield Call("Lookup", req, timeout)
+    except KVStoreError:
+        presence.unasked(counts)  # they ride on the next Lookup
+        raise
     if r.HasField("needs_sub_hashes") and req.chunk_keys:
         again = pb.LookupRequest()
         again.CopyFrom(req)

@@ -7,23 +7,29 @@ for each new request's Lookup in its scheduling loop; on a host where vLLM's thr
 hold the cores, that wait was 0.8 ms at the median and 12-15 ms at p99 for a 0.3 ms
 call (docs/performance.md), most of what a miss cost the engine.
 
-Trusting a clear bit needs the filter to be the live server's: before each answer the
-file at the offered path must still be the offered inode, and its header the offered
-nonce. A server that stopped unlinked its file; one that restarted made a new file, or
-took the old one over and signed it anew. Then the answer is "stale": the caller asks
-Info again and follows what it offers (``follow``).
+A clear bit is trusted only from the live server's filter. Before each answer:
+- the server vouches for the filter (``live_until``, pushed ahead at each of its
+  sweeps, CLOCK_MONOTONIC): a server killed, or stopped, stops vouching within a few
+  sweeps, and one that stops cleanly stops at once;
+- the file at the offered path is still the offered inode: a server restarted there
+  made a new file (a dead server's file is replaced, never rewritten: ``ArenaView.own``);
+- its header holds the offered nonce.
+Otherwise the answer is "stale": the caller asks Info again and follows what it offers
+(``follow``); a server that is gone fails that call, as its Lookup would have.
 
 Lookups answered here are counted by the server too: their number and prompt tokens
-ride on this client's next Lookup that reaches it (``take_counts``).
+ride on this client's next Lookup that reaches it (``asked``), or are told to it in
+passing every ``REPORT_EVERY`` lookups or ``REPORT_S`` (``due``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvstore.arena import ArenaView
+from kvstore.clock import Clock, monotonic
 from kvstore.errors import KVStoreError
 from kvstore.keys import sub_hashes
 from kvstore.presence import Presence
@@ -32,58 +38,72 @@ from kvstore.sdk.wire import ServerInfo
 
 Answer = Literal["absent", "ask", "stale"]
 
+# Lookups answered here are told to the server at least this often (by count or by age),
+# when no Lookup of this client's carried them meanwhile.
+REPORT_EVERY = 256
+REPORT_S = 1.0
+
+
+class _Mapped(NamedTuple):
+    """One server's filter as followed: published whole, so that a reader never pairs
+    one server's bits with another's granularity or nonce."""
+
+    filter: Presence
+    view: ArenaView  # kept mapped while followed
+    path: str
+    inode: int
+    nonce: int
+    granularity: int
+
 
 class PresenceView:
     """The filter a client follows: mapped from the server's Info, checked per answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = monotonic) -> None:
+        self.clock = clock  # CLOCK_MONOTONIC, as the server vouches in (tests move it)
         self._lock = threading.Lock()
         self._seen: ServerInfo | None = None  # the Info last followed
-        self._id: tuple[str, int, int, int, int] | None = None  # path, inode, offset, size, nonce
-        self._view: ArenaView | None = None
-        self._filter: Presence | None = None
-        self._granularity = 0
+        self._ident: tuple[str, int, int, int, int] | None = None
+        self._mapped: _Mapped | None = None
         self._named: set[bytes] = set()  # namespaces whose description the server has had
         self._pending = [0, 0]  # lookups answered here, and their tokens, not yet reported
+        self._reported = clock()  # when the server was last told of them
         self.answered = 0  # lookups answered here, in all
 
     @property
     def active(self) -> bool:
-        return self._filter is not None
+        return self._mapped is not None
 
     def follow(self, info: ServerInfo) -> None:
         """Map the filter ``info`` offers, if this host can (the arena's host); drop a
         filter of another server instance. Cheap when nothing changed."""
-        if info is self._seen:
-            return
-        self._seen = info
-        ident = None
-        if info.presence_bytes and info.shm_path and info.boot_id == boot_id():
-            ident = (
-                info.shm_path, info.shm_inode, info.presence_offset, info.presence_bytes,
-                info.presence_nonce,
-            )  # fmt: skip
-        if ident == self._id:
-            return
-        view = flt = None
-        if ident is not None:
+        with self._lock:
+            if info is self._seen:
+                return
+            self._seen = info
+            ident = None
+            if info.presence_bytes and info.shm_path and info.boot_id == boot_id():
+                ident = (
+                    info.shm_path, info.shm_inode, info.presence_offset, info.presence_bytes,
+                    info.presence_nonce,
+                )  # fmt: skip
+            if ident == self._ident:
+                return
+            self._ident, self._mapped = ident, None
+            self._named.clear()  # another server: it has not had their descriptions
+            if ident is None:
+                return
             path, inode, offset, size, nonce = ident
             try:
-                if os.stat(path).st_ino == inode:
-                    view = ArenaView.open(path, size, writable=False, offset=offset)
-                    flt = Presence(view.array)
-                    if flt.nonce() != nonce:
-                        flt = None
+                if os.stat(path).st_ino != inode:
+                    return
+                view = ArenaView.open(path, size, writable=False, offset=offset)
             except (OSError, KVStoreError):
-                flt = None
-        with self._lock:
-            if ident != self._id:
-                self._named.clear()  # another server: it has not had their descriptions
-            # The old mapping is left to the collector, not closed: a lookup of another
-            # thread may be reading it (a stale answer there is caught by its checks).
-            self._id = ident if flt is not None else None
-            self._view, self._filter = (view, flt) if flt is not None else (None, None)
-            self._granularity = info.granularity
+                return
+            flt = Presence(view.array)
+            if flt.nonce() == nonce:
+                # The old mapping goes with its last reader: never unmapped under one.
+                self._mapped = _Mapped(flt, view, path, inode, nonce, info.granularity)
 
     def answer(
         self, fingerprint: bytes, token_bytes: memoryview, described: bool, count: bool = True
@@ -93,14 +113,16 @@ class PresenceView:
         repeated lookup); ``ask``: look it up; ``stale``: the filter is not the live
         server's any more (ask Info again, ``follow`` it). ``described``: the lookup
         names its namespace, which the server learns from its first Lookup."""
-        flt, ident, g = self._filter, self._id, self._granularity
-        if flt is None or ident is None or len(token_bytes) < g * 4:
+        m = self._mapped
+        if m is None or len(token_bytes) < m.granularity * 4:
             return "ask"  # a prompt shorter than one unit matches by its whole chunk only
         if described and fingerprint not in self._named:
             return "ask"
-        path, inode, _, _, nonce = ident
+        g, flt = m.granularity, m.filter
+        if flt.live_until() < self.clock() * 1e9:
+            return "stale"
         try:
-            if os.stat(path).st_ino != inode or flt.nonce() != nonce:
+            if os.stat(m.path).st_ino != m.inode or flt.nonce() != m.nonce:
                 return "stale"
         except OSError:
             return "stale"
@@ -119,6 +141,26 @@ class PresenceView:
         with self._lock:
             if described:
                 self._named.add(fingerprint)
-            counts = (self._pending[0], self._pending[1])
-            self._pending = [0, 0]
+            return self._take()
+
+    def due(self) -> tuple[int, int] | None:
+        """Counts to tell the server now, in passing (``client_core.Tell``), where no
+        Lookup has carried them for a while: a workload whose every lookup is answered
+        here would otherwise never report them. None: not yet."""
+        with self._lock:
+            n = self._pending[0]
+            if n < REPORT_EVERY and not (n and self.clock() - self._reported >= REPORT_S):
+                return None
+            return self._take()
+
+    def _take(self) -> tuple[int, int]:
+        counts = (self._pending[0], self._pending[1])
+        self._pending = [0, 0]
+        self._reported = self.clock()
         return counts
+
+    def unasked(self, counts: tuple[int, int]) -> None:
+        """The Lookup that carried ``counts`` failed: they ride on the next one."""
+        with self._lock:
+            self._pending[0] += counts[0]
+            self._pending[1] += counts[1]

@@ -4,14 +4,19 @@ kvstore-server processes."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
+from kvstore.errors import KVStoreError
 from kvstore.keys import ROOT, Namespace
+from kvstore.sdk.presence import REPORT_EVERY, REPORT_S
 from kvstore.testing.server import KVServer
 from kvstore.types import LookupResult
 from tests.server.helpers import namespace, payload, tokens
@@ -62,6 +67,8 @@ def test_a_miss_is_answered_without_a_call_and_a_hit_still_asks(
         assert info.presence_bytes > 0 and info.presence_nonce != 0, info
         await _put_prompt(kv, ns, stored)
         await kv.lookup(ns, stored)  # the namespace's description reaches the server first
+        now = time.monotonic()
+        _client(kv)._presence.clock = lambda: now  # no count told in passing meanwhile
         s0 = await kv.stats()
         answers = [await kv.lookup(ns, t) for t in fresh]
         again = await kv.lookup(ns, fresh[0], repeat=True)  # answered alike, not counted
@@ -103,28 +110,65 @@ def test_a_client_follows_a_restarted_server(
     drive: Drive, make_server: Callable[..., KVServer], tmp_path: Path
 ) -> None:
     """A filter read from a server that is gone would say "nothing stored" for what its
-    successor holds. The client checks the file and its nonce before each answer: after
-    a restart in a new file (SIGTERM) and after one that took the same file over
-    (SIGKILL, ``--shm-path``), a prompt the new server stored is found."""
+    successor holds. Restarted at another path after SIGKILL (the dead server's file
+    stays behind, still signed: it is trusted only while vouched for, here past that on
+    the client's clock); after SIGTERM (it stopped vouching at once); at the same path
+    after SIGKILL, with no filter and so a shorter file (the dead server's file is
+    replaced, not cut short under the client's mapping: that would be SIGBUS). Each
+    time a prompt the new server stored is found."""
     arena = tmp_path / "arena"
     srv = make_server(f"presence-restart-{drive.kind}", args=["--shm-path", str(arena)]).start()
     ns = namespace(f"presence-restart-{drive.kind}", BPT)
-    prompts = [tokens(256, 70_000 + 1000 * i) for i in range(2)]
+    restarts = [
+        (signal.SIGKILL, [], 60.0),  # its arena stays behind, at the path named
+        (signal.SIGTERM, ["--shm-path", str(arena)], 0.0),  # takes that file's path over
+        (signal.SIGKILL, ["--shm-path", str(arena), "--presence-size", "0"], 0.0),
+    ]
 
     async def body(kv: Any) -> None:
-        stops = (signal.SIGTERM, signal.SIGKILL)
-        for i, (sig, prompt) in enumerate(zip(stops, prompts, strict=True)):
+        view = _client(kv)._presence
+        for i, (sig, args, later) in enumerate(restarts):
+            prompt = tokens(256, 70_000 + 1000 * i)
             await kv.lookup(ns, tokens(256, 1))  # the namespace described: asked once
-            answered = _client(kv)._presence.answered
+            answered = view.answered
             assert (await kv.lookup(ns, prompt)).matched_tokens == 0
-            assert _client(kv)._presence.answered == answered + 1, "answered by the filter"
+            assert view.answered == answered + 1, f"restart {i}: answered by the filter"
             srv.stop(sig)
+            srv.args = args
             srv.start()
             await drive.run(_store_one(ns, prompt), srv.unix_url)
+            view.clock = lambda later=later: time.monotonic() + later
             got = await kv.lookup(ns, prompt)
-            assert got.matched_tokens == 256, f"restart {i} ({sig.name}): {got}"
+            assert got.matched_tokens == 256, f"restart {i} ({sig.name} {args}): {got}"
+            view.clock = time.monotonic
 
     drive(body, server=srv)
+
+
+def test_a_filter_nobody_vouches_for_is_not_believed(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """A server stopped, or killed and not restarted: its lookups fail as they did before
+    the filter, once it no longer vouches (at once after SIGTERM; after SIGKILL when
+    its last vouch runs out, here moved past on the client's clock)."""
+    ns = namespace(f"presence-dead-{drive.kind}", BPT)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        srv = make_server(f"presence-dead-{drive.kind}-{sig.name}").start()
+
+        async def body(kv: Any, srv: KVServer = srv, sig: signal.Signals = sig) -> None:
+            view = _client(kv)._presence
+            await kv.lookup(ns, tokens(256, 1))
+            answered = view.answered
+            assert (await kv.lookup(ns, tokens(256, 5000))).matched_tokens == 0
+            assert view.answered == answered + 1
+            srv.stop(sig)
+            if sig == signal.SIGKILL:
+                view.clock = lambda: time.monotonic() + 60
+            with pytest.raises(KVStoreError):
+                await kv.lookup(ns, tokens(256, 6000), timeout=2)
+            assert view.answered == answered + 1, "a dead server's filter answered"
+
+        drive(body, server=srv, timeout=5)
 
 
 def _store_one(ns: Namespace, prompt: np.ndarray) -> Callable[[Any], Any]:
@@ -151,3 +195,43 @@ def test_a_server_without_a_filter_is_asked_every_time(
         assert not _client(kv)._presence.active
 
     drive(body, server=srv)
+
+
+def test_lookups_answered_by_the_filter_are_told_to_the_server_in_passing(
+    drive: Drive, make_server: Callable[..., KVServer]
+) -> None:
+    """A client whose every lookup is answered by the filter sends no Lookup to carry its
+    counts: it tells them in passing (a Lookup of nothing, not waited for) every
+    ``REPORT_EVERY`` answers, or once ``REPORT_S`` went by since it last did."""
+    srv = make_server(f"presence-tell-{drive.kind}").start()
+    ns = namespace(f"presence-tell-{drive.kind}", BPT)
+
+    async def body(kv: Any) -> None:
+        view = _client(kv)._presence
+        await kv.lookup(ns, tokens(256, 1))  # the namespace described: asked once
+        now = time.monotonic()
+        view.clock = lambda: now
+        s0 = await kv.stats()
+        n = REPORT_EVERY + 3
+        for i in range(n):
+            assert (await kv.lookup(ns, tokens(64, 100_000 + 64 * i))).matched_tokens == 0
+        assert view.answered >= n
+        told = await _lookups_grow(kv, s0.lookups, REPORT_EVERY)
+        assert told.lookup_tokens - s0.lookup_tokens == 64 * REPORT_EVERY, "told by count"
+        view.clock = lambda: now + REPORT_S + 0.5
+        await kv.lookup(ns, tokens(64, 1))
+        later = await _lookups_grow(kv, told.lookups, 4)
+        assert later.lookup_tokens - told.lookup_tokens == 64 * 4, "told by age"
+
+    drive(body, server=srv)
+
+
+async def _lookups_grow(kv: Any, before: int, by: int) -> Any:
+    """The server's Stats once its lookups grew by ``by`` (a Tell lands when it lands)."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = await kv.stats()
+        if got.lookups - before >= by or time.monotonic() > deadline:
+            assert got.lookups - before == by, f"lookups grew by {got.lookups - before}"
+            return got
+        await asyncio.sleep(0.05)
