@@ -578,28 +578,30 @@ def bench_lookup(
                     )
                 )
         floor = percentile(t["raw.empty"], q) * 1e3
-        out.append(
-            Record(
-                f"server.lookup_keys.miss.p{q}.express",
-                percentile(t["miss.express"], q) * 1e3,
-                "ms",
-                floor,
-                limit_name="raw grpcio unary call, empty request",
-                notes=f"a 1,024-token prompt none of whose chunks is stored, among {others} "
+        for name, case, why in (
+            (
+                f"miss.p{q}.express",
+                "miss.express",
+                f"a 1,024-token prompt none of whose chunks is stored, among {others} "
                 "stored first chunks of its namespace (asked of the server)",
-            )
-        )
-        out.append(
-            Record(
-                f"server.lookup_keys.miss_filtered.p{q}",
-                percentile(t["miss.filtered"], q) * 1e3,
-                "ms",
-                floor,
-                limit_name="raw grpcio unary call, empty request",
-                notes="the same miss answered by the client from the server's presence filter "
+            ),
+            (
+                f"miss_filtered.p{q}",
+                "miss.filtered",
+                "the same miss answered by the client from the server's presence filter "
                 "(kvstore.presence), no call",
+            ),
+        ):
+            out.append(
+                Record(
+                    f"server.lookup_keys.{name}",
+                    percentile(t[case], q) * 1e3,
+                    "ms",
+                    floor,
+                    limit_name="raw grpcio unary call, empty request",
+                    notes=why,
+                )
             )
-        )
         for step, what in (
             ("keys", "client: the prompt's chunk keys (keys.chunk_keys)"),
             ("sub_hashes", "client: the keys and every chunk's sub-hashes (not sent for 128k)"),
