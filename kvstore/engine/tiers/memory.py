@@ -118,10 +118,8 @@ class MemoryTier(L1Reads, Tier):
         if not config.path and create:
             for stale in remove_stale_arenas(os.path.dirname(self.path)):
                 log.info("removed the arena %s of a kvstore process that is gone", stale)
-        # The presence filter's region follows the pages (kvstore.presence): one file to
-        # map, make and clean up after a crash.
-        self.presence_bytes = region_bytes(config.presence_bytes)
-        size = self.capacity_bytes + self.presence_bytes
+        self.presence_bytes = region_bytes(config.presence_bytes)  # after the pages
+        size = self.capacity_bytes + self.presence_bytes  # (kvstore.presence): one file
         self._arena = ArenaView.own(self.path, size, create=create)
         self._finalizer = weakref.finalize(self, self._arena.close)  # no leak in /dev/shm
         self._clock = clock
