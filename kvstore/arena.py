@@ -311,10 +311,16 @@ class ArenaView:
                         new = os.open(
                             path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
                         )
-                    except FileExistsError as e:
+                    except OSError as e:  # the path is not this tier's to clean up now
                         ours = False
+                        why = (
+                            "another process made it meanwhile"
+                            if isinstance(e, FileExistsError)
+                            else e.strerror
+                        )
                         raise TierError(
-                            f"arena {path} was made by another process meanwhile"
+                            f"arena {path}: a dead server's file was removed, but a new one "
+                            f"could not be made in its place: {why}"
                         ) from e
                     os.close(fd)
                     fd = new
