@@ -519,7 +519,7 @@ def test_a_background_load_yields_to_requests_computing_beside_it(
     lay = Layout()
     ps = [prompt(5), prompt(6)]
     srcs = store(engine, ps, lay)
-    disk_only(server)
+    disk_only(server, engine)
     assert engine.worker.background is not None
     loads = engine.worker.background.loads
     slept: list[float] = []
@@ -585,7 +585,24 @@ def background_request(engine: Engine, p: list[int], ids: list[int]) -> Any:
     return req
 
 
-def disk_only(server: KVServer) -> None:
+def loader_connected(engine: Engine) -> Any:
+    """The background loader's SDK client, once its start-up connect is done (that
+    connect runs on the loader thread, after the engine is built)."""
+    assert engine.worker.background is not None
+    loader = engine.worker.background.loads.client
+    deadline = time.monotonic() + 10
+    while (c := loader._client) is None or c.arena is None:
+        assert time.monotonic() < deadline, "the loader did not connect when it started"
+        time.sleep(0.01)
+    assert c.session_up.wait(5), "the loader's Session never came up"
+    return c
+
+
+def disk_only(server: KVServer, engine: Engine) -> None:
+    """Restart the server: what it held in L1 is now only on disk. The loader connects
+    first: a restart inside its start-up connect would open its breaker for
+    ``retry_after_ms`` (5 s) and the load would compute instead (a CI run saw it)."""
+    loader_connected(engine)
     server.stop(signal.SIGTERM)
     server.start()
     time.sleep(0.3)
@@ -602,12 +619,7 @@ def test_the_loader_is_connected_before_its_first_load(server: KVServer) -> None
     start (10-18 ms of a first 4k-token load in the loads benchmark)."""
     engine = Engine(server.unix_url, blocks=400, load_mode="async")
     try:
-        loader = engine.worker.background.loads.client
-        deadline = time.monotonic() + 10
-        while (c := loader._client) is None or c.arena is None:
-            assert time.monotonic() < deadline, "the loader did not connect when it started"
-            time.sleep(0.01)
-        assert c.session_up.wait(5), "the loader's Session never came up"
+        c = loader_connected(engine)
         info, arena, session = c._info, c.arena, c._session
         lay = Layout()
         p = prompt(12)
@@ -617,7 +629,7 @@ def test_the_loader_is_connected_before_its_first_load(server: KVServer) -> None
         assert got.background and got.told == stored(600) and not got.failed, got
         k = stored(600) // BS
         assert engine.same(dst[:k], srcs[0][:k]), "the background load put other bytes"
-        assert loader._client is c, "the loader connected again"
+        assert engine.worker.background.loads.client._client is c, "the loader connected again"
         assert c._info is info, "the first background load asked the server's Info"
         assert c.arena is arena and c._session is session, "the load set up its plane anew"
         # Its leases end after the report, in a Release nobody waits for.
@@ -647,7 +659,7 @@ def test_a_late_background_load_is_reported_at_its_deadline_and_writes_nothing_a
     lay = Layout()
     p = prompt(5)
     store(engine, [p], lay)
-    disk_only(server)
+    disk_only(server, engine)
     stall = Stall(monkeypatch, 1.5)
     dst = lay.take(len(p))
     engine.zero(dst)
@@ -693,7 +705,7 @@ def _idle_steps_wait(engine: Engine, server: KVServer, monkeypatch: pytest.Monke
     lay = Layout()
     ps = [prompt(8), prompt(9)]
     store(engine, ps, lay)
-    disk_only(server)
+    disk_only(server, engine)
     idles: list[float] = []
     idle = vllm_async.AsyncLoads.idle
 
@@ -738,7 +750,7 @@ def test_a_preempted_or_aborted_request_stops_its_background_load(
     lay = Layout()
     p = prompt(6 if how == "preempted" else 7)
     store(engine, [p], lay)
-    disk_only(server)
+    disk_only(server, engine)
     stall = Stall(monkeypatch, 1.0)
     dst = lay.take(len(p))
     req = background_request(engine, p, dst)
@@ -774,7 +786,7 @@ def test_a_load_given_up_before_it_started_ends_the_leases_lent_for_it(
     lay = Layout()
     pa, pb = prompt(8), prompt(9)
     store(engine, [pa, pb], lay)
-    disk_only(server)
+    disk_only(server, engine)
     stall = Stall(monkeypatch, 1.0)
     da, db = lay.take(600), lay.take(600)
     a = background_request(engine, pa, da)
