@@ -488,9 +488,7 @@ def test_hits_below_l1_load_in_the_background(engine: Engine, server: KVServer) 
     lay = Layout()
     ps = [prompt(3), prompt(4)]
     srcs = store(engine, ps, lay)
-    server.stop(signal.SIGTERM)
-    server.start()
-    time.sleep(0.3)
+    disk_only(server, engine)
     before = requests(server)
     dsts = [lay.take(600) for _ in ps]
     got = engine.step(list(zip(ps, dsts, strict=True)), wait_s=20)
