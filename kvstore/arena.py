@@ -230,6 +230,7 @@ class ArenaView:
         populate: bool = False,
         growing: bool = False,
         offset: int = 0,
+        inode: int | None = None,
     ) -> ArenaView:
         """Map an existing arena file (``size`` defaults to the file's size).
 
@@ -240,13 +241,19 @@ class ArenaView:
         read (a page past its end raises SIGBUS).
         ``offset``: map only ``size`` bytes from there (a multiple of the page size; the
         presence filter's region, ``kvstore.presence``).
+        ``inode``: the file a server offered (its Info); a path that names another file
+        here (a server restarted elsewhere, another host's path) raises ``TierError``.
+        Checked on the opened file, so the path cannot change between check and map.
         """
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         except OSError as e:
             raise TierError(f"cannot open arena {path}: {e}") from e
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if inode is not None and st.st_ino != inode:
+                raise TierError(f"{path} here is not the file the server offered (inode differs)")
+            actual = st.st_size
             size = actual - offset if size is None else size
             if growing and offset:
                 raise InvalidArgument("a growing file is mapped from its start")

@@ -213,20 +213,18 @@ class ClientBase:
             why = "the server runs on another host (boot ids differ)"
         else:
             try:
-                st = os.stat(info.shm_path)
-                if st.st_ino != info.shm_inode:
-                    why = f"{info.shm_path} here is not the server's arena (inode differs)"
-                else:
-                    arena = ArenaView.open(info.shm_path, info.shm_size, writable=True)
-                    self._arena_id = (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)
-                    threading.Thread(
-                        target=prefault,
-                        args=(arena, self._prefault_stop),
-                        name="kvstore-prefault",
-                        daemon=True,
-                    ).start()
-                    return arena
-            except (OSError, KVStoreError) as e:
+                arena = ArenaView.open(
+                    info.shm_path, info.shm_size, writable=True, inode=info.shm_inode
+                )
+                self._arena_id = (info.shm_path, info.shm_inode, info.shm_size, info.boot_id)
+                threading.Thread(
+                    target=prefault,
+                    args=(arena, self._prefault_stop),
+                    name="kvstore-prefault",
+                    daemon=True,
+                ).start()
+                return arena
+            except KVStoreError as e:
                 why = f"cannot map {info.shm_path}: {e}"
         if self._shm_pref:
             raise KVStoreError(f"shared memory was requested (shm=True) but cannot be used: {why}")
@@ -255,11 +253,8 @@ class ClientBase:
                 return self._disk
             path, inode, size = self._disk_id
             try:
-                if os.stat(path).st_ino != inode:
-                    log.debug("L2 loans not used: %s here is another file", path)
-                else:
-                    self._disk = ArenaView.open(path, size, writable=False, growing=True)
-            except (OSError, KVStoreError) as e:
+                self._disk = ArenaView.open(path, size, writable=False, growing=True, inode=inode)
+            except KVStoreError as e:
                 log.debug("L2 loans not used: cannot map %s: %s", path, e)
             if self._disk is None:
                 self._disk_id = None  # not tried again until the server offers it anew

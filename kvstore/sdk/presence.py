@@ -95,11 +95,9 @@ class PresenceView:
                 return
             path, inode, offset, size, nonce = ident
             try:
-                if os.stat(path).st_ino != inode:
-                    return
-                view = ArenaView.open(path, size, writable=False, offset=offset)
-            except (OSError, KVStoreError):
-                return
+                view = ArenaView.open(path, size, writable=False, offset=offset, inode=inode)
+            except KVStoreError:
+                return  # another file at the path, or none: lookups are asked
             flt = Presence(view.array)
             if flt.nonce() == nonce:
                 # The old mapping goes with its last reader: never unmapped under one.

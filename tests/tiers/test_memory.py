@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,6 +201,26 @@ def test_explicit_path_is_locked_and_create_false_leaves_the_file() -> None:
         assert os.path.exists(path), "create=False must not unlink a file it did not create"
     finally:
         os.unlink(path)
+
+
+def test_a_view_maps_only_the_file_the_server_offered(tmp_path: Path) -> None:
+    """A client maps the arena its server's Info named by path and inode: the same path
+    naming another file (a server restarted there, another host's file) is refused, and
+    the check is made on the file opened, not on a stat before it."""
+    path = str(tmp_path / "arena")
+    with open(path, "wb") as f:
+        f.truncate(4 * PAGE)
+    offered = os.stat(path).st_ino
+    with ArenaView.open(path, inode=offered, writable=False) as view:
+        assert view.size == 4 * PAGE
+    with open(path, "rb"):  # held open: the old inode cannot be reused by the new file
+        os.unlink(path)
+        with open(path, "wb") as f:  # a new file at the same path (a restart)
+            f.truncate(4 * PAGE)
+        with pytest.raises(TierError, match="not the file the server offered"):
+            ArenaView.open(path, inode=offered, writable=False)
+    with ArenaView.open(path, inode=os.stat(path).st_ino, writable=False, offset=PAGE) as view:
+        assert view.size == 3 * PAGE
 
 
 # -- put, get and eviction --------------------------------------------------------------
