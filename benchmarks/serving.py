@@ -28,7 +28,9 @@ turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both
 - (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
   prefixes): TTFT and throughput against (c).
 - store on miss: the no-reuse control on the engines of (c) and (d): with no reuse, the
-  connector's lookups and saves are all it adds.
+  connector's lookups and saves are all it adds. A third engine without kvstore takes
+  the same turns (``store_on_miss.control``): the ratio this method reports between two
+  engines alike, against which the store-on-miss ratio is read.
 
 vLLM's ``/metrics`` (``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``,
 the connector's) is read around every run: the notes say how many prompt tokens each
@@ -126,6 +128,23 @@ class ApiServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def processes(self) -> dict[str, int]:
+        """vLLM's engine-core and worker processes (by their names), for their CPU time."""
+        pgid, found = os.getpgid(self.proc.pid), {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                if os.getpgid(int(d)) != pgid:
+                    continue
+                comm = Path(f"/proc/{d}/comm").read_text()
+            except OSError:
+                continue
+            for role, name in (("core", "EngineCor"), ("worker", "Worker")):
+                if name in comm:
+                    found[role] = int(d)
+        return found
 
     def wait_ready(self, timeout: float = START_S) -> None:
         deadline = time.monotonic() + timeout
@@ -270,12 +289,16 @@ def take_turns(
     records (``server_cpu_s``): what kvstore took from the cores vLLM computes on."""
     from kvstore.testing.procs import cpu_seconds
 
+    procs = {name: s.processes() for name, s in servers.items()}
     for i, seed in enumerate(seeds):
         order = list(servers) if i % 2 == 0 else list(reversed(servers))
         for name in order:
             time.sleep(SETTLE_S)
             cpu0 = cpu_seconds(kvstore_pid) if kvstore_pid else 0.0
+            own0 = {role: cpu_seconds(pid) for role, pid in procs[name].items()}
             got = client(servers[name], model, load, seed, work / f"{name}.client.log")
+            for role, pid in procs[name].items():  # the engine's own processes' CPU
+                got[f"{role}_cpu_s"] = cpu_seconds(pid) - own0[role]
             if kvstore_pid and name.startswith("kv"):
                 got["server_cpu_s"] = cpu_seconds(kvstore_pid) - cpu0
             got["seed"] = seed
@@ -312,9 +335,13 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                     with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
                         take_turns(s2, runs, model, load["prefix"], seeds, work, ".restart")
             else:
-                with engines(p, model, work, server.unix_url, False, ["alone", "kv"]) as s:
+                # "alone2": a second engine without kvstore, in the no-reuse turns only:
+                # the ratio this method finds between two engines alike (the control).
+                names = ["alone", "kv", "alone2"]
+                with engines(p, model, work, server.unix_url, False, names) as s:
                     off = [150 + r for r in range(p.reps_off)]
-                    take_turns(s, runs, model, load["prefix"], off, work, ".nocache")
+                    pair = {n: s[n] for n in ("alone", "kv")}
+                    take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
                     rand = [180 + r for r in range(p.reps_random)]
                     pid = server.proc.pid if server.proc else None
                     take_turns(s, runs, model, load["random"], rand, work, ".random", pid)
@@ -392,7 +419,39 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
                 f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
                 f"{_hits(runs[case], p)}",
             ))  # fmt: skip
+    control = runs.get("alone2.random", [])
+    if control:
+        for key, unit in METRICS[:2]:
+            ratios = paired(control, runs["alone.random"], key)
+            out.append(Record(
+                f"serving.store_on_miss.control.{key.removesuffix('_ms')}",
+                _med(control, key), unit, _med(runs["alone.random"], key),
+                statistics.median(ratios), "vLLM alone, a second engine without kvstore",
+                "the method's own gap: store_on_miss against it",
+                f"two engines without kvstore, in the same no-reuse turns as store_on_miss "
+                f"(alone, kvstore, alone2; then reversed): what this method reports where "
+                f"nothing differs. Ratios of {len(ratios)} pairs: "
+                f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}",
+            ))  # fmt: skip
     miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
+    alone = runs["alone.random"]
+    if all("core_cpu_s" in r and "worker_cpu_s" in r for r in miss + alone) and miss:
+        # Where the engine's own cycles went: vLLM's engine core (the scheduler, and its
+        # reader spinning on sched_yield while the worker computes) and its worker.
+        def med(rs: list[dict[str, Any]], k: str) -> float:
+            return statistics.median(r[k] for r in rs)
+
+        out.append(Record(
+            "serving.store_on_miss.engine_core_cpu", med(miss, "core_cpu_s"), "s",
+            med(alone, "core_cpu_s"),
+            statistics.median(paired(miss, alone, "core_cpu_s")),
+            "vLLM alone's engine core, same no-reuse runs", "",
+            f"the CPU time of vLLM's engine-core process during each no-reuse run (its "
+            f"scheduler, the connector's lookups, and its reader spinning on sched_yield "
+            f"while the worker computes); with kvstore: {_spread(miss, 'core_cpu_s')} s; "
+            f"alone: {_spread(alone, 'core_cpu_s')} s. The worker's, median: with kvstore "
+            f"{med(miss, 'worker_cpu_s'):.2f} s, alone {med(alone, 'worker_cpu_s'):.2f} s a run",
+        ))  # fmt: skip
     if miss:
         cores = os.cpu_count() or 1
         shares = [r["server_cpu_s"] / (r["duration"] * cores) for r in miss]
@@ -449,14 +508,17 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
     names = {"alone": "(a) alone, cache on", "kv": "(b) + kvstore, cache on",
              "kv2.restart": "(e) + kvstore, new engine", "alone.nocache": "(c) alone, cache off",
              "kv.nocache": "(d) + kvstore, cache off", "alone.random": "alone, no reuse",
-             "kv.random": "+ kvstore, no reuse"}  # fmt: skip
+             "kv.random": "+ kvstore, no reuse",
+             "alone2.random": "a second engine alone, no reuse (control)"}  # fmt: skip
     limits = {"kv": "alone", "kv2.restart": "alone", "kv.nocache": "alone.nocache",
-              "kv.random": "alone.random"}  # fmt: skip
+              "kv.random": "alone.random", "alone2.random": "alone.random"}  # fmt: skip
     rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
             "TTFT ratio | TPOT ratio | prompt tokens from vLLM's cache / kvstore |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for name, label in names.items():
-        rs = runs[name]
+        rs = runs.get(name)
+        if not rs:
+            continue
         base = limits.get(name)
         cells = ["", "", "", ""]
         if base:
