@@ -438,19 +438,16 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
     if all("core_cpu_s" in r and "worker_cpu_s" in r for r in miss + alone) and miss:
         # Where the engine's own cycles went: vLLM's engine core (the scheduler, and its
         # reader spinning on sched_yield while the worker computes) and its worker.
-        def med(rs: list[dict[str, Any]], k: str) -> float:
-            return statistics.median(r[k] for r in rs)
-
         out.append(Record(
-            "serving.store_on_miss.engine_core_cpu", med(miss, "core_cpu_s"), "s",
-            med(alone, "core_cpu_s"),
+            "serving.store_on_miss.engine_core_cpu", _med(miss, "core_cpu_s"), "s",
+            _med(alone, "core_cpu_s"),
             statistics.median(paired(miss, alone, "core_cpu_s")),
             "vLLM alone's engine core, same no-reuse runs", "",
             f"the CPU time of vLLM's engine-core process during each no-reuse run (its "
             f"scheduler, the connector's lookups, and its reader spinning on sched_yield "
             f"while the worker computes); with kvstore: {_spread(miss, 'core_cpu_s')} s; "
             f"alone: {_spread(alone, 'core_cpu_s')} s. The worker's, median: with kvstore "
-            f"{med(miss, 'worker_cpu_s'):.2f} s, alone {med(alone, 'worker_cpu_s'):.2f} s a run",
+            f"{_med(miss, 'worker_cpu_s'):.2f} s, alone {_med(alone, 'worker_cpu_s'):.2f} s a run",
         ))  # fmt: skip
     if miss:
         cores = os.cpu_count() or 1

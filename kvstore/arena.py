@@ -250,7 +250,10 @@ class ArenaView:
         except OSError as e:
             raise TierError(f"cannot open arena {path}: {e}") from e
         try:
-            st = os.fstat(fd)
+            try:
+                st = os.fstat(fd)
+            except OSError as e:  # callers catch this module's errors only
+                raise TierError(f"cannot stat arena {path}: {e}") from e
             if inode is not None and st.st_ino != inode:
                 raise TierError(f"{path} here is not the file the server offered (inode differs)")
             actual = st.st_size

@@ -205,8 +205,7 @@ def test_explicit_path_is_locked_and_create_false_leaves_the_file() -> None:
 
 def test_a_view_maps_only_the_file_the_server_offered(tmp_path: Path) -> None:
     """A client maps the arena its server's Info named by path and inode: the same path
-    naming another file (a server restarted there, another host's file) is refused, and
-    the check is made on the file opened, not on a stat before it."""
+    naming another file (a server restarted there, another host's file) is refused."""
     path = str(tmp_path / "arena")
     with open(path, "wb") as f:
         f.truncate(4 * PAGE)
