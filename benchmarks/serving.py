@@ -27,10 +27,13 @@ turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both
   that workload (a cold vLLM).
 - (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
   prefixes): TTFT and throughput against (c).
-- store on miss: the no-reuse control on the engines of (c) and (d): with no reuse, the
-  connector's lookups and saves are all it adds. A third engine without kvstore takes
-  the same turns (``store_on_miss.control``): the ratio this method reports between two
-  engines alike, against which the store-on-miss ratio is read.
+- store on miss: the no-reuse workload, where the connector's lookups and saves are all
+  kvstore adds. A third engine without kvstore takes the same turns
+  (``store_on_miss.control``): the ratio this method reports between two engines alike,
+  against which the store-on-miss ratio is read. Two engines alike can differ by several
+  percent for as long as they live (whatever the host gave each: memory, placement), so
+  the runs are split into ``random_blocks`` sets of new engines (the first set is that
+  of (c) and (d)), each set started in an order rotated by one.
 
 vLLM's ``/metrics`` (``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``,
 the connector's) is read around every run: the notes say how many prompt tokens each
@@ -45,7 +48,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +59,7 @@ from typing import Any
 
 from .engines import START_S, engine_env, kv_bytes_per_token, kvstore_connector, scratch
 from .harness import Progress, Record
+from .serving_report import Runs, fmt_loads, records, table
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ class ServeParams:
     reps_off: int  # runs of (c) and of (d)
     reps_random: int  # runs of the no-reuse workload, with and without kvstore
     kv_cache_gib: int  # vLLM's own cache (VLLM_CPU_KVCACHE_SPACE)
+    # Fresh engines (alone, kvstore, the control) for each of this many blocks of the no-reuse
+    # runs, started in a rotated order: engines alike differ by up to ~8% for their whole
+    # life (docs/performance.md, session 13), so one engine of each kind is one draw.
+    random_blocks: int = 1
     dtype: str = "bfloat16"
     vocab: int = 1024
     max_model_len: int = 8192
@@ -95,9 +102,10 @@ class ServeParams:
         )
 
 
-# The no-reuse control's pairs spread by +-10% on this host and cost ~5 s each: 16 of them,
-# for a median ratio within ~3% (its figure is a 5% target).
-FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 16, 2)
+# The no-reuse control's pairs spread by +-10% on this host and cost ~5 s each: 15 of them,
+# for a median ratio within ~3% (its figure is a 5% target), on 3 engines of each kind,
+# each kind started first, second and third once.
+FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 15, 2, random_blocks=3)
 QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1, 1, 1)
 METRIC = re.compile(
     r"^(vllm:(?:(?:external_)?prefix_cache_(?:hits|queries)|kvstore_(?:save|lookup)_seconds))_total"
@@ -277,16 +285,14 @@ def engines(
             s.close()
 
 
-Runs = dict[str, list[dict[str, Any]]]
-
-
 def take_turns(
     servers: dict[str, ApiServer], runs: Runs, model: Path, load: list[str], seeds: list[int],
-    work: Path, tag: str = "", kvstore_pid: int | None = None,
+    work: Path, tag: str = "", kvstore_pid: int | None = None, block: int = 0,
 ) -> None:  # fmt: skip
     """Every server runs each seed's workload; turns alternate in order seed by seed.
     ``kvstore_pid``: the kvstore-server, whose CPU time each run of an engine using it
-    records (``server_cpu_s``): what kvstore took from the cores vLLM computes on."""
+    records (``server_cpu_s``): what kvstore took from the cores vLLM computes on.
+    ``block``: which set of engine instances ran it (recorded with each run)."""
     from kvstore.testing.procs import cpu_seconds
 
     procs = {name: s.processes() for name, s in servers.items()}
@@ -301,7 +307,7 @@ def take_turns(
                 got[f"{role}_cpu_s"] = cpu_seconds(pid) - own0[role]
             if kvstore_pid and name.startswith("kv"):
                 got["server_cpu_s"] = cpu_seconds(kvstore_pid) - cpu0
-            got["seed"] = seed
+            got["seed"], got["block"] = seed, block
             runs.setdefault(name + tag, []).append(got)
 
 
@@ -338,205 +344,24 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                 # "alone2": a second engine without kvstore, in the no-reuse turns only:
                 # the ratio this method finds between two engines alike (the control).
                 names = ["alone", "kv", "alone2"]
-                with engines(p, model, work, server.unix_url, False, names) as s:
-                    off = [150 + r for r in range(p.reps_off)]
-                    pair = {n: s[n] for n in ("alone", "kv")}
-                    take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
-                    rand = [180 + r for r in range(p.reps_random)]
-                    pid = server.proc.pid if server.proc else None
-                    take_turns(s, runs, model, load["random"], rand, work, ".random", pid)
+                rand = [180 + r for r in range(p.reps_random)]
+                pid = server.proc.pid if server.proc else None
+                for b in range(p.random_blocks):
+                    # Each block's engines are new, started (and taking turns) in an order
+                    # rotated by one: no kind is always the first or the middle one.
+                    order = names[b % 3 :] + names[: b % 3]
+                    with engines(p, model, work, server.unix_url, False, order) as s:
+                        if b == 0:
+                            off = [150 + r for r in range(p.reps_off)]
+                            pair = {n: s[n] for n in ("alone", "kv")}
+                            take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
+                        seeds = rand[b :: p.random_blocks]
+                        take_turns(s, runs, model, load["random"], seeds, work, ".random", pid, b)
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()
     loads["end"] = list(os.getloadavg())
     return {"runs": runs, "seconds": time.monotonic() - t0, "load": loads}
-
-
-def _med(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
-def _spread(runs: list[dict[str, Any]], key: str, scale: float = 1.0, unit: str = "") -> str:
-    vals = sorted(r[key] * scale for r in runs)
-    return ", ".join(f"{_num(v)}{unit}" for v in vals)
-
-
-def _range(runs: list[dict[str, Any]], key: str, unit: str = "") -> str:
-    """Median (min-max): the spread of a configuration's runs on this noisy machine."""
-    vals = [r[key] for r in runs]
-    return f"{_num(statistics.median(vals))}{unit} ({_num(min(vals))}-{_num(max(vals))})"
-
-
-def _num(x: float) -> str:
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def _hits(runs: list[dict[str, Any]], p: ServeParams) -> str:
-    """Prompt tokens served per run: by vLLM's own cache and by the connector."""
-    own = statistics.median(r.get("prefix_cache_hits", 0) for r in runs)
-    ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in runs)
-    asked = statistics.median(r.get("total_input_tokens", 0) for r in runs)
-    return (f"prompt tokens a run (median): {asked:.0f}, from vLLM's cache {own:.0f}, "
-            f"from kvstore {ext:.0f}")  # fmt: skip
-
-
-PAIRS = (
-    # (record stem, case runs, limit runs, limit name, target)
-    ("cache_on", "kv", "alone", "vLLM alone, prefix cache on, same workloads, turns alternating",
-     "throughput and TPOT within 5% (ratio 0.95-1.05)"),
-    ("cache_off", "kv.nocache", "alone.nocache",
-     "vLLM alone, prefix cache off, same workloads, turns alternating", "TTFT ratio < 1"),
-    ("store_on_miss", "kv.random", "alone.random",
-     "vLLM alone, prefix cache off, same no-reuse workloads, turns alternating",
-     "TTFT and throughput within 5%"),
-)  # fmt: skip
-METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_ms", "ms"),
-           ("median_ttft_ms", "ms"))  # fmt: skip
-
-
-COLD = "vLLM alone, prefix cache on, the same workloads, each new to it (cold)"
-
-
-def paired(case: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> list[float]:
-    """case / base of the runs of each workload (seed): both ran it one after the other,
-    so a change in what else this machine runs lands on both."""
-    by_seed = {r["seed"]: r[key] for r in base}
-    return [r[key] / by_seed[r["seed"]] for r in case if by_seed.get(r["seed"])]
-
-
-def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
-    runs: Runs = res["runs"]
-    out: list[Record] = []
-    for stem, case, base, limit_name, target in PAIRS:
-        for key, unit in METRICS:
-            label = key.removesuffix("_ms")
-            ratios = paired(runs[case], runs[base], key)
-            out.append(Record(
-                f"serving.{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
-                statistics.median(ratios), limit_name, target,
-                f"ratio: the median of {len(ratios)} paired runs' ratios (same workload, back "
-                f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; with kvstore: "
-                f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
-                f"{_hits(runs[case], p)}",
-            ))  # fmt: skip
-    control = runs.get("alone2.random", [])
-    if control:
-        for key, unit in METRICS[:2]:
-            ratios = paired(control, runs["alone.random"], key)
-            out.append(Record(
-                f"serving.store_on_miss.control.{key.removesuffix('_ms')}",
-                _med(control, key), unit, _med(runs["alone.random"], key),
-                statistics.median(ratios), "vLLM alone, a second engine without kvstore",
-                "the method's own gap: store_on_miss against it",
-                f"two engines without kvstore, in the same no-reuse turns as store_on_miss "
-                f"(alone, kvstore, alone2; then reversed): what this method reports where "
-                f"nothing differs. Ratios of {len(ratios)} pairs: "
-                f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}",
-            ))  # fmt: skip
-    miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
-    alone = runs["alone.random"]
-    if all("core_cpu_s" in r and "worker_cpu_s" in r for r in miss + alone) and miss:
-        # Where the engine's own cycles went: vLLM's engine core (the scheduler, and its
-        # reader spinning on sched_yield while the worker computes) and its worker.
-        out.append(Record(
-            "serving.store_on_miss.engine_core_cpu", _med(miss, "core_cpu_s"), "s",
-            _med(alone, "core_cpu_s"),
-            statistics.median(paired(miss, alone, "core_cpu_s")),
-            "vLLM alone's engine core, same no-reuse runs", "",
-            f"the CPU time of vLLM's engine-core process during each no-reuse run (its "
-            f"scheduler, the connector's lookups, and its reader spinning on sched_yield "
-            f"while the worker computes); with kvstore: {_spread(miss, 'core_cpu_s')} s; "
-            f"alone: {_spread(alone, 'core_cpu_s')} s. The worker's, median: with kvstore "
-            f"{_med(miss, 'worker_cpu_s'):.2f} s, alone {_med(alone, 'worker_cpu_s'):.2f} s a run",
-        ))  # fmt: skip
-    if miss:
-        cores = os.cpu_count() or 1
-        shares = [r["server_cpu_s"] / (r["duration"] * cores) for r in miss]
-        out.append(Record(
-            "serving.store_on_miss.server_cpu", 100 * statistics.median(shares), "%",
-            notes=f"the kvstore-server's CPU time during each no-reuse run with kvstore, as a "
-            f"share of the host's {cores} cores over the run (median of "
-            f"{len(miss)}: {', '.join(f'{100 * x:.1f}' for x in sorted(shares))} %); "
-            f"{statistics.median(r['server_cpu_s'] for r in miss):.3f} s a run "
-            f"({p.prompts} prompts of {p.random_len} tokens stored, "
-            f"{p.prompts * p.random_len * p.kv_bytes_per_token >> 20} MiB)",
-        ))  # fmt: skip
-        # What kvstore is seen to take from a run it could not help, without the host's
-        # noise: the time the engine waited for it, its worker's thread in the step's saves
-        # and its scheduling loop for each new request's lookup. The server's CPU is not
-        # counted: a process burning as much beside vLLM cost it nothing measurable
-        # (docs/performance.md, session 9).
-        saving = [r.get("kvstore_save_seconds", 0.0) / r["duration"] for r in miss]
-        asking = [r.get("kvstore_lookup_seconds", 0.0) / r["duration"] for r in miss]
-        wait = [a + b for a, b in zip(saving, asking, strict=True)]
-        out.append(Record(
-            "serving.store_on_miss.engine_wait", 100 * statistics.median(wait), "%",
-            notes=f"the share of each no-reuse run the engine waited for kvstore: the worker's "
-            f"thread in the step's saves (vllm:kvstore_save_seconds) and the scheduler's loop "
-            f"for the lookups (vllm:kvstore_lookup_seconds), over the run's duration (median "
-            f"of {len(wait)}: {', '.join(f'{100 * x:.1f}' for x in sorted(wait))} %; saves "
-            f"{100 * statistics.median(saving):.1f} %, "
-            f"{statistics.median(r.get('kvstore_save_seconds', 0.0) for r in miss):.3f} s a "
-            f"run; lookups {100 * statistics.median(asking):.1f} %, "
-            f"{statistics.median(r.get('kvstore_lookup_seconds', 0.0) for r in miss):.3f} s "
-            f"a run). What kvstore is seen to take, not the host's noise; the connector's "
-            f"other hooks in the step (binding its metadata, the per-layer calls) are left out",
-        ))  # fmt: skip
-    restart, cold = runs["kv2.restart"], runs["alone"]
-    out.append(Record(
-        "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
-        _med(cold, "mean_ttft_ms"),
-        statistics.median(paired(restart, cold, "mean_ttft_ms")), COLD, "ratio < 1",
-        f"medians of {len(restart)} runs: a new engine (b's stopped) against the kvstore-server "
-        f"b filled, running b's workloads again: {_spread(restart, 'mean_ttft_ms')} ms; "
-        f"alone: {_spread(cold, 'mean_ttft_ms')} ms; {_hits(restart, p)}",
-    ))  # fmt: skip
-    out.append(Record(
-        "serving.restart.request_throughput", _med(restart, "request_throughput"), "req/s",
-        _med(cold, "request_throughput"), None, COLD, "",
-        "the restarted engine's request throughput",
-    ))  # fmt: skip
-    return out
-
-
-def table(p: ServeParams, res: dict[str, Any]) -> str:
-    runs: Runs = res["runs"]
-    short = {"alone": "a", "alone.nocache": "c", "alone.random": "alone, no reuse"}
-    names = {"alone": "(a) alone, cache on", "kv": "(b) + kvstore, cache on",
-             "kv2.restart": "(e) + kvstore, new engine", "alone.nocache": "(c) alone, cache off",
-             "kv.nocache": "(d) + kvstore, cache off", "alone.random": "alone, no reuse",
-             "kv.random": "+ kvstore, no reuse",
-             "alone2.random": "a second engine alone, no reuse (control)"}  # fmt: skip
-    limits = {"kv": "alone", "kv2.restart": "alone", "kv.nocache": "alone.nocache",
-              "kv.random": "alone.random", "alone2.random": "alone.random"}  # fmt: skip
-    rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
-            "TTFT ratio | TPOT ratio | prompt tokens from vLLM's cache / kvstore |",
-            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for name, label in names.items():
-        rs = runs.get(name)
-        if not rs:
-            continue
-        base = limits.get(name)
-        cells = ["", "", "", ""]
-        if base:
-            b = runs[base]
-            cells = [f"({short[base]})"]
-            for key in ("request_throughput", "mean_ttft_ms", "mean_tpot_ms"):
-                rat = paired(rs, b, key)
-                cells.append(f"{statistics.median(rat):.3f} ({min(rat):.2f}-{max(rat):.2f})")
-        own = statistics.median(r.get("prefix_cache_hits", 0) for r in rs)
-        ext = statistics.median(r.get("external_prefix_cache_hits", 0) for r in rs)
-        rows.append(
-            f"| {label} | {len(rs)} | {_range(rs, 'request_throughput')} | "
-            f"{_range(rs, 'mean_ttft_ms', ' ms')} | {_range(rs, 'mean_tpot_ms', ' ms')}"
-            f" | {' | '.join(cells)} | {own:.0f} / {ext:.0f} |"
-        )
-    return "\n".join(rows) + "\n"
-
-
-def fmt_loads(loads: dict[str, list[float]]) -> str:
-    """The 1/5/15-minute load averages at the start of each phase and at the end."""
-    return "; ".join(f"{k}: {' / '.join(f'{x:.1f}' for x in v)}" for k, v in loads.items())
 
 
 def run(quick: bool, progress: Progress) -> list[Record]:
