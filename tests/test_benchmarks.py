@@ -260,3 +260,29 @@ def test_kvstore_bench_suite_runs_the_same_suite(tmp_path: Path) -> None:
     assert "lookup.128k.p50" in names, f"store suite records missing: {sorted(names)[:10]}"
     assert all(set(RECORD_KEYS) <= set(r) for r in doc["records"]), "records lack documented keys"
     assert json.loads(js.read_text()) == doc["records"], "--out holds other records"
+
+
+def test_the_serving_report_pairs_kvstore_with_both_engines_alone_by_seed() -> None:
+    """store_on_miss's limit is the mean of the two engines alone in the same turn (the
+    same seed), never a run of another seed; the per-set medians name each set."""
+    from benchmarks.serving_report import by_block, paired, with_pooled
+
+    def run(seed: int, block: int, rps: float) -> dict[str, Any]:
+        return {"seed": seed, "block": block, "request_throughput": rps}
+
+    runs = with_pooled({
+        "alone.random": [run(1, 0, 8.0), run(2, 1, 6.0), run(3, 1, 9.0)],
+        "alone2.random": [run(2, 1, 10.0), run(1, 0, 10.0)],  # no run of seed 3
+        "kv.random": [run(1, 0, 8.1), run(2, 1, 7.2), run(3, 1, 9.0)],
+    })  # fmt: skip
+    both = runs["alone.both"]
+    assert [(r["seed"], r["block"], r["request_throughput"]) for r in both] == [
+        (1, 0, 9.0),
+        (2, 1, 8.0),
+    ], "each seed's two runs alone, averaged; a seed one engine did not run is left out"
+    ratios = paired(runs["kv.random"], both, "request_throughput")
+    assert ratios == pytest.approx([0.9, 0.9]), ratios
+    got = by_block(runs["kv.random"], both, "request_throughput")
+    assert got.endswith("0.900, 0.900"), got
+    single = with_pooled({"alone.random": [run(1, 0, 8.0)]})
+    assert single["alone.both"] == single["alone.random"], "a quick run has one engine alone"
