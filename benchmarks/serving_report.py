@@ -85,9 +85,9 @@ def by_block(case: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -
 
 def pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One run per seed both ran, each number the mean of the two: the limit an engine
-    with kvstore is paired with when two engines alone took the same turns. Against one
-    of them alone, that engine's own lasting speed (session 13: engines alike differ by
-    up to ~8% all their life) would be half of what the ratio says."""
+    with kvstore is paired with when two engines alone took the same turns. Engines alike
+    differ by up to ~8% all their life (session 13): against one engine alone that
+    engine's own speed is the whole limit, against two it is half of it."""
     by_seed = {r["seed"]: r for r in b}
     out = []
     for r in a:
@@ -100,7 +100,7 @@ def pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, A
 
 def with_pooled(runs: Runs) -> Runs:
     """``runs`` plus ``alone.both``: the no-reuse runs of the two engines alone, pooled
-    (just ``alone``'s where there was no second engine, as in a quick run)."""
+    (just ``alone``'s where no second engine ran, as in results recorded before it)."""
     alone = runs.get("alone.random", [])
     control = runs.get("alone2.random", [])
     return {**runs, "alone.both": pooled(alone, control) if control else alone}
