@@ -22,18 +22,21 @@ turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both
 
 - (a) vLLM alone, prefix cache on; (b) the same plus kvstore: a workload that fits in
   vLLM's cache, where kvstore cannot help and should cost almost nothing.
-- (e) the engine of (b) stopped and a new one started against the same kvstore-server,
-  running the first repetition's workload again: its TTFT against (a)'s first run of
-  that workload (a cold vLLM).
+- (e) the last engine of (b) stopped and a new one started against the same
+  kvstore-server, running every repetition's workload again: its TTFT against (a)'s
+  runs of those workloads (a cold vLLM).
 - (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
   prefixes): TTFT and throughput against (c).
 - store on miss: the no-reuse workload, where the connector's lookups and saves are all
-  kvstore adds. A third engine without kvstore takes the same turns
-  (``store_on_miss.control``): the ratio this method reports between two engines alike,
-  against which the store-on-miss ratio is read. Two engines alike can differ by several
-  percent for as long as they live (whatever the host gave each: memory, placement), so
-  the runs are split into ``random_blocks`` sets of new engines (the first set is that
-  of (c) and (d)), each set started in an order rotated by one.
+  kvstore adds.
+
+In (a, b) and in the no-reuse runs a second engine without kvstore takes the same turns
+(``cache_on.control``, ``store_on_miss.control``): the ratio this method reports between
+two engines alike, against which kvstore's is read, and kvstore is paired with the mean
+of the two engines alone. Two engines alike can differ by several percent for as long as
+they live (whatever the host gave each: memory, placement), so those runs are split into
+``on_blocks`` and ``random_blocks`` sets of new engines (the first no-reuse set is that
+of (c) and (d)), each set started in an order rotated by one.
 
 vLLM's ``/metrics`` (``vllm:prefix_cache_hits`` and ``vllm:external_prefix_cache_hits``,
 the connector's) is read around every run: the notes say how many prompt tokens each
@@ -82,6 +85,7 @@ class ServeParams:
     # runs, started in a rotated order: engines alike differ by up to ~8% for their whole
     # life (docs/performance.md, session 13), so one engine of each kind is one draw.
     random_blocks: int = 1
+    on_blocks: int = 1  # the same for the prefix-cache-on runs, (a) and (b)
     dtype: str = "bfloat16"
     vocab: int = 1024
     max_model_len: int = 8192
@@ -105,7 +109,9 @@ class ServeParams:
 # The no-reuse control's pairs spread by +-10% on this host and cost ~5 s each: 15 of them,
 # for a median ratio within ~3% (its figure is a 5% target), on 3 engines of each kind,
 # each kind started first, second and third once.
-FULL = ServeParams(4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 15, 2, random_blocks=3)
+FULL = ServeParams(
+    4, 512, 8, 2, 3072, 128, 4, 32, 16, 1024, 6, 3, 15, 2, random_blocks=3, on_blocks=2
+)
 QUICK = ServeParams(2, 256, 4, 2, 1024, 64, 2, 8, 8, 512, 1, 1, 1, 1)
 METRIC = re.compile(
     r"^(vllm:(?:(?:external_)?prefix_cache_(?:hits|queries)|kvstore_(?:save|lookup)_seconds))_total"
@@ -327,6 +333,9 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
     load = workloads(p)
     runs: Runs = {}
     seeds = [100 + r for r in range(p.reps_on)]
+    # "alone2": a second engine without kvstore in the same turns: the ratio this method
+    # finds between two engines alike (the control); kvstore is paired with both alone.
+    names = ["alone", "kv", "alone2"]
     loads: dict[str, list[float]] = {}
     t0 = time.monotonic()
     try:
@@ -335,15 +344,20 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
         for phase in phases:
             loads[phase] = list(os.getloadavg())
             if phase == "cache on":
-                with engines(p, model, work, server.unix_url, True, ["alone", "kv"]) as s:
-                    take_turns(s, runs, model, load["prefix"], seeds, work)
-                    s["kv"].close()
-                    with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
-                        take_turns(s2, runs, model, load["prefix"], seeds, work, ".restart")
+                for b in range(p.on_blocks):
+                    order = names[b % 3 :] + names[: b % 3]
+                    with engines(p, model, work, server.unix_url, True, order) as s:
+                        mine = seeds[b :: p.on_blocks]
+                        take_turns(s, runs, model, load["prefix"], mine, work, block=b)
+                        if b < p.on_blocks - 1:
+                            continue
+                        # (e): every seed again on a new engine, kvstore holding what the
+                        # kv engines of every set stored; one of this set's engines alone
+                        # still runs beside it, as in the runs it is compared with.
+                        s["kv"].close()
+                        with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
+                            take_turns(s2, runs, model, load["prefix"], seeds, work, ".restart")
             else:
-                # "alone2": a second engine without kvstore, in the no-reuse turns only:
-                # the ratio this method finds between two engines alike (the control).
-                names = ["alone", "kv", "alone2"]
                 rand = [180 + r for r in range(p.reps_random)]
                 pid = server.proc.pid if server.proc else None
                 for b in range(p.random_blocks):

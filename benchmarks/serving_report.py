@@ -47,7 +47,9 @@ def _hits(runs: list[dict[str, Any]], p: ServeParams) -> str:
 
 PAIRS = (
     # (record stem, case runs, limit runs, limit name, target)
-    ("cache_on", "kv", "alone", "vLLM alone, prefix cache on, same workloads, turns alternating",
+    ("cache_on", "kv", "alone.on.both",
+     "vLLM alone, prefix cache on, same workloads, turns alternating: the mean of the two "
+     "engines alone (alone, alone2) in each turn",
      "throughput and TPOT within 5% (ratio 0.95-1.05)"),
     ("cache_off", "kv.nocache", "alone.nocache",
      "vLLM alone, prefix cache off, same workloads, turns alternating", "TTFT ratio < 1"),
@@ -60,7 +62,10 @@ METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_
            ("median_ttft_ms", "ms"))  # fmt: skip
 
 
-COLD = "vLLM alone, prefix cache on, the same workloads, each new to it (cold)"
+COLD = (
+    "vLLM alone, prefix cache on, the same workloads, each new to it (cold): the mean "
+    "of the two engines alone"
+)
 
 
 def paired(case: list[dict[str, Any]], base: list[dict[str, Any]], key: str) -> list[float]:
@@ -98,12 +103,20 @@ def pooled(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, A
     return out
 
 
+# (the runs' tag, the pooled runs' name, the control record's stem): where two engines
+# alone took turns with the one with kvstore
+POOLS = (("", "alone.on.both", "cache_on"), (".random", "alone.both", "store_on_miss"))
+
+
 def with_pooled(runs: Runs) -> Runs:
-    """``runs`` plus ``alone.both``: the no-reuse runs of the two engines alone, pooled
-    (just ``alone``'s where no second engine ran, as in results recorded before it)."""
-    alone = runs.get("alone.random", [])
-    control = runs.get("alone2.random", [])
-    return {**runs, "alone.both": pooled(alone, control) if control else alone}
+    """``runs`` plus ``alone.on.both`` (prefix cache on) and ``alone.both`` (no reuse): the
+    runs of the two engines alone, pooled (just ``alone``'s where no second engine ran, as
+    in results recorded before it)."""
+    out = dict(runs)
+    for tag, name, _ in POOLS:
+        alone, control = runs.get("alone" + tag, []), runs.get("alone2" + tag, [])
+        out[name] = pooled(alone, control) if control else alone
+    return out
 
 
 def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
@@ -121,20 +134,21 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
                 f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
                 f"{_hits(runs[case], p)}{by_block(runs[case], runs[base], key)}",
             ))  # fmt: skip
-    control = runs.get("alone2.random", [])
-    if control:
-        for key, unit in METRICS[:2]:
-            ratios = paired(control, runs["alone.random"], key)
+    for tag, _, stem in POOLS:
+        control, alone = runs.get("alone2" + tag, []), runs.get("alone" + tag, [])
+        if not control:
+            continue
+        for key, unit in METRICS[:3]:
+            ratios = paired(control, alone, key)
             out.append(Record(
-                f"serving.store_on_miss.control.{key.removesuffix('_ms')}",
-                _med(control, key), unit, _med(runs["alone.random"], key),
+                f"serving.{stem}.control.{key.removesuffix('_ms')}",
+                _med(control, key), unit, _med(alone, key),
                 statistics.median(ratios), "vLLM alone, a second engine without kvstore",
-                "the method's own gap: store_on_miss against it",
-                f"two engines without kvstore, in the same no-reuse turns as store_on_miss "
-                f"(alone, kvstore, alone2 in a rotated order; then reversed): what this "
-                f"method reports where nothing differs. Ratios of {len(ratios)} pairs: "
-                f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}"
-                f"{by_block(control, runs['alone.random'], key)}",
+                f"the method's own gap: {stem} against it",
+                f"two engines without kvstore, in the same turns as {stem} (alone, kvstore, "
+                f"alone2 in a rotated order; then reversed): what this method reports where "
+                f"nothing differs. Ratios of {len(ratios)} pairs: "
+                f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}{by_block(control, alone, key)}",
             ))  # fmt: skip
     miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
     alone = runs["alone.random"]
@@ -185,7 +199,7 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
             f"a run). What kvstore is seen to take, not the host's noise; the connector's "
             f"other hooks in the step (binding its metadata, the per-layer calls) are left out",
         ))  # fmt: skip
-    restart, cold = runs["kv2.restart"], runs["alone"]
+    restart, cold = runs["kv2.restart"], runs["alone.on.both"]
     out.append(Record(
         "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
         _med(cold, "mean_ttft_ms"),
@@ -204,14 +218,17 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
 
 def table(p: ServeParams, res: dict[str, Any]) -> str:
     runs: Runs = with_pooled(res["runs"])
-    short = {"alone": "a", "alone.nocache": "c", "alone.random": "alone, no reuse",
+    short = {"alone": "a", "alone.on.both": "a, both engines alone", "alone.nocache": "c",
+             "alone.random": "alone, no reuse",
              "alone.both": "both engines alone, no reuse"}  # fmt: skip
-    names = {"alone": "(a) alone, cache on", "kv": "(b) + kvstore, cache on",
+    names = {"alone": "(a) alone, cache on", "alone2": "a second engine alone, cache on (control)",
+             "kv": "(b) + kvstore, cache on",
              "kv2.restart": "(e) + kvstore, new engine", "alone.nocache": "(c) alone, cache off",
              "kv.nocache": "(d) + kvstore, cache off", "alone.random": "alone, no reuse",
              "kv.random": "+ kvstore, no reuse",
              "alone2.random": "a second engine alone, no reuse (control)"}  # fmt: skip
-    limits = {"kv": "alone", "kv2.restart": "alone", "kv.nocache": "alone.nocache",
+    limits = {"alone2": "alone", "kv": "alone.on.both", "kv2.restart": "alone.on.both",
+              "kv.nocache": "alone.nocache",
               "kv.random": "alone.both", "alone2.random": "alone.random"}  # fmt: skip
     rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
             "TTFT ratio | TPOT ratio | prompt tokens from vLLM's cache / kvstore |",

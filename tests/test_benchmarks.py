@@ -287,3 +287,41 @@ def test_the_serving_report_pairs_kvstore_with_both_engines_alone_by_seed() -> N
     single = with_pooled({"alone.random": [run(1, 0, 8.0)]})
     alone = single["alone.random"]
     assert single["alone.both"] == alone, "with no second engine alone, the first's runs"
+
+
+def test_the_serving_report_pairs_both_cache_on_kinds_with_both_engines_alone() -> None:
+    """(b) and the restart (e) are read against the mean of the two engines alone with
+    vLLM's prefix cache on, and the cache-on control (the second alone against the first)
+    is reported: one engine alone is one draw of an engine's own lasting speed."""
+    from benchmarks.serving import QUICK as SERVE
+    from benchmarks.serving_report import records, table
+
+    def run(seed: int, block: int, rps: float, ttft: float = 100.0) -> dict[str, Any]:
+        return {"seed": seed, "block": block, "request_throughput": rps, "mean_ttft_ms": ttft,
+                "mean_tpot_ms": 10.0, "median_ttft_ms": ttft, "duration": 4.0}  # fmt: skip
+
+    on = {
+        "alone": [run(1, 0, 8.0), run(2, 1, 10.0)],
+        "alone2": [run(1, 0, 12.0), run(2, 1, 10.0)],
+        "kv": [run(1, 0, 9.5), run(2, 1, 9.5)],
+        "kv2.restart": [run(1, 0, 9.0, 10.0), run(2, 0, 9.0, 20.0)],
+    }
+    other = {
+        name: [run(7, 0, 5.0)]
+        for name in ("alone.nocache", "kv.nocache", "alone.random", "kv.random")
+    }
+    res = {"runs": on | other}
+    got = {r.name: r for r in records(SERVE, res)}
+    rps = got["serving.cache_on.request_throughput"]
+    assert rps.ratio == pytest.approx(0.95), (
+        f"(b) against the mean of alone and alone2 per seed (10 and 10) is 0.95: {rps}"
+    )
+    assert "0.950, 0.950" in rps.notes, f"both sets' medians named: {rps.notes}"
+    control = got["serving.cache_on.control.request_throughput"]
+    assert control.ratio == pytest.approx(1.25), f"alone2 / alone: 1.5 and 1.0: {control}"
+    assert "serving.store_on_miss.control.request_throughput" not in got, (
+        "no second engine alone ran the no-reuse runs: no control for them"
+    )
+    restart = got["serving.restart.mean_ttft"]
+    assert restart.ratio == pytest.approx(0.15), f"10/100 and 20/100, cold pooled: {restart}"
+    assert "a second engine alone, cache on (control)" in table(SERVE, res)
