@@ -26,21 +26,22 @@ would kill the engine.
 A background load's copies each run under its request's fence (``vllm_async.Ticket``),
 so once it is cancelled (a deadline, a preemption) nothing more is written into blocks
 vLLM may have handed to someone else.
+
+This module plans a batch (which chunks, which blocks), leases it and ends the leases;
+the copy of each chunk, straight, to the device or staged, is ``vllm_copies.ChunkCopies``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import xxhash
 from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
 from kvstore.connectors.vllm_client import BreakerClient, Leased
+from kvstore.connectors.vllm_copies import ChunkCopies, ChunkTask
 from kvstore.connectors.vllm_cpus import move_here
 from kvstore.connectors.vllm_layers import LayerCopy, LoadJob
 from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
@@ -67,20 +68,7 @@ class SpecOutcome:
     failed: set[int] = field(default_factory=set)  # block ids not loaded: vLLM recomputes them
 
 
-@dataclass
-class _Task:
-    """One chunk to load for one request."""
-
-    spec: int  # index of its spec
-    key: bytes
-    stored: int  # blocks the record holds
-    first: int  # the record's block that goes to ids[0]
-    ids: list[int]  # cache blocks to fill, in order
-    check: bytes  # token ids the record must start with (partial matches), or b""
-    group: int = 0  # the KV-cache group whose layers the record holds (hybrid models)
-
-
-class Loads:
+class Loads(ChunkCopies):
     """Loads one worker's hits: ``load`` is the whole load path, one call per batch."""
 
     def __init__(
@@ -141,7 +129,7 @@ class Loads:
         copying thread while this returns (``vllm_layers``); ``LoadJob.wait`` waits for
         one layer."""
         job = LoadJob(self, specs, [SpecOutcome() for _ in specs])
-        tasks: list[_Task] = []
+        tasks: list[ChunkTask] = []
         for i, spec in enumerate(specs):
             try:
                 tasks += self._plan(i, spec, job.outs[i].failed)
@@ -207,7 +195,7 @@ class Loads:
         return outs
 
     # -- which chunks --------------------------------------------------------------------
-    def _plan(self, i: int, spec: LoadSpec, failed: set[int]) -> list[_Task]:
+    def _plan(self, i: int, spec: LoadSpec, failed: set[int]) -> list[ChunkTask]:
         """The chunks of one request's hit and the blocks each fills (of every KV-cache
         group, for a hybrid model)."""
         if not spec.groups:
@@ -234,7 +222,7 @@ class Loads:
         chunks: Sequence[ChunkRef],
         group: int,
         failed: set[int],
-    ) -> list[_Task]:
+    ) -> list[ChunkTask]:
         bs = s.block_size
         todo = dict(zip(range(start // bs, s.blocks(spec.end)), block_ids, strict=True))
         tasks = []
@@ -248,7 +236,7 @@ class Loads:
             # the last word, so colliding tokens are recomputed, never loaded.
             check = tokens_to_bytes(spec.tokens[c.start : c.start + c.tokens]) if c.partial else b""
             ids = [todo.pop(b) for b in blocks]
-            tasks.append(_Task(i, c.key, last - first, blocks[0] - first, ids, check, group))
+            tasks.append(ChunkTask(i, c.key, last - first, blocks[0] - first, ids, check, group))
         failed.update(todo.values())  # not stored (any more)
         return tasks
 
@@ -279,7 +267,7 @@ class Loads:
     # -- moving bytes --------------------------------------------------------------------
     def _fetch(
         self,
-        tasks: list[_Task],
+        tasks: list[ChunkTask],
         tickets: Sequence[Ticket] | None,
         deadline: float | None,
         job: LoadJob,
@@ -310,9 +298,9 @@ class Loads:
         leased = leased._replace(drop=tuple(k for k in keys if k in drops))
         lent = dict(zip(keys, leased.items, strict=True))
         arena = leased.client.arena
-        later: list[_Task] = []
+        later: list[ChunkTask] = []
         events: list[Any] = []
-        now: list[tuple[_Task, LeaseBase, Ticket | None]] = []
+        now: list[tuple[ChunkTask, LeaseBase, Ticket | None]] = []
         for t in tasks:
             lease = lent[t.key]
             ticket = tickets[t.spec] if tickets is not None else None
@@ -381,8 +369,8 @@ class Loads:
         return Leased(acquired.client, [got[k] for k in keys]), taken
 
     def _start_layers(
-        self, now: list[tuple[_Task, LeaseBase, Ticket | None]], job: LoadJob
-    ) -> list[tuple[_Task, LeaseBase, Ticket | None]]:
+        self, now: list[tuple[ChunkTask, LeaseBase, Ticket | None]], job: LoadJob
+    ) -> list[tuple[ChunkTask, LeaseBase, Ticket | None]]:
         """Start the layer by layer copy of the chunks that go straight into the cache;
         those that do not, returned, are copied before the forward pass as before."""
         batch = ScatterBatch(self.layout.flat)
@@ -402,156 +390,12 @@ class Loads:
             job.copy = LayerCopy(batch, self._helper(), self.setup.cfg.timeout_ms / 1000)
         return rest
 
-    def _scrub(self, t: _Task) -> None:
-        """A chunk copied layer by layer whose bytes did not verify (its blocks are
-        reported failed: the forward pass used them): read it with Get, so the server
-        verifies its copy and deletes it if it is the damaged one (``_reread``)."""
-        layout = self.layouts[t.group]
-        self.client.get_into(t.key, layout.host_buffer(layout.nbytes(t.stored)), None)
-
-    def _copy_all(
-        self,
-        todo: list[tuple[_Task, LeaseBase, Ticket | None]],
-        arena: Any,
-        loaded: set[tuple[int, int]],
-        events: list[Any],
-    ) -> None:
-        for t, lease, ticket in todo:
-            t0 = time.perf_counter()
-            try:
-                self._copy(t, lease, arena, ticket, loaded, events)
-            except Exception as e:  # a bug: this chunk's blocks are recomputed
-                self.client.failed("load", e)
-            if ticket is not None and self.busy and self._share < 1:
-                # A background load while the engine computes others: it copies its share
-                # of the time. Flat out, its copies and the decodes' steps fight over the
-                # spare core (vLLM's engine-core process runs there too) and over memory
-                # bandwidth: their inter-token latency rose 1.22-1.29x during a 16k load
-                # from L2, against 1.19x at a third of the time (docs/performance.md).
-                self._sleep((time.perf_counter() - t0) * (1 / self._share - 1))
-
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, "kvstore-copy", initializer=move_here, initargs=(self.cpus,)
             )
         return self._pool
-
-    def _fits(self, t: _Task, lease: LeaseBase) -> bool:
-        """The record is of this layout and, for a partial match, of these tokens."""
-        header = lease.header
-        if header.raw_size != self.layouts[t.group].nbytes(t.stored):
-            return False
-        return not t.check or header.token_bytes[: len(t.check)] == t.check
-
-    def _copy(
-        self,
-        t: _Task,
-        lease: LeaseBase,
-        arena: Any,
-        ticket: Ticket | None,
-        loaded: set[tuple[int, int]],
-        events: list[Any],
-    ) -> None:
-        layout = self.layouts[t.group]
-        if self.cuda:
-            self._copy_cuda(t, lease, arena, ticket, loaded, events)
-            return
-        pieces = layout.pieces(t.stored, t.first, t.ids)
-        if pieces is None:
-            self._staged(t, lease, ticket, None, loaded)
-            return
-        with _fence(ticket) as go:
-            if not go:
-                return
-            if lease.read_scattered(layout.flat, pieces):
-                self._landed(t, ticket, loaded)
-                return
-        self._reread(t, ticket, loaded)
-
-    def _copy_cuda(
-        self,
-        t: _Task,
-        lease: LeaseBase,
-        arena: Any,
-        ticket: Ticket | None,
-        loaded: set[tuple[int, int]],
-        events: list[Any],
-    ) -> None:
-        views = lease.views()
-        assert self._pins is not None
-        if len(views) != 1 or arena is None or not self._pins.pin(arena):
-            self._staged(t, lease, ticket, None, loaded)
-            return
-        src = np.frombuffer(views[0], dtype=np.uint8)
-        with _fence(ticket) as go:
-            if not go:
-                return
-            event = self.layouts[t.group].load_cuda(src, t.stored, t.ids, t.first)
-            if ticket is not None:
-                ticket.events.append(event)
-            events.append(event)
-        if ticket is None:
-            self.layout.wait_on_compute(event)
-        # Hashed on the host while the transfer runs: the leased pages cannot change
-        # before the release, which waits for the transfer.
-        if xxhash.xxh3_64_intdigest(views[0]) == lease.header.payload_checksum:
-            self._landed(t, ticket, loaded)
-        else:
-            # The bad transfer lands first: a background load's scatter goes on another
-            # stream than the transfer and could otherwise be overwritten by it.
-            event.synchronize()
-            self._reread(t, ticket, loaded)
-
-    def _staged(
-        self,
-        t: _Task,
-        lease: LeaseBase | None,
-        ticket: Ticket | None,
-        deadline: float | None,
-        loaded: set[tuple[int, int]],
-    ) -> None:
-        """Through a host buffer: out of a lease, verified, or by Get (verified by the
-        server), then scattered into the blocks."""
-        layout = self.layouts[t.group]
-        buf = layout.host_buffer(layout.nbytes(t.stored))
-        if lease is not None:
-            if not lease.read_verified(buf.numpy()):
-                self._reread(t, ticket, loaded)
-                return
-        else:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            header = self.client.get_into(t.key, buf, left)
-            if header is None or header.raw_size != buf.numel():
-                return
-            if t.check and header.token_bytes[: len(t.check)] != t.check:
-                return
-        with _fence(ticket) as go:
-            if not go:
-                return
-            layout.scatter(buf, t.stored, t.ids, first=t.first)
-            if self.cuda and ticket is not None:  # queued on this thread's stream
-                layout.synchronize()
-            self._landed(t, ticket, loaded)
-
-    def _reread(self, t: _Task, ticket: Ticket | None, loaded: set[tuple[int, int]]) -> None:
-        """A leased chunk whose bytes did not verify here: read it again with Get. The
-        server verifies what it serves, so a record damaged in its arena (a stray or
-        faulty writer: the commit does not hash the payload) is counted and deleted
-        there, not left to fail every load and block its own re-save; an intact one (the
-        pages were changed only while this copy ran) still lands. Rare: one call each."""
-        if ticket is not None and ticket.cancelled:
-            return
-        # No deadline of its own: the call's timeout bounds it, and the ticket's fence
-        # keeps a late answer out of blocks a cancelled load no longer owns.
-        self._staged(t, None, ticket, None, loaded)
-
-    def _landed(self, t: _Task, ticket: Ticket | None, loaded: set[tuple[int, int]]) -> None:
-        loaded.update((t.spec, b) for b in t.ids)
-        if ticket is not None:
-            ticket.loaded.update(t.ids)
 
     # -- ending leases ----------------------------------------------------------------------
     def release_done(self) -> None:
@@ -581,12 +425,7 @@ class Loads:
             self._pins.close()
 
 
-def _fence(ticket: Ticket | None) -> contextlib.AbstractContextManager[bool]:
-    """The ticket's fence around one copy (True: go ahead), or none for a load in the step."""
-    return ticket.copying() if ticket is not None else contextlib.nullcontext(True)
-
-
-def dropped_keys(specs: Sequence[LoadSpec], tasks: Sequence[_Task]) -> frozenset[bytes]:
+def dropped_keys(specs: Sequence[LoadSpec], tasks: Sequence[ChunkTask]) -> frozenset[bytes]:
     """drop_after_load: the chunks a batch loads for requests that asked to drop them,
     less those another request of the batch loads without asking, and less records a
     request matched only a prefix of (another prompt's, whose own consumer may still be
