@@ -61,8 +61,9 @@ SUITES: dict[str, str] = {
     "connector": module("connector"),
     "replay": module("replay"),
     "serving": module("serving"),
+    "serving_cores": module("serving_cores"),
 }
-VLLM_SUITES = ("connector", "replay", "serving")
+VLLM_SUITES = ("connector", "replay", "serving", "serving_cores")
 
 OUT = output_dir()  # benchmarks/ in the checkout, ./kvstore-bench/ for an installed copy
 DEFAULT_MARKDOWN = OUT / "RESULTS.md"

@@ -263,11 +263,13 @@ def warmup(p: ServeParams) -> list[str]:
 
 @contextlib.contextmanager
 def engines(
-    p: ServeParams, model: Path, work: Path, url: str, prefix_cache: bool, names: list[str]
-) -> Iterator[dict[str, ApiServer]]:
-    """API servers started together, named ``alone...`` (no connector) or ``kv...``."""
+    p: ServeParams, model: Path, work: Path, url: str, prefix_cache: bool, names: list[str],
+    omp_bind: str = "0-1",
+) -> Iterator[dict[str, ApiServer]]:  # fmt: skip
+    """API servers started together, named ``alone...`` (no connector) or ``kv...``;
+    ``omp_bind``: the CPUs of each worker's compute threads."""
     env = engine_env(p.kv_cache_gib << 30)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"  # 'auto' gives the worker 1 core or 2 (notes)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind  # 'auto' gives the worker 1 core or 2 (notes)
     env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
     common = ["--dtype", p.dtype, "--enforce-eager", "--max-model-len", str(p.max_model_len),
               "--max-num-batched-tokens", str(p.batched_tokens),

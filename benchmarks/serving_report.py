@@ -119,37 +119,52 @@ def with_pooled(runs: Runs) -> Runs:
     return out
 
 
+def pair_records(
+    runs: Runs, p: ServeParams, stem: str, case: str, base: str, limit_name: str, target: str
+) -> list[Record]:
+    """``stem``'s records (one per metric): the runs ``case`` paired with ``base`` by seed."""
+    out = []
+    for key, unit in METRICS:
+        label = key.removesuffix("_ms")
+        ratios = paired(runs[case], runs[base], key)
+        out.append(Record(
+            f"{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
+            statistics.median(ratios), limit_name, target,
+            f"ratio: the median of {len(ratios)} paired runs' ratios (same workload, back "
+            f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; with kvstore: "
+            f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
+            f"{_hits(runs[case], p)}{by_block(runs[case], runs[base], key)}",
+        ))  # fmt: skip
+    return out
+
+
+def control_records(runs: Runs, tag: str, stem: str) -> list[Record]:
+    """The second engine alone against the first in the turns tagged ``tag`` (none when no
+    second engine ran them): what the method reports where nothing differs."""
+    control, alone = runs.get("alone2" + tag, []), runs.get("alone" + tag, [])
+    out = []
+    for key, unit in METRICS[:3] if control else ():
+        ratios = paired(control, alone, key)
+        out.append(Record(
+            f"{stem}.control.{key.removesuffix('_ms')}",
+            _med(control, key), unit, _med(alone, key),
+            statistics.median(ratios), "vLLM alone, a second engine without kvstore",
+            f"the method's own gap: {stem.rpartition('.')[2]} against it",
+            f"two engines without kvstore, in the same turns as the one with kvstore "
+            f"(alone, kvstore, alone2 in a rotated order; then reversed): what this method "
+            f"reports where nothing differs. Ratios of {len(ratios)} pairs: "
+            f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}{by_block(control, alone, key)}",
+        ))  # fmt: skip
+    return out
+
+
 def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
     runs: Runs = with_pooled(res["runs"])
     out: list[Record] = []
     for stem, case, base, limit_name, target in PAIRS:
-        for key, unit in METRICS:
-            label = key.removesuffix("_ms")
-            ratios = paired(runs[case], runs[base], key)
-            out.append(Record(
-                f"serving.{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
-                statistics.median(ratios), limit_name, target,
-                f"ratio: the median of {len(ratios)} paired runs' ratios (same workload, back "
-                f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; with kvstore: "
-                f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
-                f"{_hits(runs[case], p)}{by_block(runs[case], runs[base], key)}",
-            ))  # fmt: skip
+        out += pair_records(runs, p, f"serving.{stem}", case, base, limit_name, target)
     for tag, _, stem in POOLS:
-        control, alone = runs.get("alone2" + tag, []), runs.get("alone" + tag, [])
-        if not control:
-            continue
-        for key, unit in METRICS[:3]:
-            ratios = paired(control, alone, key)
-            out.append(Record(
-                f"serving.{stem}.control.{key.removesuffix('_ms')}",
-                _med(control, key), unit, _med(alone, key),
-                statistics.median(ratios), "vLLM alone, a second engine without kvstore",
-                f"the method's own gap: {stem} against it",
-                f"two engines without kvstore, in the same turns as {stem} (alone, kvstore, "
-                f"alone2 in a rotated order; then reversed): what this method reports where "
-                f"nothing differs. Ratios of {len(ratios)} pairs: "
-                f"{', '.join(f'{r:.3f}' for r in sorted(ratios))}{by_block(control, alone, key)}",
-            ))  # fmt: skip
+        out += control_records(runs, tag, f"serving.{stem}")
     miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
     alone = runs["alone.random"]
     if all("core_cpu_s" in r and "worker_cpu_s" in r for r in miss + alone) and miss:

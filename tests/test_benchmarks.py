@@ -325,3 +325,36 @@ def test_the_serving_report_pairs_both_cache_on_kinds_with_both_engines_alone() 
     restart = got["serving.restart.mean_ttft"]
     assert restart.ratio == pytest.approx(0.15), f"10/100 and 20/100, cold pooled: {restart}"
     assert "a second engine alone, cache on (control)" in table(SERVE, res)
+
+
+def test_serving_cores_gives_the_server_the_last_cpu_and_pairs_as_serving_does() -> None:
+    """The engines compute on every CPU but the highest, which the kvstore-server gets; a
+    host where that cannot be said as one range runs nothing. The records pair the kvstore
+    engine with both engines alone, as the serving suite's do."""
+    from benchmarks.serving import QUICK as SERVE
+    from benchmarks.serving_cores import records, split_cpus
+
+    assert split_cpus({0, 1}) == ("0-0", 1)
+    assert split_cpus({4, 5, 6, 7}) == ("4-6", 7)
+    assert split_cpus({0}) is None, "one CPU: nothing to give the server"
+    assert split_cpus({0, 2, 3}) is None, "0 and 2 are not a range VLLM_CPU_OMP_THREADS_BIND takes"
+
+    def run(seed: int, rps: float, server_s: float | None = None) -> dict[str, Any]:
+        got = {"seed": seed, "block": 0, "request_throughput": rps, "mean_ttft_ms": 100.0,
+               "mean_tpot_ms": 10.0, "median_ttft_ms": 100.0, "duration": 4.0}  # fmt: skip
+        return got if server_s is None else got | {"server_cpu_s": server_s}
+
+    runs = {
+        "alone.random": [run(1, 8.0), run(2, 9.0)],
+        "alone2.random": [run(1, 12.0), run(2, 9.0)],
+        "kv.random": [run(1, 9.5, 0.2), run(2, 8.55, 0.4)],
+    }
+    res = {"runs": runs, "load": {"start": [0.0, 0.0, 0.0]}}
+    got = {r.name: r for r in records(SERVE, res, "0-0", 1)}
+    rps = got["serving_cores.store_on_miss.request_throughput"]
+    assert rps.ratio == pytest.approx(0.95), f"9.5/10 and 8.55/9 against both alone: {rps}"
+    assert "CPUs 0-0, the kvstore-server on CPU 1" in rps.notes, rps.notes
+    control = got["serving_cores.store_on_miss.control.request_throughput"]
+    assert control.ratio == pytest.approx(1.25), f"alone2 / alone: 1.5 and 1.0: {control}"
+    cpu = got["serving_cores.store_on_miss.server_cpu"]
+    assert cpu.value == pytest.approx(7.5), f"0.2 and 0.4 s of its one CPU over 4 s runs: {cpu}"
