@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME[,NAME]",
         help="run the benchmark suite instead (`python -m kvstore.benchmarks`, installed "
         "with kvstore): all suites, or some of store, remote, server, concurrency, "
-        "connector, replay, serving. It starts its own servers; --url is not used",
+        "connector, replay, serving, serving_cores. It starts its own servers; --url is not "
+        "used",
     )
     sp.add_argument("--quick", action="store_true", help="with --suite: the quick subset")
     sp.add_argument("--out", metavar="FILE", help="with --suite: write the records as JSON")
