@@ -1,7 +1,7 @@
 """``python -m benchmarks``: run the benchmark suites and report ratios to limits.
 
     python -m benchmarks --quick --json out.json  # CI: small sizes, no vLLM suites (< 3 min)
-    python -m benchmarks                          # everything, full size (30-45 min on 2 cores):
+    python -m benchmarks                          # everything, full size (45-60 min on 2 cores):
                                                   # RESULTS.md, plots/*.png, results/results.json
     python -m benchmarks --only remote,server     # some suites, merged into those files
     python -m benchmarks --only replay --quick    # a vLLM suite, small

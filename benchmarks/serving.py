@@ -17,14 +17,15 @@ short outputs), and a no-reuse control (as many random prefixes as requests; see
 its prefixes are new to vLLM's cache and to kvstore alike: within a run the first
 request of a prefix computes it, the others can reuse it.
 
-Configurations, each against vLLM alone measured in the same invocation, the two taking
-turns run by run (a, b, a, b, ...) so noise on this shared machine lands on both:
+Configurations, each against vLLM alone measured in the same invocation, the engines
+taking turns run by run (a, b, a2, then reversed, ...) so noise on this shared machine
+lands on all of them:
 
 - (a) vLLM alone, prefix cache on; (b) the same plus kvstore: a workload that fits in
   vLLM's cache, where kvstore cannot help and should cost almost nothing.
 - (e) the last engine of (b) stopped and a new one started against the same
-  kvstore-server, running every repetition's workload again: its TTFT against (a)'s
-  runs of those workloads (a cold vLLM).
+  kvstore-server, running every repetition's workload again: its TTFT against the
+  engines alone's runs of those workloads (a cold vLLM; the mean of both, as below).
 - (c) vLLM alone, prefix cache off; (d) the same plus kvstore (kvstore serves the
   prefixes): TTFT and throughput against (c).
 - store on miss: the no-reuse workload, where the connector's lookups and saves are all
@@ -354,8 +355,8 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                         if b < p.on_blocks - 1:
                             continue
                         # (e): every seed again on a new engine, kvstore holding what the
-                        # kv engines of every set stored; one of this set's engines alone
-                        # still runs beside it, as in the runs it is compared with.
+                        # kv engines of every set stored; both of this set's engines alone
+                        # still run beside it, as in the runs it is compared with.
                         s["kv"].close()
                         with engines(p, model, work, server.unix_url, True, ["kv2"]) as s2:
                             take_turns(s2, runs, model, load["prefix"], seeds, work, ".restart")
@@ -371,8 +372,8 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                             off = [150 + r for r in range(p.reps_off)]
                             pair = {n: s[n] for n in ("alone", "kv")}
                             take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
-                        seeds = rand[b :: p.random_blocks]
-                        take_turns(s, runs, model, load["random"], seeds, work, ".random", pid, b)
+                        mine = rand[b :: p.random_blocks]
+                        take_turns(s, runs, model, load["random"], mine, work, ".random", pid, b)
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()

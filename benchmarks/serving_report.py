@@ -219,9 +219,10 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
         "serving.restart.mean_ttft", _med(restart, "mean_ttft_ms"), "ms",
         _med(cold, "mean_ttft_ms"),
         statistics.median(paired(restart, cold, "mean_ttft_ms")), COLD, "ratio < 1",
-        f"medians of {len(restart)} runs: a new engine (b's stopped) against the kvstore-server "
-        f"b filled, running b's workloads again: {_spread(restart, 'mean_ttft_ms')} ms; "
-        f"alone: {_spread(cold, 'mean_ttft_ms')} ms; {_hits(restart, p)}",
+        f"medians of {len(restart)} runs: a new engine (the last set's kvstore engine "
+        f"stopped) against the kvstore-server the kvstore engines filled, running their "
+        f"workloads again: {_spread(restart, 'mean_ttft_ms')} ms; both engines alone (mean): "
+        f"{_spread(cold, 'mean_ttft_ms')} ms; {_hits(restart, p)}",
     ))  # fmt: skip
     out.append(Record(
         "serving.restart.request_throughput", _med(restart, "request_throughput"), "req/s",

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 from kvstore.sdk import ScatterBatch
 
 if TYPE_CHECKING:  # vllm_loads runs these: imported here for their types only
-    from kvstore.connectors.vllm_loads import Loads, SpecOutcome, _Task
+    from kvstore.connectors.vllm_copies import ChunkTask
+    from kvstore.connectors.vllm_loads import Loads, SpecOutcome
     from kvstore.connectors.vllm_meta import LoadSpec
 
 
@@ -114,7 +115,7 @@ class LoadJob:
         self.specs, self.outs = specs, outs
         self.loaded: set[tuple[int, int]] = set()  # (spec, block) written and verified
         self.copy: LayerCopy | None = None
-        self.by_layer: list[_Task] = []  # the chunks ``copy`` copies, in its order
+        self.by_layer: list[ChunkTask] = []  # the chunks ``copy`` copies, in its order
         self._loads = loads
         self.unwaited = False  # the forward pass read a layer without waiting for it
 
