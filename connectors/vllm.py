@@ -57,14 +57,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from kvstore.connectors.vllm_client import open_client
-from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_cpus import background_cpus
-from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
-from kvstore.connectors.vllm_namespace import engine_groups, engine_namespace
-from kvstore.connectors.vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
-from kvstore.connectors.vllm_scheduler import KVStoreScheduler
-from kvstore.connectors.vllm_worker import KVStoreWorker
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -80,6 +72,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvstore.errors import KVStoreError
+
+from .vllm_client import open_client
+from .vllm_config import ConnectorConfig
+from .vllm_cpus import background_cpus
+from .vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
+from .vllm_namespace import engine_groups, engine_namespace
+from .vllm_observe import KVStorePromMetrics, SaveEvents, new_generation
+from .vllm_scheduler import KVStoreScheduler
+from .vllm_worker import KVStoreWorker
 
 __all__ = ["KVStoreConnector", "KVStoreMeta", "KVStoreStats", "LoadSpec", "SaveSpec"]
 

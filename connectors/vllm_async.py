@@ -25,12 +25,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_loads import Loads, SpecOutcome
-from kvstore.connectors.vllm_meta import LoadSpec
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
+
+from .vllm_cpus import move_here
+from .vllm_loads import Loads, SpecOutcome
+from .vllm_meta import LoadSpec
 
 log = init_logger("vllm.kvstore.connector")
 

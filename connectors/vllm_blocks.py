@@ -22,11 +22,12 @@ from math import prod
 from typing import Any
 
 import torch
-from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_namespace import layer_order
 
 from kvstore import accel
 from kvstore.errors import InvalidArgument
+
+from .vllm_cpus import move_here
+from .vllm_namespace import layer_order
 
 
 def _dense_inner(t: torch.Tensor) -> bool:

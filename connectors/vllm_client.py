@@ -20,9 +20,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_namespace import EngineNamespace
-from kvstore.connectors.vllm_private import PrivateServer, open_private
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
@@ -32,6 +29,10 @@ from kvstore.records import RecordHeader
 from kvstore.retry import CircuitBreaker
 from kvstore.sdk import LeaseBase, LentLease
 from kvstore.types import LookupResult
+
+from .vllm_config import ConnectorConfig
+from .vllm_namespace import EngineNamespace
+from .vllm_private import PrivateServer, open_private
 
 log = init_logger("vllm.kvstore.connector")
 

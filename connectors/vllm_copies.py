@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
-from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
-from kvstore.connectors.vllm_client import BreakerClient
 
+from kvstore.keys import ChunkKey
 from kvstore.sdk import LeaseBase
 
+from .vllm_blocks import BlockLayout, PinnedArenas
+from .vllm_client import BreakerClient
+
 if TYPE_CHECKING:
-    from kvstore.connectors.vllm_async import Ticket
+    from .vllm_async import Ticket
 
 
 @dataclass
@@ -33,7 +35,7 @@ class ChunkTask:
     """One chunk to load for one request."""
 
     spec: int  # index of its spec
-    key: bytes
+    key: ChunkKey
     stored: int  # blocks the record holds
     first: int  # the record's block that goes to ids[0]
     ids: list[int]  # cache blocks to fill, in order

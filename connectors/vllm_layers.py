@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 from kvstore.sdk import ScatterBatch
 
 if TYPE_CHECKING:  # vllm_loads runs these: imported here for their types only
-    from kvstore.connectors.vllm_copies import ChunkTask
-    from kvstore.connectors.vllm_loads import Loads, SpecOutcome
-    from kvstore.connectors.vllm_meta import LoadSpec
+    from .vllm_copies import ChunkTask
+    from .vllm_loads import Loads, SpecOutcome
+    from .vllm_meta import LoadSpec
 
 
 class LayerCopy:

@@ -39,18 +39,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.connectors.vllm_blocks import BlockLayout, PinnedArenas
-from kvstore.connectors.vllm_client import BreakerClient, Leased
-from kvstore.connectors.vllm_copies import ChunkCopies, ChunkTask
-from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_layers import LayerCopy, LoadJob
-from kvstore.connectors.vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
-
-from kvstore.keys import ROOT, chunk_key, tokens_to_bytes
+from kvstore.keys import ROOT, ChunkKey, chunk_key, tokens_to_bytes
 from kvstore.sdk import USE_GET, LeaseBase, LentLease, ScatterBatch
 
+from .vllm_blocks import BlockLayout, PinnedArenas
+from .vllm_client import BreakerClient, Leased
+from .vllm_copies import ChunkCopies, ChunkTask
+from .vllm_cpus import move_here
+from .vllm_layers import LayerCopy, LoadJob
+from .vllm_meta import ChunkRef, LoadSpec, Setup, whole_chunks
+
 if TYPE_CHECKING:
-    from kvstore.connectors.vllm_async import Ticket
+    from .vllm_async import Ticket
 
 # Bytes in a batch from which two threads copy it (a load in the step copied before the
 # forward pass, or a background load while nothing computes). Measured in
@@ -340,7 +340,7 @@ class Loads(ChunkCopies):
         return taken
 
     def _leases(
-        self, keys: list[bytes], left: float | None, lent: dict[int, LentLease]
+        self, keys: list[ChunkKey], left: float | None, lent: dict[int, LentLease]
     ) -> tuple[Leased | None, set[int]]:
         """Per key a lease (lent by the lookup, or acquired here), ``USE_GET`` or None
         (None: the server is down), and the ids of the lent leases taken. What the lookup

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol, TypeVar
 
-from kvstore.connectors.vllm_config import ConnectorConfig
-from kvstore.connectors.vllm_namespace import EngineNamespace, Group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvstore.keys import ChunkKey
 from kvstore.sdk import LentLease
+
+from .vllm_config import ConnectorConfig
+from .vllm_namespace import EngineNamespace, Group
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class ChunkRef(NamedTuple):
     """One stored chunk the scheduler's lookup matched (``kvstore.types.ChunkMatch``
     without what the worker does not need): the worker loads it without looking up again."""
 
-    key: bytes  # the stored chunk's key, in the scheduler's namespace (rank 0)
+    key: ChunkKey  # the stored chunk's key, in the scheduler's namespace (rank 0)
     start: int  # offset of its first token in the prompt
     tokens: int  # tokens of the prompt it serves (whole blocks)
     stored_tokens: int  # tokens the stored chunk holds (more when only a prefix matches)

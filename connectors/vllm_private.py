@@ -42,13 +42,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
-from kvstore.connectors.vllm_config import ConnectorConfig
 from vllm.logger import init_logger
 
 from kvstore.config import DiskConfig
 from kvstore.errors import KVStoreError
 from kvstore.protocol import default_socket_path
 from kvstore.sockets import untrusted_reason
+
+from .vllm_config import ConnectorConfig
 
 log = init_logger("vllm.kvstore.connector")
 

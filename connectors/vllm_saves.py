@@ -27,6 +27,7 @@ step loads in place: a failed call closes the client, whose arena those loads re
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,17 +37,18 @@ from typing import Any
 
 import torch
 import xxhash
-from kvstore.connectors.vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
-from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_cpus import move_here
-from kvstore.connectors.vllm_meta import SaveSpec, record_blocks
-from kvstore.connectors.vllm_namespace import EngineNamespace
 from vllm.logger import init_logger
 
 from kvstore.keys import ROOT, ChunkKey, Fingerprint, chunk_keys, tokens_to_bytes
 from kvstore.records import make_header
 from kvstore.sdk import Reservation, unsealed_header
 from kvstore.types import PutStatus
+
+from .vllm_blocks import BackgroundSaver, BlockLayout, PinnedArenas
+from .vllm_client import BreakerClient
+from .vllm_cpus import move_here
+from .vllm_meta import SaveSpec, record_blocks
+from .vllm_namespace import EngineNamespace
 
 log = init_logger("vllm.kvstore.connector")
 
@@ -171,7 +173,7 @@ class Saves:
                     if saver is None:
                         jobs.append(self._copy_out(c, held))
                     elif not saver.submit(
-                        lambda c=c, held=held: self._copy_out(c, held),
+                        functools.partial(self._copy_out, c, held),
                         layout.nbytes(c.blocks),
                         c.key,
                     ):

@@ -22,9 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_config import drop_after_load
-from kvstore.connectors.vllm_meta import (
+from vllm.logger import init_logger
+
+from kvstore.clock import Clock, monotonic
+from kvstore.errors import ConfigError
+from kvstore.sdk import LentLease
+from kvstore.types import ChunkMatch, TierLevel
+
+from .vllm_client import BreakerClient
+from .vllm_config import drop_after_load
+from .vllm_meta import (
     ChunkRef,
     GroupLoad,
     KVStoreMeta,
@@ -34,13 +41,7 @@ from kvstore.connectors.vllm_meta import (
     Setup,
     whole_chunks,
 )
-from kvstore.connectors.vllm_observe import with_generation
-from vllm.logger import init_logger
-
-from kvstore.clock import Clock, monotonic
-from kvstore.errors import ConfigError
-from kvstore.sdk import LentLease
-from kvstore.types import ChunkMatch, TierLevel
+from .vllm_observe import with_generation
 
 _ASK_TTL_S = 1.0  # how long a lookup answer is reused for a request that keeps waiting
 # Lent by the lookup only up to this many chunks past vLLM's computed tokens (16k tokens

@@ -14,17 +14,18 @@ import threading
 import time
 
 import torch
-from kvstore.connectors.vllm_async import AsyncLoads
-from kvstore.connectors.vllm_blocks import BlockLayout
-from kvstore.connectors.vllm_client import BreakerClient
-from kvstore.connectors.vllm_cpus import background_cpus, move_here
-from kvstore.connectors.vllm_loads import LoadJob, Loads, SpecOutcome
-from kvstore.connectors.vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
-from kvstore.connectors.vllm_saves import SaveJob, Saves
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
 from kvstore.sdk import populate
+
+from .vllm_async import AsyncLoads
+from .vllm_blocks import BlockLayout
+from .vllm_client import BreakerClient
+from .vllm_cpus import background_cpus, move_here
+from .vllm_loads import LoadJob, Loads, SpecOutcome
+from .vllm_meta import KVStoreMeta, KVStoreStats, LoadSpec, SaveSpec, Setup
+from .vllm_saves import SaveJob, Saves
 
 log = init_logger("vllm.kvstore.connector")
 
