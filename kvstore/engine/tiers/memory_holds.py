@@ -10,37 +10,26 @@ lease, renewal, expiry and what a client that went away held: the contract is th
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from kvstore.arena import ArenaView
-from kvstore.engine.tiers.holds import Hold, HoldTable, Kind
-from kvstore.engine.tiers.memory_reads import Entry
+from kvstore.engine.tiers.holds import Hold, Kind
+from kvstore.engine.tiers.memory_reads import Entry, L1State
 from kvstore.engine.tiers.pages import LeaseError, Reservation
 from kvstore.errors import CorruptRecord, InvalidArgument
 from kvstore.keys import ChunkKey
 from kvstore.records import RecordHeader
-from kvstore.types import PutStatus, TierStats
+from kvstore.types import PutStatus
 
 
-class L1Holds:
-    if TYPE_CHECKING:  # the tier's state this works on (MemoryTier sets it up)
-        _lock: threading.Lock
-        _chunks: OrderedDict[ChunkKey, Entry]
-        _holds: HoldTable[Entry]
-        _arena: ArenaView
-        _verify: bool
-        _stats: TierStats
+class L1Holds(L1State):
+    if TYPE_CHECKING:  # the rest of the tier's state this works on (MemoryTier, L1Reads)
 
-        def _check_open(self) -> None: ...
         def _check_raw(self, header: RecordHeader) -> None: ...
         def _allocate(
             self, header: RecordHeader, *, new_key: bool = False
         ) -> Entry | PutStatus: ...
         def _publish(self, entry: Entry) -> PutStatus: ...
         def _free_locked(self, entry: Entry) -> None: ...
-        def _unref_locked(self, entry: Entry) -> None: ...
         def _header_ok(self, entry: Entry) -> bool: ...
         def _payload_ok(self, entry: Entry) -> bool: ...
 

@@ -57,21 +57,29 @@ class Entry:
         return sum(n for _, n in self.pages)
 
 
-class L1Reads:
-    if TYPE_CHECKING:  # the tier's state this works on (MemoryTier sets it up)
+class L1State:
+    """What ``MemoryTier``'s mixins (``L1Reads``, ``memory_holds.L1Holds``) work on, declared
+    once for the type checker; ``MemoryTier`` sets it up. Nothing at run time."""
+
+    if TYPE_CHECKING:
         _lock: threading.Lock
         _chunks: OrderedDict[ChunkKey, Entry]
         _holds: HoldTable[Entry]
         _arena: ArenaView
         _verify: bool
         _stats: TierStats
+
+        def _check_open(self) -> None: ...
+        def _unref_locked(self, entry: Entry) -> None: ...
+
+
+class L1Reads(L1State):
+    if TYPE_CHECKING:  # the rest of the tier's state this works on
         _internal_reads: int
         _internal_bytes: int
 
-        def _check_open(self) -> None: ...
         def _report_corrupt(self, key: ChunkKey) -> None: ...
         def _unindex(self, entry: Entry) -> None: ...
-        def _unref_locked(self, entry: Entry) -> None: ...
 
     def _ref(self, key: ChunkKey, internal: bool = False) -> Entry | None:
         with self._lock:
