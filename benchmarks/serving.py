@@ -320,14 +320,34 @@ def take_turns(
             runs.setdefault(name + tag, []).append(got)
 
 
-def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
-    from kvstore.testing.server import KVServer
+# A set of new engines: one alone, one with kvstore, and "alone2", a second without kvstore
+# in the same turns: the ratio this method finds between two engines alike (the control);
+# kvstore is paired with both engines alone.
+ENGINES = ("alone", "kv", "alone2")
+
+
+def engine_sets(blocks: int, seeds: list[int]) -> Iterator[tuple[int, list[str], list[int]]]:
+    """Per set of new engines: its number, the order its engines start (and take turns)
+    in, rotated by one from set to set so that no kind is always the first or the middle
+    one, and its share of the seeds."""
+    for b in range(blocks):
+        yield b, [*ENGINES[b % 3 :], *ENGINES[: b % 3]], seeds[b::blocks]
+
+
+def tiny_model(p: ServeParams, work: Path) -> Path:
+    """The suite's random Llama (with a tokenizer), written under ``work``."""
     from kvstore.testing.tinymodel import make_tiny_llama
 
-    model = make_tiny_llama(
+    return make_tiny_llama(
         work / "model", layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
         vocab=p.vocab, max_position_embeddings=p.max_model_len, dtype=p.dtype,
     )  # fmt: skip
+
+
+def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
+    from kvstore.testing.server import KVServer
+
+    model = tiny_model(p, work)
     per_prefix_run = p.num_prefixes * p.prefix_len + p.prompts * p.suffix_len
     stored = (p.reps_on + p.reps_off) * per_prefix_run + p.reps_random * p.prompts * p.random_len
     stored = stored * 3 // 2  # the warm-ups, and room so that nothing is evicted
@@ -336,9 +356,6 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
     load = workloads(p)
     runs: Runs = {}
     seeds = [100 + r for r in range(p.reps_on)]
-    # "alone2": a second engine without kvstore in the same turns: the ratio this method
-    # finds between two engines alike (the control); kvstore is paired with both alone.
-    names = ["alone", "kv", "alone2"]
     loads: dict[str, list[float]] = {}
     t0 = time.monotonic()
     try:
@@ -347,10 +364,8 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
         for phase in phases:
             loads[phase] = list(os.getloadavg())
             if phase == "cache on":
-                for b in range(p.on_blocks):
-                    order = names[b % 3 :] + names[: b % 3]
+                for b, order, mine in engine_sets(p.on_blocks, seeds):
                     with engines(p, model, work, server.unix_url, True, order) as s:
-                        mine = seeds[b :: p.on_blocks]
                         take_turns(s, runs, model, load["prefix"], mine, work, block=b)
                         if b < p.on_blocks - 1:
                             continue
@@ -363,16 +378,12 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
             else:
                 rand = [180 + r for r in range(p.reps_random)]
                 pid = server.proc.pid if server.proc else None
-                for b in range(p.random_blocks):
-                    # Each block's engines are new, started (and taking turns) in an order
-                    # rotated by one: no kind is always the first or the middle one.
-                    order = names[b % 3 :] + names[: b % 3]
+                for b, order, mine in engine_sets(p.random_blocks, rand):
                     with engines(p, model, work, server.unix_url, False, order) as s:
                         if b == 0:
                             off = [150 + r for r in range(p.reps_off)]
                             pair = {n: s[n] for n in ("alone", "kv")}
                             take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
-                        mine = rand[b :: p.random_blocks]
                         take_turns(s, runs, model, load["random"], mine, work, ".random", pid, b)
     finally:
         if server.proc is not None and server.proc.poll() is None:

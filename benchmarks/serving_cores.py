@@ -25,7 +25,16 @@ from typing import Any
 
 from .engines import scratch
 from .harness import Progress, Record
-from .serving import FULL, QUICK, ServeParams, engines, take_turns, workloads
+from .serving import (
+    FULL,
+    QUICK,
+    ServeParams,
+    engine_sets,
+    engines,
+    take_turns,
+    tiny_model,
+    workloads,
+)
 from .serving_report import Runs, control_records, fmt_loads, pair_records, table, with_pooled
 
 LIMIT = (
@@ -46,12 +55,8 @@ def split_cpus(allowed: set[int]) -> tuple[str, int] | None:
 
 def measure(p: ServeParams, progress: Progress, work: Path, omp: str, own: int) -> dict[str, Any]:
     from kvstore.testing.server import KVServer
-    from kvstore.testing.tinymodel import make_tiny_llama
 
-    model = make_tiny_llama(
-        work / "model", layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
-        vocab=p.vocab, max_position_embeddings=p.max_model_len, dtype=p.dtype,
-    )  # fmt: skip
+    model = tiny_model(p, work)
     stored = p.reps_random * p.prompts * p.random_len * 3 // 2  # and the warm-ups: no eviction
     server = KVServer(
         work / "srv", memory=str(stored * p.kv_bytes_per_token + (256 << 20)),
@@ -61,15 +66,13 @@ def measure(p: ServeParams, progress: Progress, work: Path, omp: str, own: int) 
     runs: Runs = {}
     loads = {"start": list(os.getloadavg())}
     t0 = time.monotonic()
-    names = ["alone", "kv", "alone2"]
     seeds = [380 + r for r in range(p.reps_random)]
     try:
         server.start()
         pid = server.proc.pid if server.proc else None
-        for b in progress(range(p.random_blocks), desc="sets of engines"):
-            order = names[b % 3 :] + names[: b % 3]
+        sets = list(engine_sets(p.random_blocks, seeds))
+        for b, order, mine in progress(sets, desc="sets of engines"):
             with engines(p, model, work, server.unix_url, False, order, omp_bind=omp) as s:
-                mine = seeds[b :: p.random_blocks]
                 take_turns(s, runs, model, load, mine, work, ".random", pid, b)
     finally:
         if server.proc is not None and server.proc.poll() is None:

@@ -362,3 +362,20 @@ def test_serving_cores_gives_the_server_the_last_cpu_and_pairs_as_serving_does()
     assert control.ratio == pytest.approx(1.25), f"alone2 / alone: 1.5 and 1.0: {control}"
     cpu = got["serving_cores.store_on_miss.server_cpu"]
     assert cpu.value == pytest.approx(7.5), f"0.2 and 0.4 s of its one CPU over 4 s runs: {cpu}"
+
+
+def test_each_set_of_engines_starts_in_an_order_rotated_by_one_and_takes_its_own_seeds() -> None:
+    """No kind of engine is always started first or in the middle, and every seed runs in
+    exactly one set."""
+    from benchmarks.serving import engine_sets
+
+    seeds = list(range(180, 195))
+    sets = list(engine_sets(3, seeds))
+    assert [order for _, order, _ in sets] == [
+        ["alone", "kv", "alone2"],
+        ["kv", "alone2", "alone"],
+        ["alone2", "alone", "kv"],
+    ], "each set's start order is the last one's rotated by one"
+    assert [b for b, _, _ in sets] == [0, 1, 2]
+    mine = [s for _, _, part in sets for s in part]
+    assert sorted(mine) == seeds and len(mine) == len(set(mine)), f"seeds split: {sets}"
