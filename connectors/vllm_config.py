@@ -157,23 +157,36 @@ class ConnectorConfig:
         return {"auto": None, "on": True, "off": False}[self.shm]
 
 
-def drop_after_load(kv_transfer_params: Any, default: bool) -> bool:
-    """Whether a request's loaded chunks are dropped: its ``kv_transfer_params``
-    ``{"kvstore": {"drop_after_load": true|false}}`` (the JSON body of an OpenAI request,
-    or ``SamplingParams.extra_args["kv_transfer_params"]``), else the engine's
-    ``drop_after_load``. Raises ConfigError, saying what is allowed, for a value of
-    another type (the scheduler logs it and keeps the engine's setting)."""
+@dataclass(frozen=True)
+class RequestParams:
+    """What one request asks of the connector: its ``kv_transfer_params``
+    ``{"kvstore": {...}}`` (the JSON body of an OpenAI request, or
+    ``SamplingParams.extra_args["kv_transfer_params"]``). A request can turn loading or
+    saving off for itself, not on where the engine has it off."""
+
+    load: bool = True  # look it up and load its hit (false: it computes its whole prompt)
+    save: bool = True  # store its prompt's KV (false: nothing of it reaches the server)
+    drop_after_load: bool = False  # the chunks it loaded are dropped once loaded
+
+
+_REQUEST_KEYS = tuple(f.name for f in dataclasses.fields(RequestParams))
+
+
+def request_params(kv_transfer_params: Any, cfg: ConnectorConfig) -> RequestParams:
+    """One request's ``RequestParams``, the engine's ``drop_after_load`` where it does not
+    say. Raises ConfigError, saying what is allowed, for a key or value it does not know
+    (the scheduler logs it and uses the engine's settings)."""
+    default = RequestParams(drop_after_load=cfg.drop_after_load)
     params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
     ours = params.get("kvstore")
     if ours is None:
         return default
-    if not isinstance(ours, Mapping) or not set(ours) <= {"drop_after_load"}:
-        raise ConfigError(
-            f'kv_transfer_params["kvstore"]={ours!r}: expected {{"drop_after_load": true|false}}'
-        )
-    value = ours.get("drop_after_load", default)
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f'kv_transfer_params["kvstore"]["drop_after_load"]={value!r}: expected true or false'
-        )
-    return value
+    allowed = ", ".join(f'"{k}": true|false' for k in _REQUEST_KEYS)
+    if not isinstance(ours, Mapping) or not set(ours) <= set(_REQUEST_KEYS):
+        raise ConfigError(f'kv_transfer_params["kvstore"]={ours!r}: expected {{{allowed}}}')
+    for k, value in ours.items():
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f'kv_transfer_params["kvstore"]["{k}"]={value!r}: expected true or false'
+            )
+    return dataclasses.replace(default, **ours)

@@ -30,7 +30,7 @@ from kvstore.sdk import LentLease
 from kvstore.types import ChunkMatch, TierLevel
 
 from .vllm_client import BreakerClient
-from .vllm_config import drop_after_load
+from .vllm_config import RequestParams, request_params
 from .vllm_meta import (
     ChunkRef,
     GroupLoad,
@@ -68,6 +68,7 @@ class _Req:
     hit: _Hit | None = None  # what the lookup found, for the load
     waiting: bool = False  # an asynchronous load was sent: vLLM allocates for it again
     drop: bool = False  # drop_after_load: the workers drop the chunks it loaded
+    save: bool = True  # its kv_transfer_params did not turn its saves off
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class KVStoreScheduler:
         self._hits: dict[str, tuple[int, _Hit, bool]] = {}  # (computed, hit, background)
         self._asked: dict[str, _Hit] = {}
         self._no_load: set[str] = set()  # their background load failed: they compute
+        self._params: dict[str, RequestParams] = {}  # each request's kv_transfer_params
         mode = setup.cfg.load_mode
         self._prefetch = mode != "sync"
         # On this host the L1 copy runs at memory speed: no reason to wait a step for it.
@@ -165,6 +167,8 @@ class KVStoreScheduler:
         s = self.setup
         tokens = list(request.prompt_token_ids or [])
         if not s.consumer or not tokens or request.request_id in self._no_load:
+            return 0, False
+        if not self._params_of(request).load:  # it asked not to be looked up
             return 0, False
         # A hit must leave one token to compute (vLLM asserts it): a prompt stored to its
         # last whole block loads that block too and reports one token less, so vLLM
@@ -266,23 +270,27 @@ class KVStoreScheduler:
         groups = tuple(tuple(c for c in ch if c.start < matched) for _, _, ch in found)
         return _Hit(now, matched, groups[0], groups)
 
-    def _drop(self, request: Any) -> bool:
-        """Whether the chunks this request loads are dropped once loaded: its
-        kv_transfer_params, else the engine's drop_after_load."""
-        default = self.setup.cfg.drop_after_load
-        try:
-            return drop_after_load(getattr(request, "kv_transfer_params", None), default)
-        except ConfigError as e:  # a bad request must not stop the engine
-            log.warning("kvstore: request %s: %s; using %s", request.request_id, e, default)
-            return default
+    def _params_of(self, request: Any) -> RequestParams:
+        """What the request asks of kvstore (its kv_transfer_params), read once a request:
+        a malformed one is logged once and the engine's settings hold."""
+        got = self._params.get(request.request_id)
+        if got is None:
+            try:
+                got = request_params(getattr(request, "kv_transfer_params", None), self.setup.cfg)
+            except ConfigError as e:  # a bad request must not stop the engine
+                got = RequestParams(drop_after_load=self.setup.cfg.drop_after_load)
+                log.warning("kvstore: request %s: %s; using %s", request.request_id, e, got)
+            self._params[request.request_id] = got
+        return got
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         s = self.setup
         tokens = list(request.prompt_token_ids or [])
         r = self._reqs.get(request.request_id)
         if r is None:
+            asks = self._params_of(request)
             r = self._reqs[request.request_id] = _Req(
-                tokens, self._salt(request), drop=self._drop(request)
+                tokens, self._salt(request), drop=asks.drop_after_load, save=asks.save
             )
         elif r.waiting:  # allocated again once its background load is over: nothing new
             r.waiting = False
@@ -307,7 +315,7 @@ class KVStoreScheduler:
             self.stats.add(lookup_hits=1, hit_tokens=num_external_tokens)
             return
         self._let_go(asked, found[1] if found is not None else None)
-        if s.consumer:
+        if s.consumer and self._params_of(request).load:
             self.stats.add(lookup_misses=1)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMeta:
@@ -349,7 +357,7 @@ class KVStoreScheduler:
         bs = s.block_size
         if r.load is not None:
             meta.loads.append(self._load_spec(rid, r, background=False))
-        if not s.producer:
+        if not s.producer or not r.save:
             return
         done = min(computed + so.num_scheduled_tokens.get(rid, 0), len(r.tokens))
         # Whole chunks completed so far, and at the end of the prefill its last whole blocks.
@@ -467,6 +475,7 @@ class KVStoreScheduler:
         # A hit lent but not sent to the workers (a load planned is theirs to end)
         self._let_go(r.hit if r is not None else None, found[1] if found else None, asked)
         self._no_load.discard(request.request_id)
+        self._params.pop(request.request_id, None)
         # A background load still running keeps its blocks: vLLM frees them only once a
         # worker reports the request in finished_recving (at the latest its deadline).
         return False, None  # saves finish inside their step: the blocks may be freed now

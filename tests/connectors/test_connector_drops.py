@@ -7,7 +7,6 @@ server does with a chunk another client holds is in tests/server/test_client_con
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from kvstore.connectors.vllm_config import ConnectorConfig, drop_after_load
+from kvstore.connectors.vllm_config import ConnectorConfig
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
@@ -208,18 +207,10 @@ def test_a_consumer_without_shared_memory_drops_with_one_release_after_its_gets(
 
 
 def test_drop_settings_are_checked() -> None:
+    """The engine's drop_after_load (a request's: test_request_params.py)."""
     assert ConnectorConfig().drop_after_load is False, "off unless asked for"
     assert ConnectorConfig.parse({"drop_after_load": True}).drop_after_load is True
     with pytest.raises(ConfigError, match=r"drop_after_load=true .* load=false"):
         ConnectorConfig(drop_after_load=True, load=False)
     with pytest.raises(ConfigError, match="drop_after_load"):
         ConnectorConfig.parse({"drop_after_load": "sometimes"})
-    assert drop_after_load(None, False) is False
-    assert drop_after_load({"do_remote_prefill": True}, True) is True, "others' keys: default"
-    assert drop_after_load(DROP, False) is True
-    assert drop_after_load(KEEP, True) is False
-    assert drop_after_load({"kvstore": {}}, True) is True
-    with pytest.raises(ConfigError, match="expected true or false"):
-        drop_after_load({"kvstore": {"drop_after_load": 1}}, False)
-    with pytest.raises(ConfigError, match=re.escape('expected {"drop_after_load"')):
-        drop_after_load({"kvstore": {"drop": True}}, False)

@@ -305,12 +305,17 @@ def test_pd_consumer_loads_from_disk_after_restart(
     consumer loads A again, asking for a one-shot transfer (kv_transfer_params
     {"kvstore": {"drop_after_load": true}}, what examples/pd_proxy.py --drop-after-load
     sends): A's two chunks are gone from the server (Stats), and A asked once more loads
-    nothing; every output equals the run without kvstore."""
-    (stored,) = run_engine(
-        work, "producer", [PHASE_STORE],
+    nothing. Per request, kv_transfer_params turn kvstore off: E, sent to the producer
+    with {"save": false}, is not stored (the consumer misses it), and a stored prompt
+    sent to the consumer with {"load": false} is computed without a Lookup. Every output
+    equals the run without kvstore."""
+    stored, unsaved = run_engine(
+        work, "producer", [PHASE_STORE, [E]],
         kv_config(server.unix_url, "kv_producer", save_mode="async"),
+        transfer_params=[None, {"kvstore": {"save": False}}],
     )  # fmt: skip
     assert_same(stored, baseline["store"], "producer")
+    assert_same(unsaved, baseline["E"][:1], "producer, E not saved")
     assert all(r["num_cached_tokens"] == 0 for r in stored), "a producer never loads"
     server.stop(signal.SIGTERM)
     server.start()
@@ -323,10 +328,13 @@ def test_pd_consumer_loads_from_disk_after_restart(
                 time.sleep(0.05)
         seen[i] = stats(server.unix_url)
 
-    loaded, dropped, again = run_engine(
-        work, "consumer", [PHASE_HIT, [A], [A]], kv_config(server.unix_url, "kv_consumer"),
+    b0 = BATCH[0]  # stored by the producer, loaded in PHASE_HIT, not dropped
+    loaded, dropped, again, e, unlooked = run_engine(
+        work, "consumer", [PHASE_HIT, [A], [A], [E], [b0]],
+        kv_config(server.unix_url, "kv_consumer"),
         sync=work / "sync-consumer", between=between,
-        transfer_params=[None, {"kvstore": {"drop_after_load": True}}, None],
+        transfer_params=[None, {"kvstore": {"drop_after_load": True}}, None, None,
+                         {"kvstore": {"load": False}}],
     )  # fmt: skip
     assert_same(loaded, baseline["hit"], "consumer")
     assert loaded[0]["num_cached_tokens"] == 512, "the consumer must load the producer's KV"
@@ -339,6 +347,12 @@ def test_pd_consumer_loads_from_disk_after_restart(
     assert seen[2].chunks == seen[1].chunks - 2, (seen[1].chunks, seen[2].chunks)
     assert_same(again, baseline["hit"][:1], "consumer, A after its drop")
     assert again[0]["num_cached_tokens"] == 0, "A's chunks were dropped: nothing to load"
+    assert_same(e, baseline["E"][:1], "consumer, E")
+    assert e[0]["num_cached_tokens"] == 0, "E was sent with save false: nothing to load"
+    assert_same(unlooked, baseline["hit"][2:3], "consumer, a stored prompt with load false")
+    assert unlooked[0]["num_cached_tokens"] == 0, "load false: a stored prompt must not load"
+    lookups = stats(server.unix_url).extra["requests"]["Lookup"]
+    assert lookups == seen[4].extra["requests"]["Lookup"], "load false must cost no Lookup"
 
 
 def test_faults_server_killed_corrupt_record_and_return(

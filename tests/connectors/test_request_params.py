@@ -1,0 +1,118 @@
+"""A request's own kvstore settings, ``kv_transfer_params`` ``{"kvstore": {...}}``, through
+the connector's halves (tests/connectors/halves.py) against a real kvstore-server: a
+request that turns loading off is not looked up and loads nothing, one that turns saving
+off leaves nothing on the server, and the requests beside them are served as usual. With
+real vLLM engines: test_vllm_connector.py (test_pd_consumer_loads_from_disk_after_restart).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvstore.connectors.vllm_config import ConnectorConfig, RequestParams, request_params
+
+from kvstore.errors import ConfigError
+from kvstore.keys import ChunkKey
+from kvstore.sdk.client import Client
+from kvstore.testing.server import KVServer
+from tests.connectors.halves import Engine
+from tests.connectors.test_connector_loads import Layout, calls_since, prompt, requests, stored
+
+NO_LOAD = {"kvstore": {"load": False}}
+NO_SAVE = {"kvstore": {"save": False}}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[KVServer]:
+    s = KVServer(tmp_path / "srv", memory="256MiB").start()
+    yield s
+    s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def engine(server: KVServer) -> Iterator[Engine]:
+    e = Engine(server.unix_url, blocks=800)
+    yield e
+    e.close()
+
+
+def keys_of(server: KVServer) -> set[ChunkKey]:
+    with Client(server.unix_url) as c:
+        return {v.key for v in c.list()}
+
+
+def test_a_request_that_turns_saving_off_leaves_nothing_on_the_server(
+    engine: Engine, server: KVServer
+) -> None:
+    """x ({"save": false}) and y computed in one step: only y's three chunks are stored;
+    asked again, y loads and x misses (and, asked without the setting, is stored then)."""
+    x, y = prompt(900), prompt(901)
+    lay = Layout()
+    got = engine.step([(x, lay.take(600)), (y, lay.take(600))], params=[NO_SAVE, None])
+    assert all(a.told == 0 for a in got), "nothing was stored before"
+    assert len(keys_of(server)) == 3, "y's three chunks, none of x's, must be stored"
+    again = engine.step([(x, lay.take(600)), (y, lay.take(600))])
+    assert again[0].told == 0, "x asked not to be saved: nothing of it may load"
+    assert again[1].told == stored(600) and not again[1].failed, again[1]
+    assert len(keys_of(server)) == 6, "x, asked again without the setting, is stored"
+
+
+def test_a_request_that_turns_loading_off_is_not_looked_up(
+    engine: Engine, server: KVServer
+) -> None:
+    """x and y stored; a step with x ({"load": false}) and y: y loads with the step's one
+    Lookup, x loads nothing and computes; a malformed setting is ignored with a warning
+    (the engine's settings hold: z loads)."""
+    x, y, z = prompt(910), prompt(911), prompt(912)
+    lay = Layout()
+    engine.step([(p, lay.take(600)) for p in (x, y, z)])
+    before = requests(server)
+    got = engine.step(
+        [(p, lay.take(600)) for p in (x, y, z)],
+        params=[NO_LOAD, None, {"kvstore": {"load": "no"}}],
+    )
+    assert got[0].told == 0, "x asked not to load: it must compute"
+    assert got[1].told == stored(600) and got[2].told == stored(600), got
+    calls = calls_since(server, before)
+    assert calls["Lookup"] == 2, f"y and z are looked up, x is not: {calls}"
+
+
+def test_a_request_cannot_turn_on_what_the_engine_has_off(server: KVServer) -> None:
+    """An engine that does not load (a kv_producer) stays one for a request asking to."""
+    x = prompt(920)
+    producer = Engine(server.unix_url, blocks=200)
+    consumer_off = Engine(server.unix_url, blocks=200, load=False)
+    try:
+        producer.step([(x, Layout().take(600))])
+        (a,) = consumer_off.step([(x, Layout().take(600))], params=[{"kvstore": {"load": True}}])
+        assert a.told == 0, "load: true must not turn on an engine's load=false"
+    finally:
+        producer.close()
+        consumer_off.close()
+
+
+def test_request_settings_are_checked() -> None:
+    cfg, drops = ConnectorConfig(), ConnectorConfig(drop_after_load=True)
+    assert request_params(None, cfg) == RequestParams(), "no parameters: the engine's settings"
+    assert request_params({"do_remote_prefill": True}, drops) == RequestParams(
+        drop_after_load=True
+    ), "others' keys: the engine's settings"
+    assert request_params({"kvstore": {}}, drops).drop_after_load is True
+    assert request_params({"kvstore": {"drop_after_load": False}}, drops).drop_after_load is False
+    got: Any = request_params({"kvstore": {"load": False, "save": False}}, cfg)
+    assert (got.load, got.save, got.drop_after_load) == (False, False, False)
+    with pytest.raises(ConfigError, match=re.escape('["kvstore"]["save"]=1: expected true or')):
+        request_params({"kvstore": {"save": 1}}, cfg)
+    allowed = '"load": true|false, "save": true|false, "drop_after_load": true|false'
+    with pytest.raises(ConfigError, match=re.escape(allowed)):
+        request_params({"kvstore": {"drop": True}}, cfg)
+    with pytest.raises(ConfigError, match=re.escape(allowed)):
+        request_params({"kvstore": "off"}, cfg)
