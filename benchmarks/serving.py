@@ -207,6 +207,14 @@ class ApiServer:
         self.proc.wait()
 
 
+# Every request of a run asks the connector to leave it alone (kv_transfer_params; docs/vllm.md
+# "Per request"): no lookup, no save. The same engine with kvstore and without its work.
+KV_OFF = [
+    "--extra-body",
+    json.dumps({"kv_transfer_params": {"kvstore": {"load": False, "save": False}}}),
+]
+
+
 def client(server: ApiServer, model: Path, workload: list[str], seed: int, log: Path) -> dict:
     """One run of vLLM's benchmark client against ``server``: its result dict, plus the
     prompt tokens vLLM's prefix cache and the connector served meanwhile."""
@@ -299,6 +307,8 @@ def take_turns(
     work: Path, tag: str = "", kvstore_pid: int | None = None, block: int = 0,
 ) -> None:  # fmt: skip
     """Every server runs each seed's workload; turns alternate in order seed by seed.
+    A name ending in ``.off`` is the engine of that name without it, every request with
+    kvstore off (``KV_OFF``); it takes its turn right after that engine's.
     ``kvstore_pid``: the kvstore-server, whose CPU time each run of an engine using it
     records (``server_cpu_s``): what kvstore took from the cores vLLM computes on.
     ``block``: which set of engine instances ran it (recorded with each run)."""
@@ -308,10 +318,12 @@ def take_turns(
     for i, seed in enumerate(seeds):
         order = list(servers) if i % 2 == 0 else list(reversed(servers))
         for name in order:
+            off = name.endswith(".off")
             time.sleep(SETTLE_S)
             cpu0 = cpu_seconds(kvstore_pid) if kvstore_pid else 0.0
             own0 = {role: cpu_seconds(pid) for role, pid in procs[name].items()}
-            got = client(servers[name], model, load, seed, work / f"{name}.client.log")
+            got = client(servers[name], model, load + (KV_OFF if off else []), seed,
+                         work / f"{name.removesuffix('.off')}.client.log")  # fmt: skip
             for role, pid in procs[name].items():  # the engine's own processes' CPU
                 got[f"{role}_cpu_s"] = cpu_seconds(pid) - own0[role]
             if kvstore_pid and name.startswith("kv"):
@@ -332,6 +344,19 @@ def engine_sets(blocks: int, seeds: list[int]) -> Iterator[tuple[int, list[str],
     one, and its share of the seeds."""
     for b in range(blocks):
         yield b, [*ENGINES[b % 3 :], *ENGINES[: b % 3]], seeds[b::blocks]
+
+
+def with_kv_off(servers: dict[str, ApiServer]) -> dict[str, ApiServer]:
+    """``servers`` with ``kv.off`` right after ``kv``: the same engine, every request of its
+    runs with kvstore off. Against it, what kvstore's work costs that engine, without the
+    few percent by which two engines alike differ (session 13); against the engines alone,
+    what the connector costs doing nothing."""
+    out: dict[str, ApiServer] = {}
+    for name, server in servers.items():
+        out[name] = server
+        if name == "kv":
+            out["kv.off"] = server
+    return out
 
 
 def tiny_model(p: ServeParams, work: Path) -> Path:
@@ -384,7 +409,8 @@ def measure(p: ServeParams, progress: Progress, work: Path) -> dict[str, Any]:
                             off = [150 + r for r in range(p.reps_off)]
                             pair = {n: s[n] for n in ("alone", "kv")}
                             take_turns(pair, runs, model, load["prefix"], off, work, ".nocache")
-                        take_turns(s, runs, model, load["random"], mine, work, ".random", pid, b)
+                        take_turns(with_kv_off(s), runs, model, load["random"], mine, work,
+                                   ".random", pid, b)  # fmt: skip
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.stop()

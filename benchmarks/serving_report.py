@@ -58,6 +58,17 @@ PAIRS = (
      "the two engines alone (alone, alone2) in each turn",
      "TTFT and throughput within 5%"),
 )  # fmt: skip
+# Pairs of runs recorded since session 15 (none in older results): the kvstore engine
+# with every request turning kvstore off (kv_transfer_params), no lookups and no saves.
+OFF_PAIRS = (
+    ("store_on_miss.same_engine", "kv.random", "kv.off.random",
+     "the same engine, every request with kvstore off (no lookup, no save), in the turn "
+     "next to its own", "kvstore's work on a miss: within 5%",
+     ("kvstore", "kvstore off")),
+    ("store_on_miss.idle", "kv.off.random", "alone.both",
+     "vLLM alone, the mean of the two engines alone (alone, alone2) in each turn",
+     "what the connector costs doing nothing", ("kvstore off", "alone")),
+)  # fmt: skip
 METRICS = (("request_throughput", "req/s"), ("mean_ttft_ms", "ms"), ("mean_tpot_ms", "ms"),
            ("median_ttft_ms", "ms"))  # fmt: skip
 
@@ -120,9 +131,11 @@ def with_pooled(runs: Runs) -> Runs:
 
 
 def pair_records(
-    runs: Runs, p: ServeParams, stem: str, case: str, base: str, limit_name: str, target: str
-) -> list[Record]:
-    """``stem``'s records (one per metric): the runs ``case`` paired with ``base`` by seed."""
+    runs: Runs, p: ServeParams, stem: str, case: str, base: str, limit_name: str, target: str,
+    names: tuple[str, str] = ("with kvstore", "alone"),
+) -> list[Record]:  # fmt: skip
+    """``stem``'s records (one per metric): the runs ``case`` paired with ``base`` by seed;
+    ``names``: what the notes call each."""
     out = []
     for key, unit in METRICS:
         label = key.removesuffix("_ms")
@@ -131,8 +144,8 @@ def pair_records(
             f"{stem}.{label}", _med(runs[case], key), unit, _med(runs[base], key),
             statistics.median(ratios), limit_name, target,
             f"ratio: the median of {len(ratios)} paired runs' ratios (same workload, back "
-            f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; with kvstore: "
-            f"{_spread(runs[case], key)}; alone: {_spread(runs[base], key)}; "
+            f"to back): {', '.join(f'{r:.3f}' for r in sorted(ratios))}; {names[0]}: "
+            f"{_spread(runs[case], key)}; {names[1]}: {_spread(runs[base], key)}; "
             f"{_hits(runs[case], p)}{by_block(runs[case], runs[base], key)}",
         ))  # fmt: skip
     return out
@@ -163,6 +176,9 @@ def records(p: ServeParams, res: dict[str, Any]) -> list[Record]:
     out: list[Record] = []
     for stem, case, base, limit_name, target in PAIRS:
         out += pair_records(runs, p, f"serving.{stem}", case, base, limit_name, target)
+    for stem, case, base, limit_name, target, names in OFF_PAIRS:
+        if runs.get(case) and runs.get(base):
+            out += pair_records(runs, p, f"serving.{stem}", case, base, limit_name, target, names)
     for tag, _, stem in POOLS:
         out += control_records(runs, tag, f"serving.{stem}")
     miss = [r for r in runs["kv.random"] if "server_cpu_s" in r]
@@ -242,10 +258,12 @@ def table(p: ServeParams, res: dict[str, Any]) -> str:
              "kv2.restart": "(e) + kvstore, new engine", "alone.nocache": "(c) alone, cache off",
              "kv.nocache": "(d) + kvstore, cache off", "alone.random": "alone, no reuse",
              "kv.random": "+ kvstore, no reuse",
+             "kv.off.random": "+ kvstore, every request with it off, no reuse",
              "alone2.random": "a second engine alone, no reuse (control)"}  # fmt: skip
     limits = {"alone2": "alone", "kv": "alone.on.both", "kv2.restart": "alone.on.both",
               "kv.nocache": "alone.nocache",
-              "kv.random": "alone.both", "alone2.random": "alone.random"}  # fmt: skip
+              "kv.random": "alone.both", "kv.off.random": "alone.both",
+              "alone2.random": "alone.random"}  # fmt: skip
     rows = ["| configuration | runs | req/s | mean TTFT | mean TPOT | vs | req/s ratio | "
             "TTFT ratio | TPOT ratio | prompt tokens from vLLM's cache / kvstore |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip

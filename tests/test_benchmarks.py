@@ -379,3 +379,41 @@ def test_each_set_of_engines_starts_in_an_order_rotated_by_one_and_takes_its_own
     assert [b for b, _, _ in sets] == [0, 1, 2]
     mine = [s for _, _, part in sets for s in part]
     assert sorted(mine) == seeds and len(mine) == len(set(mine)), f"seeds split: {sets}"
+
+
+def test_the_kvstore_engine_runs_again_with_kvstore_off_next_to_its_own_turn() -> None:
+    """The no-reuse turns add ``kv.off``, the kvstore engine with every request turning
+    kvstore off, right after ``kv`` (before it when the turns reverse); the report pairs
+    kv with kv.off on the same engine (kvstore's work) and kv.off with both engines alone
+    (the connector doing nothing), and leaves both out for results without kv.off."""
+    from benchmarks.serving import KV_OFF, QUICK, with_kv_off
+    from benchmarks.serving_report import records, table
+
+    engines: dict[str, Any] = {"kv": object(), "alone2": object(), "alone": object()}
+    got_order = with_kv_off(engines)
+    assert list(got_order) == ["kv", "kv.off", "alone2", "alone"], list(got_order)
+    assert got_order["kv.off"] is engines["kv"], "kv.off is the same engine as kv"
+    body = json.loads(KV_OFF[1])
+    assert body == {"kv_transfer_params": {"kvstore": {"load": False, "save": False}}}, body
+
+    def run(seed: int, rps: float) -> dict[str, Any]:
+        return {"seed": seed, "block": 0, "request_throughput": rps, "mean_ttft_ms": 100.0,
+                "mean_tpot_ms": 10.0, "median_ttft_ms": 100.0, "duration": 4.0}  # fmt: skip
+
+    runs = {
+        "alone": [run(1, 10.0)], "alone2": [run(1, 10.0)], "kv": [run(1, 10.0)],
+        "kv2.restart": [run(1, 10.0)], "alone.nocache": [run(7, 5.0)],
+        "kv.nocache": [run(7, 5.0)],
+        "alone.random": [run(1, 8.0), run(2, 9.0)], "alone2.random": [run(1, 12.0), run(2, 9.0)],
+        "kv.random": [run(1, 9.0), run(2, 9.0)], "kv.off.random": [run(1, 10.0), run(2, 9.0)],
+    }  # fmt: skip
+    got = {r.name: r for r in records(QUICK, {"runs": runs})}
+    same = got["serving.store_on_miss.same_engine.request_throughput"]
+    assert same.ratio == pytest.approx(0.95), f"9/10 and 9/9 on the same engine: {same}"
+    assert "kvstore off: " in same.notes, same.notes
+    idle = got["serving.store_on_miss.idle.request_throughput"]
+    assert idle.ratio == pytest.approx(1.0), f"10/10 and 9/9 against both alone: {idle}"
+    assert "kvstore, every request with it off" in table(QUICK, {"runs": runs})
+    del runs["kv.off.random"]
+    older = {r.name for r in records(QUICK, {"runs": runs})}
+    assert not any(".same_engine." in n or ".idle." in n for n in older), sorted(older)
