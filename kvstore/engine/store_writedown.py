@@ -109,7 +109,7 @@ class WriteDownPath:
             return
         if job.header is not None:  # a move: the bytes travel with the job
             assert job.blob is not None
-            self._write_down(job, job.header, memoryview(job.blob)[job.header.header_size :])
+            self._write_down(job, job.header, job.blob)
             return
         # A copy: read from L1 now (verified), not counted as a client's read. (Reading it
         # in place under a lease would spare the bytes copy, but a lease of the store's
@@ -123,15 +123,16 @@ class WriteDownPath:
         if blob is None:
             return  # evicted or deleted since; eviction queued its own move
         header = parse_header(blob)
-        self._write_down(job, header, memoryview(blob)[header.header_size :])
+        self._write_down(job, header, blob)
 
-    def _write_down(self, job: Job, header: RecordHeader, payload: memoryview) -> None:
-        """Write one job's chunk to each of its target tiers, and index where it landed."""
+    def _write_down(self, job: Job, header: RecordHeader, record: bytes) -> None:
+        """Write one job's chunk (its whole record, as read) to each of its target tiers,
+        and index where it landed."""
         for level in job.targets:
             if job.key not in self.index:
                 return  # deleted while queued
             tier = self._by_level[level]
-            status = tier.put(header, payload)
+            status = tier.put_record(header, record)
             with self._lock:
                 alive = job.key in self.index
                 if alive and status.ok:

@@ -175,6 +175,21 @@ def test_put_get_round_trip(tier: Tier) -> None:
     assert got is not None and bytes(out) == payload, "get_into must deliver the raw payload"
 
 
+def test_a_whole_record_is_stored_as_put_would(tier: Tier) -> None:
+    """put_record (what the store's write-down hands a tier: the record as get returns
+    it) stores what put would: get returns a record of the same key and payload, and a
+    second one of the key is EXISTS, whichever way each came."""
+    header, payload = make_chunk(range(16), bytes_per_token=BPT)
+    record = header.pack() + bytes(payload)
+    assert tier.put_record(header, record) == PutStatus.STORED
+    blob = tier.get(header.key)
+    assert blob is not None, "a record stored whole must be found"
+    h = verify(blob, expect_key=header.key)
+    assert bytes(memoryview(blob)[h.header_size :]) == bytes(payload), "another payload came back"
+    assert tier.put(header, payload) == PutStatus.EXISTS
+    assert tier.put_record(header, record) == PutStatus.EXISTS
+
+
 def test_put_existing_key_is_exists(tier: Tier) -> None:
     header, payload = make_chunk(range(16), bytes_per_token=BPT)
     assert tier.put(header, payload) == PutStatus.STORED

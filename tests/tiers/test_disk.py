@@ -23,7 +23,7 @@ import pytest
 from kvstore.clock import FakeClock
 from kvstore.config import DiskConfig, KiB, MiB
 from kvstore.engine.tiers.disk import DiskTier
-from kvstore.errors import StoreClosed, TierError
+from kvstore.errors import InvalidArgument, StoreClosed, TierError
 from kvstore.keys import ChunkKey, Fingerprint, Namespace
 from kvstore.records import Codec, RecordHeader, encode, make_header, verify
 from kvstore.types import PutStatus
@@ -113,7 +113,10 @@ def run_child(code: str, *args: str) -> subprocess.Popen[str]:
 
 @pytest.mark.parametrize("codec", ["raw", "zstd", "zstd_shuffle"])
 @pytest.mark.parametrize("put_codec", [Codec.RAW, Codec.ZSTD_SHUFFLE])
-def test_codec_round_trip(open_tier, tmp_path: Path, codec: str, put_codec: Codec) -> None:
+@pytest.mark.parametrize("how", ["put", "put_record"])
+def test_codec_round_trip(
+    open_tier, tmp_path: Path, codec: str, put_codec: Codec, how: str
+) -> None:
     t = open_tier(capacity_bytes=4 * MiB, codec=codec)
     h, payload = kv_like(1)
     blob = encode(
@@ -127,7 +130,10 @@ def test_codec_round_trip(open_tier, tmp_path: Path, codec: str, put_codec: Code
         codec=put_codec,
     )
     ph = verify(blob)
-    assert t.put(ph, memoryview(blob)[ph.header_size :]) is PutStatus.STORED
+    if how == "put":
+        assert t.put(ph, memoryview(blob)[ph.header_size :]) is PutStatus.STORED
+    else:  # a write-down's whole record
+        assert t.put_record(ph, blob) is PutStatus.STORED
     stored = t.get(h.key)
     assert stored is not None, "a fresh put must be readable"
     sh = verify(stored)
@@ -139,6 +145,35 @@ def test_codec_round_trip(open_tier, tmp_path: Path, codec: str, put_codec: Code
     t.close()
     t2 = open_tier(codec="raw")  # a reopen with another codec still reads the old records
     assert raw_payload(t2, h.key) == payload, f"{codec} record unreadable after reopen"
+
+
+def test_a_whole_record_in_the_disk_codec_is_stored_as_it_is(
+    open_tier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write-down's record (put_record) in L2's codec goes into LMDB as given, not built
+    again (``_encode`` zero-fills and copies every record once more): get returns those
+    very bytes; a record whose size is not its header's is refused."""
+    t = open_tier(capacity_bytes=4 * MiB)
+
+    def whole(i: int) -> tuple[RecordHeader, bytes]:
+        h, payload = kv_like(i)
+        blob = encode(key=h.key, parent=h.parent, fingerprint=h.fingerprint,
+                      token_bytes=h.token_bytes, dtype=h.dtype, shape=h.shape,
+                      payload=payload)  # fmt: skip
+        return verify(blob), blob
+
+    def rebuilt(*_: object) -> bytes:
+        raise AssertionError("put_record built again a record it was given whole")
+
+    monkeypatch.setattr(t, "_encode", rebuilt)
+    ph, blob = whole(2)
+    assert t.put_record(ph, blob) is PutStatus.STORED
+    assert t.get(ph.key) == blob, "L2 must hold the record's own bytes"
+    assert t.put_record(ph, blob) is PutStatus.EXISTS
+    h3, blob3 = whole(3)
+    with pytest.raises(InvalidArgument, match="its header says"):
+        t.put_record(h3, blob3[:-1])
+    assert t.get(h3.key) is None, "a refused record must not be stored"
 
 
 # -- capacity and LRU -----------------------------------------------------------

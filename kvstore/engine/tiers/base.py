@@ -101,6 +101,12 @@ class Tier(ABC):
     def put(self, header: RecordHeader, payload: bytes | memoryview) -> PutStatus:
         """Store the record ``header`` + ``payload`` (payload in ``header.codec``)."""
 
+    def put_record(self, header: RecordHeader, record: bytes | bytearray) -> PutStatus:
+        """Store a whole record as ``get`` returns it (``header``, parsed from it, packed
+        in front of its stored payload): what the store's write-down holds. A tier that
+        keeps records whole overrides this to store the bytes as they are, not rebuilt."""
+        return self.put(header, memoryview(record)[header.header_size :])
+
     @abstractmethod
     def delete(self, key: ChunkKey) -> bool:
         """Remove a chunk; True if it was there. Removes pinned chunks too."""

@@ -50,7 +50,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -234,10 +234,25 @@ class DiskTier(L2Reads, Tier):
                 f"payload is {memoryview(payload).nbytes} bytes, its header "
                 f"says {header.stored_size}"
             )
+        return self._put(header, lambda: self._encode(header, payload))
+
+    def put_record(self, header: RecordHeader, record: bytes | bytearray) -> PutStatus:
+        """A write-down's record goes into LMDB as it is: building it again (``_encode``)
+        zero-filled and copied every record once more."""
+        if header.codec != self._codec:
+            return super().put_record(header, record)  # transcoded: built anew anyway
+        self._check_open()
+        if len(record) != header.record_size:
+            raise InvalidArgument(
+                f"record is {len(record)} bytes, its header says {header.record_size}"
+            )
+        return self._put(header, lambda: record)
+
+    def _put(self, header: RecordHeader, blob_of: Callable[[], bytes | bytearray]) -> PutStatus:
         key = bytes(header.key)
         if key in self._index:
             return PutStatus.EXISTS
-        blob = self._encode(header, payload)  # outside the locks: zstd takes milliseconds
+        blob = blob_of()  # outside the locks: zstd takes milliseconds
         size = len(blob)
         if size > self.config.capacity_bytes:
             self._count(rejected=1)
