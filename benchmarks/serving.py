@@ -308,7 +308,7 @@ def take_turns(
 ) -> None:  # fmt: skip
     """Every server runs each seed's workload; turns alternate in order seed by seed.
     A name ending in ``.off`` is the engine of that name without it, every request with
-    kvstore off (``KV_OFF``); it takes its turn right after that engine's.
+    kvstore off (``KV_OFF``; ``with_kv_off`` puts it next to that engine).
     ``kvstore_pid``: the kvstore-server, whose CPU time each run of an engine using it
     records (``server_cpu_s``): what kvstore took from the cores vLLM computes on.
     ``block``: which set of engine instances ran it (recorded with each run)."""

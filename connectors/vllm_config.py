@@ -168,25 +168,45 @@ class RequestParams:
     save: bool = True  # store its prompt's KV (false: nothing of it reaches the server)
     drop_after_load: bool = False  # the chunks it loaded are dropped once loaded
 
+    @classmethod
+    def of_engine(cls, cfg: ConnectorConfig) -> RequestParams:
+        """A request that says nothing: the engine's settings."""
+        return cls(drop_after_load=cfg.drop_after_load)
+
 
 _REQUEST_KEYS = tuple(f.name for f in dataclasses.fields(RequestParams))
+_WHERE = 'kv_transfer_params["kvstore"]'
 
 
-def request_params(kv_transfer_params: Any, cfg: ConnectorConfig) -> RequestParams:
-    """One request's ``RequestParams``, the engine's ``drop_after_load`` where it does not
-    say. Raises ConfigError, saying what is allowed, for a key or value it does not know
-    (the scheduler logs it and uses the engine's settings)."""
-    default = RequestParams(drop_after_load=cfg.drop_after_load)
+def request_params(
+    kv_transfer_params: Any, cfg: ConnectorConfig
+) -> tuple[RequestParams, list[str]]:
+    """One request's ``RequestParams`` and what was wrong with them, each a message that says
+    what is allowed (the scheduler logs them; they never fail the request). Booleans are
+    read as the engine's settings are (``true``, ``"false"``, ``0``...). A value that cannot
+    be read turns ``load`` or ``save`` off (a request that asked not to be stored is not
+    stored for a typo), ``drop_after_load`` stays the engine's; an unknown key is ignored;
+    a ``"kvstore"`` that is not a table of these turns both off."""
+    got = RequestParams.of_engine(cfg)
     params = kv_transfer_params if isinstance(kv_transfer_params, Mapping) else {}
     ours = params.get("kvstore")
     if ours is None:
-        return default
+        return got, []
     allowed = ", ".join(f'"{k}": true|false' for k in _REQUEST_KEYS)
-    if not isinstance(ours, Mapping) or not set(ours) <= set(_REQUEST_KEYS):
-        raise ConfigError(f'kv_transfer_params["kvstore"]={ours!r}: expected {{{allowed}}}')
-    for k, value in ours.items():
-        if not isinstance(value, bool):
-            raise ConfigError(
-                f'kv_transfer_params["kvstore"]["{k}"]={value!r}: expected true or false'
-            )
-    return dataclasses.replace(default, **ours)
+    if not isinstance(ours, Mapping):
+        off = dataclasses.replace(got, load=False, save=False)
+        return off, [f"{_WHERE}={ours!r}: expected {{{allowed}}}; load and save are off for it"]
+    problems = []
+    for key, value in ours.items():
+        if key not in _REQUEST_KEYS:
+            problems.append(f"{_WHERE}: unknown key {key!r} ignored; allowed: {{{allowed}}}")
+            continue
+        try:
+            got = build(RequestParams, {**dataclasses.asdict(got), key: value}, _WHERE)
+        except ConfigError as e:
+            if key == "drop_after_load":
+                problems.append(f"{e}; the engine's drop_after_load holds for it")
+            else:
+                got = dataclasses.replace(got, **{key: False})
+                problems.append(f"{e}; {key} is off for it")
+    return got, problems

@@ -25,7 +25,6 @@ from typing import Any
 from vllm.logger import init_logger
 
 from kvstore.clock import Clock, monotonic
-from kvstore.errors import ConfigError
 from kvstore.sdk import LentLease
 from kvstore.types import ChunkMatch, TierLevel
 
@@ -271,15 +270,14 @@ class KVStoreScheduler:
         return _Hit(now, matched, groups[0], groups)
 
     def _params_of(self, request: Any) -> RequestParams:
-        """What the request asks of kvstore (its kv_transfer_params), read once a request:
-        a malformed one is logged once and the engine's settings hold."""
+        """What the request asks of kvstore (its kv_transfer_params), read once a request;
+        what was wrong with them is logged once (``request_params`` says what holds)."""
         got = self._params.get(request.request_id)
         if got is None:
-            try:
-                got = request_params(getattr(request, "kv_transfer_params", None), self.setup.cfg)
-            except ConfigError as e:  # a bad request must not stop the engine
-                got = RequestParams(drop_after_load=self.setup.cfg.drop_after_load)
-                log.warning("kvstore: request %s: %s; using %s", request.request_id, e, got)
+            params = getattr(request, "kv_transfer_params", None)
+            got, problems = request_params(params, self.setup.cfg)
+            for problem in problems:  # a bad request must not stop the engine
+                log.warning("kvstore: request %s: %s", request.request_id, problem)
             self._params[request.request_id] = got
         return got
 

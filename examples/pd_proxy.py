@@ -80,10 +80,12 @@ class Upstream:
 
 def decode_body(req: dict[str, Any]) -> bytes:
     """The request as the decode engine gets it with --drop-after-load: the original, with
-    the connector's drop asked for in ``kv_transfer_params`` (other keys there kept)."""
+    the connector's drop asked for in ``kv_transfer_params`` (other keys there kept, the
+    client's own kvstore settings too)."""
     params = req.get("kv_transfer_params")
     params = dict(params) if isinstance(params, dict) else {}
-    params["kvstore"] = {"drop_after_load": True}
+    ours = params.get("kvstore")
+    params["kvstore"] = {**(ours if isinstance(ours, dict) else {}), "drop_after_load": True}
     return json.dumps(dict(req, kv_transfer_params=params)).encode()
 
 

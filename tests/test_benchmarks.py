@@ -381,20 +381,47 @@ def test_each_set_of_engines_starts_in_an_order_rotated_by_one_and_takes_its_own
     assert sorted(mine) == seeds and len(mine) == len(set(mine)), f"seeds split: {sets}"
 
 
-def test_the_kvstore_engine_runs_again_with_kvstore_off_next_to_its_own_turn() -> None:
+def test_the_kvstore_engine_runs_again_with_kvstore_off_next_to_its_own_turn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The no-reuse turns add ``kv.off``, the kvstore engine with every request turning
-    kvstore off, right after ``kv`` (before it when the turns reverse); the report pairs
-    kv with kv.off on the same engine (kvstore's work) and kv.off with both engines alone
-    (the connector doing nothing), and leaves both out for results without kv.off."""
-    from benchmarks.serving import KV_OFF, QUICK, with_kv_off
+    kvstore off, next to ``kv`` (after it, before it when the turns reverse); only its
+    runs carry the request parameter; the report pairs kv with kv.off on the same engine
+    (kvstore's work) and kv.off with both engines alone (the connector doing nothing),
+    and leaves both out for results without kv.off."""
+    import benchmarks.serving as serving
+    from benchmarks.serving import QUICK, take_turns, with_kv_off
     from benchmarks.serving_report import records, table
 
-    engines: dict[str, Any] = {"kv": object(), "alone2": object(), "alone": object()}
-    got_order = with_kv_off(engines)
-    assert list(got_order) == ["kv", "kv.off", "alone2", "alone"], list(got_order)
-    assert got_order["kv.off"] is engines["kv"], "kv.off is the same engine as kv"
-    body = json.loads(KV_OFF[1])
-    assert body == {"kv_transfer_params": {"kvstore": {"load": False, "save": False}}}, body
+    class Engine:
+        def processes(self) -> dict[str, int]:
+            return {}
+
+    engines = {"kv": Engine(), "alone2": Engine(), "alone": Engine()}
+    turns = with_kv_off(engines)  # type: ignore[arg-type]
+    assert list(turns) == ["kv", "kv.off", "alone2", "alone"], list(turns)
+    assert turns["kv.off"] is engines["kv"], "kv.off is the same engine as kv"
+    sent: list[tuple[str, list[str]]] = []
+
+    def client(server: Any, model: Path, load: list[str], seed: int, log: Path) -> dict:
+        name = next(n for n, e in engines.items() if e is server)
+        sent.append((name, load))
+        return {"request_throughput": 1.0}
+
+    monkeypatch.setattr(serving, "client", client)
+    monkeypatch.setattr(serving, "SETTLE_S", 0.0)
+    got_runs: dict[str, list[dict[str, Any]]] = {}
+    take_turns(turns, got_runs, tmp_path, ["--x"], [1, 2], tmp_path, ".random")  # type: ignore[arg-type]
+    off = {"kv_transfer_params": {"kvstore": {"load": False, "save": False}}}
+    with_off = [
+        (name, json.loads(load[load.index("--extra-body") + 1]) if "--extra-body" in load else None)
+        for name, load in sent
+    ]
+    assert with_off == [
+        ("kv", None), ("kv", off), ("alone2", None), ("alone", None),
+        ("alone", None), ("alone2", None), ("kv", off), ("kv", None),
+    ], f"kv.off's runs, and only they, turn kvstore off, next to kv's: {with_off}"  # fmt: skip
+    assert sorted(got_runs) == ["alone.random", "alone2.random", "kv.off.random", "kv.random"]
 
     def run(seed: int, rps: float) -> dict[str, Any]:
         return {"seed": seed, "block": 0, "request_throughput": rps, "mean_ttft_ms": 100.0,

@@ -193,6 +193,8 @@ class Engine:
             self._run(step_output(later))
         for req in reqs:
             self.scheduler.request_finished(req)
+        left = set(self.scheduler._params) & {req.request_id for req in reqs}
+        assert not left, f"the scheduler kept finished requests' parameters: {left}"
         return out
 
     def _run(self, output: Any) -> tuple[set[str], set[int]]:

@@ -138,7 +138,7 @@ def test_a_request_asks_for_its_drop_and_shares_nothing_it_did_not_ask_for(
         lay = Layout()
         got = c.step(
             [(p, lay.take(600)) for p in (x, y, z, bad, w)],
-            params=[DROP, None, KEEP, {"kvstore": {"drop_after_load": "yes"}}, DROP],
+            params=[DROP, None, KEEP, {"kvstore": {"drop_after_load": "sometimes"}}, DROP],
         )
         assert all(a.told == stored(600) and not a.failed for a in got[:4]), got
         assert got[4].told == 320 and not got[4].failed, got[4]

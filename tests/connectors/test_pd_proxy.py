@@ -371,7 +371,8 @@ def test_drop_after_load_asks_the_decode_engine_to_drop_what_it_loaded(
 ) -> None:
     """With --drop-after-load the decode request carries kv_transfer_params
     {"kvstore": {"drop_after_load": true}} (what the connector reads; other keys there
-    kept), the prefill's does not; without the flag decode gets the body byte for byte."""
+    kept, the client's own kvstore settings too), the prefill's does not; without the
+    flag decode gets the body byte for byte."""
     pre, dec = stubs("prefill"), stubs("decode")
     p = proxy(pre.url, dec.url, "--drop-after-load")
     req = {**COMPLETION, "kv_transfer_params": {"other": 1}}
@@ -380,5 +381,12 @@ def test_drop_after_load_asks_the_decode_engine_to_drop_what_it_loaded(
     want = {**req, "kv_transfer_params": {"other": 1, "kvstore": {"drop_after_load": True}}}
     assert dec.seen[0].json() == want, f"decode must be asked to drop: {dec.seen[0].json()}"
     assert pre.seen[0].json()["kv_transfer_params"] == {"other": 1}, "the prefill keeps its KV"
+    mine = {**COMPLETION, "kv_transfer_params": {"kvstore": {"save": False}}}
+    status, _, _ = p.post("/v1/completions", mine)
+    assert status == 200, status
+    got = dec.seen[1].json()["kv_transfer_params"]
+    assert got == {"kvstore": {"save": False, "drop_after_load": True}}, (
+        f"the client's own kvstore settings must reach the decode engine with the drop: {got}"
+    )
     status, _, body = p.post("/v1/completions", b"{not json")
-    assert status == 400 and dec.seen[1].body == b"{not json", "a bad body goes as it came"
+    assert status == 400 and dec.seen[2].body == b"{not json", "a bad body goes as it came"
