@@ -19,10 +19,9 @@ pytest.importorskip("vllm")
 from kvstore.connectors.vllm_config import ConnectorConfig, RequestParams, request_params
 
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey
-from kvstore.sdk.client import Client
 from kvstore.testing.server import KVServer
 from tests.connectors.halves import Engine
+from tests.connectors.test_connector_drops import keys_of
 from tests.connectors.test_connector_loads import Layout, calls_since, prompt, requests, stored
 
 NO_LOAD = {"kvstore": {"load": False}}
@@ -41,11 +40,6 @@ def engine(server: KVServer) -> Iterator[Engine]:
     e = Engine(server.unix_url, blocks=800)
     yield e
     e.close()
-
-
-def keys_of(server: KVServer) -> set[ChunkKey]:
-    with Client(server.unix_url) as c:
-        return {v.key for v in c.list()}
 
 
 def test_a_request_that_turns_saving_off_leaves_nothing_on_the_server(
