@@ -59,6 +59,7 @@ class _Req:
 
     tokens: list[int]
     salt: str
+    asks: RequestParams  # its kv_transfer_params (drop_after_load, save)
     block_ids: list[int] = field(default_factory=list)
     # a hybrid model's block table per KV-cache group (block_ids is the first group's)
     group_blocks: list[list[int]] = field(default_factory=list)
@@ -66,8 +67,6 @@ class _Req:
     load: tuple[int, int] | None = None  # (start, end) tokens to load in the next step
     hit: _Hit | None = None  # what the lookup found, for the load
     waiting: bool = False  # an asynchronous load was sent: vLLM allocates for it again
-    drop: bool = False  # drop_after_load: the workers drop the chunks it loaded
-    save: bool = True  # its kv_transfer_params did not turn its saves off
 
 
 @dataclass(frozen=True)
@@ -287,9 +286,7 @@ class KVStoreScheduler:
         r = self._reqs.get(request.request_id)
         if r is None:
             asks = self._params_of(request)
-            r = self._reqs[request.request_id] = _Req(
-                tokens, self._salt(request), drop=asks.drop_after_load, save=asks.save
-            )
+            r = self._reqs[request.request_id] = _Req(tokens, self._salt(request), asks=asks)
         elif r.waiting:  # allocated again once its background load is over: nothing new
             r.waiting = False
             return
@@ -347,7 +344,8 @@ class KVStoreScheduler:
                     have.extend(new_ids)  # running: appended blocks only
             self._plan(meta, rid, r, cached.num_computed_tokens[i], scheduler_output)
         for spec in meta.loads:  # drop_after_load: the workers drop its chunks once loaded
-            spec.drop = self._reqs[spec.req_id].drop if spec.req_id in self._reqs else False
+            req = self._reqs.get(spec.req_id)
+            spec.drop = req is not None and req.asks.drop_after_load
         return meta
 
     def _plan(self, meta: KVStoreMeta, rid: str, r: _Req, computed: int, so: Any) -> None:
@@ -355,7 +353,7 @@ class KVStoreScheduler:
         bs = s.block_size
         if r.load is not None:
             meta.loads.append(self._load_spec(rid, r, background=False))
-        if not s.producer or not r.save:
+        if not s.producer or not r.asks.save:
             return
         done = min(computed + so.num_scheduled_tokens.get(rid, 0), len(r.tokens))
         # Whole chunks completed so far, and at the end of the prefill its last whole blocks.
