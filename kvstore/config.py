@@ -242,9 +242,6 @@ class StoreConfig:
     # write-through: every put goes down asynchronously; write-back: only on eviction
     write_policy: WritePolicy = "write-through"
     write_queue_bytes: int = 256 * MiB  # bytes waiting to be written down; puts wait beyond this
-    # steps of niceness the write-down thread runs below the server's other threads (0-19,
-    # Linux): on a host that runs the engine too, the copy into LMDB takes what it leaves
-    writedown_nice: int = 19
     max_chunk_bytes: int = 256 * MiB  # largest record accepted
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
@@ -259,10 +256,6 @@ class StoreConfig:
         )
         check_choices(self)
         _require(self.write_queue_bytes >= 0, "write_queue_bytes must be >= 0")
-        _require(
-            0 <= self.writedown_nice <= 19,
-            f"writedown_nice={self.writedown_nice}: allowed 0-19 (0: the server's own priority)",
-        )
         _require(self.max_chunk_bytes > 0, "max_chunk_bytes must be > 0")
 
 

@@ -194,13 +194,6 @@ def parser() -> argparse.ArgumentParser:
         choices=WRITE_POLICIES,
         help=f"(default: {s.write_policy})",
     )
-    g.add_argument(
-        "--writedown-nice",
-        type=int,
-        metavar="N",
-        help="steps of niceness the write-down thread runs below the others, 0-19 "
-        f"(default: {s.writedown_nice})",
-    )
     g.add_argument("--max-chunk-bytes", metavar="SIZE", help="largest record (default: 256MiB)")
     g.add_argument(
         "--memory-capacity",
@@ -245,7 +238,6 @@ def overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
         "chunk_tokens": args.chunk_tokens,
         "granularity": args.granularity,
         "write_policy": args.write_policy,
-        "writedown_nice": args.writedown_nice,
         "max_chunk_bytes": args.max_chunk_bytes,
         "memory": {
             "capacity_bytes": args.memory_capacity,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 
 from kvstore.config import DiskConfig, MemoryConfig, StoreConfig
 from kvstore.engine.store import TieredStore
-from kvstore.engine.writer import Job, WriteDown
+from kvstore.engine.writer import WriteDown
 from kvstore.errors import InvalidArgument
 from kvstore.keys import ROOT, ChunkKey, Namespace
 from kvstore.records import make_header, parse_header
@@ -429,42 +427,6 @@ def test_evicting_what_is_written_through_reads_no_byte_of_it(tmp_path: Path) ->
         assert s.stats().tiers[0].corrupt == 1, "a chunk moved down must be read and verified"
         assert s.contains([chain[0][0].key]) == [()], "a damaged chunk must not move down"
         assert s.contains([chain[1][0].key]) == [(2,)], "an intact one moves down"
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority: Linux only")
-def test_write_down_thread_runs_niced_and_a_stop_drains_at_the_callers_priority() -> None:
-    """Jobs run ``nice`` steps below the process; the caller's thread keeps its priority,
-    and ``stop`` runs what is queued in the caller's thread while the write-down thread
-    is busy (a shutdown does not wait at the low priority)."""
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    ran: dict[bytes, tuple[int, int]] = {}  # key -> (thread, its niceness)
-    started, release = threading.Event(), threading.Event()
-
-    def run(job: Job) -> None:
-        if job.key == ChunkKey(b"\x01" * 32):
-            started.set()
-            assert release.wait(10), "the first job was never released"
-        tid = threading.get_native_id()
-        ran[job.key] = (threading.get_ident(), os.getpriority(os.PRIO_PROCESS, tid))
-        if job.key == later[-1]:  # the queue is drained: let the first one end
-            release.set()
-
-    later = [ChunkKey(bytes([i]) * 32) for i in range(2, 6)]
-    wd = WriteDown(run, 1 << 20, nice=5)
-    wd.submit_copy(ChunkKey(b"\x01" * 32), (2,))
-    assert started.wait(10), "the write-down thread never took the first job"
-    for key in later:  # queued while the thread is busy with the first
-        wd.submit_copy(key, (2,))
-    assert wd.stop(10), "stop did not drain the queue"
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the caller's priority changed"
-    first_thread, first_nice = ran[ChunkKey(b"\x01" * 32)]
-    assert first_thread != threading.get_ident() and first_nice == min(19, base + 5), (
-        f"the write-down thread ran at nice {first_nice}, not {min(19, base + 5)}"
-    )
-    here = {key: ran[key] for key in later}
-    assert all(t == (threading.get_ident(), base) for t in here.values()), (
-        f"stop should have run the queued jobs in its own thread at nice {base}: {here}"
-    )
 
 
 def test_write_down_makes_way_for_writers_within_bounds() -> None:

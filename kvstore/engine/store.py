@@ -118,7 +118,7 @@ class TieredStore(ReadPath, WriteDownPath, DropPath, AdminPath):
             tier.on_evict = self._evict_callback(tier)
             tier.on_corrupt = self._corrupt_callback(tier)
         self._rebuild()
-        self._writer = WriteDown(self._run_job, cfg.write_queue_bytes, nice=cfg.writedown_nice)
+        self._writer = WriteDown(self._run_job, cfg.write_queue_bytes)
         # Promotions lookups asked for ahead of their reads: a few threads, at most a
         # quarter of L1 queued or running (they would only evict each other past that).
         budget = min(cfg.write_queue_bytes, cfg.memory.capacity_bytes // 4)

@@ -19,8 +19,6 @@ caller, is deduplicated, and is bounded by the bytes queued or running.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -58,12 +56,6 @@ class WriteDown:
     the server's GIL and cores with the copy of the chunks saved just before it (the
     copy and LMDB's put take as long as the save itself). Past ``backlog`` queued jobs
     nothing waits: a writer that never pauses gets the write-down at full speed.
-
-    The thread runs ``nice`` steps below the process's priority (Linux: a thread's own).
-    Nobody waits for a write-down but a shutdown, while the server's other threads
-    answer calls an engine waits for, and on a host that runs the engine too its
-    compute threads want the same cores: the copy into LMDB takes what they leave.
-    ``stop`` drains the queue in the caller's thread, at the caller's priority.
     """
 
     def __init__(
@@ -74,11 +66,9 @@ class WriteDown:
         quiet_s: float = 0.002,
         max_defer_s: float = 0.02,
         backlog: int = 256,
-        nice: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._run = run
-        self._nice = nice
         self._budget = budget_bytes
         self._quiet_s, self._max_defer_s, self._backlog = quiet_s, max_defer_s, backlog
         self._clock = clock
@@ -143,22 +133,11 @@ class WriteDown:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Run every queued job, then end the thread; False if that took past ``timeout``.
-        This thread takes jobs too, beside the write-down thread: a shutdown does not
-        wait at that thread's low priority."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        flushed = self.flush(timeout)
         with self._cv:
-            self._stopping = True  # the thread no longer waits for quiet moments
+            self._stopping = True
             self._cv.notify_all()
-        while deadline is None or time.monotonic() < deadline:
-            with self._cv:
-                job = self._take_locked()
-            if job is None:
-                break
-            self._run_taken(job)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        flushed = self.flush(left)
-        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._thread.join(timeout)
         return flushed
 
     def writing(self) -> None:
@@ -181,33 +160,25 @@ class WriteDown:
             self.deferred += 1
 
     def _loop(self) -> None:
-        lower_priority(self._nice)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._stopping)
                 if not self._queue:
                     return
                 self._quiet_locked()
-                job = self._take_locked()
-            if job is not None:  # else forgotten (deleted) while it waited
-                self._run_taken(job)
-
-    def _take_locked(self) -> Job | None:
-        if not self._queue:
-            return None
-        self._busy += 1
-        return self._queue.popleft()
-
-    def _run_taken(self, job: Job) -> None:
-        try:
-            self._execute(job)
-        finally:
-            with self._cv:
-                self._busy -= 1
-                if self._moves.get(job.key) is job:
-                    del self._moves[job.key]
-                    self._bytes -= job.nbytes
-                self._cv.notify_all()
+                if not self._queue:  # forgotten (deleted) while it waited
+                    continue
+                job = self._queue.popleft()
+                self._busy += 1
+            try:
+                self._execute(job)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    if self._moves.get(job.key) is job:
+                        del self._moves[job.key]
+                        self._bytes -= job.nbytes
+                    self._cv.notify_all()
 
     def _execute(self, job: Job) -> None:
         try:
@@ -218,19 +189,6 @@ class WriteDown:
             log.exception(
                 "write-down of chunk %s to tier(s) %s failed", job.key.hex()[:16], job.targets
             )
-
-
-def lower_priority(steps: int) -> None:
-    """The calling thread's niceness raised by ``steps`` (to 19 at most). Linux only, where
-    a thread's priority is its own; elsewhere it would be the whole process's."""
-    if steps <= 0 or sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + steps))
-    except OSError as e:  # a sandbox that forbids it: the write-down runs as before
-        log.warning("could not lower the write-down thread's priority: %s", e)
 
 
 class Backlog:

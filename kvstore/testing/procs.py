@@ -58,16 +58,6 @@ def thaw(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGCONT)
 
 
-def thread_nice(pid: int) -> dict[str, int]:
-    """Each thread of a process ("name/tid") and its niceness (a thread's own, on Linux)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # ended meanwhile
-            name = (task / "comm").read_text().strip()
-            out[f"{name}/{task.name}"] = os.getpriority(os.PRIO_PROCESS, int(task.name))
-    return out
-
-
 def thread_cpus(pid: int) -> dict[str, set[int]]:
     """Each thread of a process ("name/tid") and the CPUs it may run on."""
     out = {}

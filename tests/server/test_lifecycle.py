@@ -16,7 +16,7 @@ import pytest
 import kvstore
 from kvstore.errors import KVStoreError
 from kvstore.keys import ROOT, ChunkKey
-from kvstore.testing.procs import thread_cpus, thread_nice
+from kvstore.testing.procs import thread_cpus
 from kvstore.testing.redis import RedisServer, available, free_port
 from kvstore.testing.server import KVServer, clean_env
 from tests.server.helpers import namespace, payload, tokens
@@ -48,7 +48,6 @@ def test_help_documents_every_option() -> None:
         "--cpus",
         "--data-dir",
         "--memory-capacity",
-        "--writedown-nice",
         "--remote",
         "KVSTORE_",
     ):
@@ -80,38 +79,6 @@ def test_cpus_binds_every_thread_and_refuses_cpus_it_may_not_use(
     worse = make_server("negative", args=["--cpus", "-1"]).start(wait=False)
     rc, log = worse.wait(30), worse.log()
     assert rc == 2 and "CPU numbers, 0 or more" in log, f"exit {rc}:\n{log}"
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority: Linux only")
-def test_the_write_down_runs_below_the_servers_other_threads(
-    make_server: Callable[..., KVServer],
-) -> None:
-    """The write-down thread alone runs 19 steps of niceness below the server (the
-    default), and still writes chunks through to L2; --writedown-nice 0 nices none."""
-    base = os.getpriority(os.PRIO_PROCESS, 0)  # the server inherits it
-    runs = (("niced", [], min(19, base + 19)), ("plain", ["--writedown-nice", "0"], base))
-    for name, args, want in runs:
-        srv = make_server(name, args=args).start()
-        with kvstore.Client(srv.unix_url, timeout=10) as c:
-            _, status = c.put_chunk(
-                namespace(name, 64), ROOT, tokens(16), payload(1024, 2), "bfloat16", (16, 32)
-            )
-            assert status.ok
-            deadline = time.monotonic() + 10
-            while c.stats().tiers[1].chunks < 1:  # written through by the niced thread
-                assert time.monotonic() < deadline, f"{name}: the chunk never reached L2"
-                time.sleep(0.02)
-        assert srv.proc is not None
-        nices = thread_nice(srv.proc.pid)
-        off = {t: n for t, n in nices.items() if n != base}
-        if want == base:
-            assert not off, f"{name}: threads niced with --writedown-nice 0: {off}"
-        else:
-            assert list(off.values()) == [want], (
-                f"{name}: one thread (the write-down) should run at nice {want}, "
-                f"the rest at {base}: {nices}"
-            )
-        assert srv.stop() == 0, srv.log()
 
 
 def test_second_server_on_same_data_dir_is_refused(make_server: Callable[..., KVServer]) -> None:
